@@ -204,7 +204,11 @@ def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -
         min_pixels=spec.min_pixels, max_pixels=spec.max_pixels, patch_size=14, merge_size=2
     )
     video_processor = Qwen2VLVideoProcessor(
-        min_pixels=spec.min_pixels, max_pixels=spec.video_max_pixels, patch_size=14, merge_size=2
+        min_pixels=spec.min_pixels,
+        max_pixels=spec.video_max_pixels,
+        patch_size=14,
+        merge_size=2,
+        cap_pixels_per_frame=True,  # qwen-vl-utils' per-frame cap; transformers' future default
     )
     processor = Qwen2VLProcessor(
         image_processor=image_processor,
@@ -252,6 +256,7 @@ def make_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) ->
         build_tiny_model(tmp, kind=kind, seed=seed)
         if out.exists():
             out.rmdir()  # empty, checked above
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
         try:
             os.rename(tmp, out)
         except OSError:

@@ -1,0 +1,22 @@
+"""Shared, expensive fixtures: built once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+import models  # noqa: F401 - installs the CPU runtime hooks before any test imports torchvision
+
+
+@pytest.fixture(scope="session")
+def tiny_policy():
+    from models.tiny import tiny_model_dir
+
+    return tiny_model_dir("policy", seed=0)
+
+
+@pytest.fixture(scope="session")
+def rollout_engine(tiny_policy):
+    """One in-process vLLM engine for the whole session (about 3-5 s to start on CPU)."""
+    from yatt_mm.rollout.engine import EngineConfig, RolloutEngine
+
+    return RolloutEngine(EngineConfig(model=str(tiny_policy)))

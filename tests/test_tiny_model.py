@@ -1,0 +1,78 @@
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dataio.synth import colour_image, moving_ball_video
+from models.tiny import make_tiny_model
+
+
+def _tensors(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_build_is_deterministic_per_seed(tmp_path, tiny_policy):
+    same, built = make_tiny_model(tmp_path / "same", kind="policy", seed=0)
+    assert built
+    ref, new = _tensors(tiny_policy), _tensors(same)
+    assert ref.keys() == new.keys()
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+    assert (tiny_policy / "tokenizer.json").read_text() == (same / "tokenizer.json").read_text()
+
+    other, _ = make_tiny_model(tmp_path / "other", kind="policy", seed=1)
+    assert not torch.equal(_tensors(other)["lm_head.weight"], ref["lm_head.weight"])
+
+
+def test_cached_build_is_reused_and_foreign_dirs_are_refused(tmp_path, tiny_policy):
+    path, built = make_tiny_model(tiny_policy, kind="policy", seed=0)
+    assert path == tiny_policy and not built
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "file.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="does not hold a tiny policy model"):
+        make_tiny_model(tmp_path / "junk", kind="policy", seed=0)
+    with pytest.raises(ValueError, match="unknown tiny model kind"):
+        make_tiny_model(tmp_path / "k", kind="critic", seed=0)
+
+
+def test_judge_kind_differs_from_policy(tmp_path):
+    judge, _ = make_tiny_model(tmp_path / "judge", kind="judge", seed=0)
+    cfg = json.loads((judge / "config.json").read_text())
+    assert cfg["text_config"]["num_hidden_layers"] == 3
+
+
+def test_transformers_runs_image_and_video(tiny_policy):
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(tiny_policy)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_policy).eval()
+    rng = random.Random(0)
+    img, vid = colour_image(rng), moving_ball_video(rng)
+    for part, media in [("image", {"images": [img.image]}), ("video", {"videos": [vid.video]})]:
+        messages = [{"role": "user", "content": [{"type": part}, {"type": "text", "text": "Hi"}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = processor(text=[text], return_tensors="pt", **media)
+        pad_id = model.config.image_token_id if part == "image" else model.config.video_token_id
+        n_pad = int((inputs["input_ids"] == pad_id).sum())
+        assert n_pad > 1, f"the {part} was not expanded into its tokens"
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        assert logits.shape[:2] == inputs["input_ids"].shape
+        assert torch.isfinite(logits).all()
+        assert logits.shape[-1] == len(processor.tokenizer)
+
+
+def test_chat_template_marks_media_in_place(tiny_policy):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_policy)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Q"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert "<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|video_pad|><|vision_end|>Q" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert np.all([tok.convert_tokens_to_ids(t) != tok.unk_token_id for t in ["<|image_pad|>", "<|video_pad|>"]])

@@ -1,0 +1,63 @@
+"""The `yatt-mm` command. Each subcommand imports its implementation only when it runs, so
+`yatt-mm --help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from models.tiny import make_tiny_model
+
+    path, built = make_tiny_model(args.dir, kind=args.kind, seed=args.seed)
+    print(f"{'built' if built else 'already built'}: tiny {args.kind} model (seed {args.seed}) in {path}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from yatt_mm.doctor import run_doctor
+
+    return run_doctor(live=not args.no_live)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from yatt_mm.demo import run_demo
+
+    return run_demo(run_dir=args.run_dir, n=args.n, max_tokens=args.max_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yatt-mm",
+        description="RL for vision-language models on image and video data, one controller per DP group.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("demo", help="run the tiny CPU demo (today: multimodal rollout only)")
+    p.add_argument("--run-dir", default=None, help="where to write outputs (default: runs/demo-TIME)")
+    p.add_argument("--n", type=int, default=4, help="responses per prompt")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("doctor", help="check versions, devices and that vLLM and Megatron-Core run here")
+    p.add_argument("--no-live", action="store_true", help="skip the live vLLM and Megatron checks")
+    p.set_defaults(func=_doctor)
+
+    p = sub.add_parser("make-tiny-model", help="build a tiny random Qwen2-VL offline (cached)")
+    p.add_argument("dir", help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kind", choices=["policy", "judge"], default="policy")
+    p.set_defaults(func=_make_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown our progress
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Rollout on vLLM: multimodal generation with per-token logprobs."""

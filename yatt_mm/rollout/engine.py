@@ -1,0 +1,152 @@
+"""Multimodal generation on vLLM for one controller's own samples.
+
+The engine lives in the controller's process (in-process vLLM), so media never leave the
+data-parallel group that read them. CPU and GPU differ only in `engine_kwargs()`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from models import runtime
+
+
+@dataclass
+class SamplingConfig:
+    n: int = 4
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = 0
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""
+    max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5  # GPU only: leave room for the trainer when colocated
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 2, "video": 1})
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    """One prompt with its media. `messages` use the chat format of the model's processor:
+    content parts {"type": "image"} / {"type": "video"} / {"type": "text", "text": ...}, with
+    the media themselves in `images` (PIL images) and `videos` (uint8 arrays [T, H, W, 3])."""
+
+    messages: list[dict[str, Any]]
+    images: list[Any] = field(default_factory=list)
+    videos: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class Response:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]  # one per generated token, of the sampled token
+    finish_reason: str
+
+
+@dataclass
+class GenerationResult:
+    responses: list[list[Response]]  # [prompt][sample]
+    seconds: float
+    prompt_tokens: int
+    generated_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """vLLM settings. The CPU branch is the in-process, eager engine (starts in seconds)."""
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model,
+        max_model_len=cfg.max_model_len,
+        limit_mm_per_prompt=cfg.limit_mm_per_prompt,
+        seed=cfg.seed,
+    )
+    if runtime.has_gpu():
+        kwargs.update(
+            dtype="bfloat16",
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=True,
+        )
+    else:
+        runtime.set_vllm_cpu_defaults()
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError("rollout.tensor_parallel_size must be 1 on CPU (no GPU found)")
+        kwargs.update(dtype="float32", enforce_eager=True, distributed_executor_backend="uni")
+    return kwargs
+
+
+class RolloutEngine:
+    def __init__(self, cfg: EngineConfig):
+        if not cfg.model:
+            raise ValueError("rollout engine needs a model directory (setting: rollout.model)")
+        kwargs = engine_kwargs(cfg)
+        from vllm import LLM  # imported late: vLLM's import alone takes seconds
+
+        self.cfg = cfg
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.startup_seconds = time.perf_counter() - start
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def prompt_text(self, request: Request) -> str:
+        return self.tokenizer.apply_chat_template(
+            request.messages, tokenize=False, add_generation_prompt=True
+        )
+
+    def _vllm_input(self, request: Request) -> dict[str, Any]:
+        mm: dict[str, Any] = {}
+        if request.images:
+            mm["image"] = request.images if len(request.images) > 1 else request.images[0]
+        if request.videos:
+            mm["video"] = request.videos if len(request.videos) > 1 else request.videos[0]
+        item: dict[str, Any] = {"prompt": self.prompt_text(request)}
+        if mm:
+            item["multi_modal_data"] = mm
+        return item
+
+    def generate(self, requests: list[Request], sampling: SamplingConfig) -> GenerationResult:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's logprob only
+        )
+        start = time.perf_counter()
+        outputs = self.llm.generate([self._vllm_input(r) for r in requests], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        responses = [[_to_response(c) for c in out.outputs] for out in outputs]
+        return GenerationResult(
+            responses=responses,
+            seconds=seconds,
+            prompt_tokens=sum(len(o.prompt_token_ids or []) for o in outputs),
+            generated_tokens=sum(len(r.token_ids) for group in responses for r in group),
+        )
+
+
+def _to_response(completion) -> Response:
+    logprobs = [
+        step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs or [])
+    ]
+    return Response(
+        token_ids=list(completion.token_ids),
+        text=completion.text,
+        logprobs=logprobs,
+        finish_reason=str(completion.finish_reason),
+    )
