@@ -43,3 +43,26 @@ def test_seeded_sampling_reproduces(rollout_engine):
     b = rollout_engine.generate([request], SamplingConfig(n=2, max_tokens=10, seed=7))
     assert [r.token_ids for r in a.responses[0]] == [r.token_ids for r in b.responses[0]]
     assert [r.logprobs for r in a.responses[0]] == [r.logprobs for r in b.responses[0]]
+
+
+def test_weight_sync_changes_outputs_and_restoring_restores_exactly(rollout_engine, tiny_policy):
+    import torch
+    from safetensors.torch import load_file
+
+    img = colour_image(random.Random(5))
+    request = [_ask("image", img.question, images=[img.image])]
+    sampling = SamplingConfig(n=2, max_tokens=8, seed=11)
+    before = rollout_engine.generate(request, sampling).responses[0]
+    original = load_file(str(tiny_policy / "model.safetensors"))
+    torch.manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+    try:
+        info = rollout_engine.update_weights(perturbed.items())
+        assert info["bytes"] == sum(v.numel() * 4 for v in original.values())
+        changed = rollout_engine.generate(request, sampling).responses[0]
+        assert [r.logprobs for r in changed] != [r.logprobs for r in before]
+    finally:
+        rollout_engine.update_weights(original.items())
+    restored = rollout_engine.generate(request, sampling).responses[0]
+    assert [r.token_ids for r in restored] == [r.token_ids for r in before]
+    assert [r.logprobs for r in restored] == [r.logprobs for r in before]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Literal
 
 import numpy as np
 
@@ -32,6 +32,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # GPU only: leave room for the trainer when colocated
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 2, "video": 1})
     seed: int = 0
+    # How the engine gives its memory back between phases. GPU: vLLM sleep mode (weights and KV
+    # cache released, woken in place). CPU has no sleep mode: "keep" leaves it resident
+    # (cheapest; the tiny engine holds ~2 GB), "shutdown" frees it and re-creates it on acquire.
+    release: Literal["sleep", "keep", "shutdown"] = "sleep"
 
 
 @dataclass
@@ -96,10 +100,72 @@ class RolloutEngine:
         from vllm import LLM  # imported late: vLLM's import alone takes seconds
 
         self.cfg = cfg
-        start = time.perf_counter()
-        self.llm = LLM(**kwargs)
-        self.startup_seconds = time.perf_counter() - start
+        self._kwargs = kwargs
+        self._llm_cls = LLM
+        self.llm = None
+        self.startup_seconds = self._start()
         self.tokenizer = self.llm.get_tokenizer()
+        self.asleep = False
+
+    def _start(self) -> float:
+        start = time.perf_counter()
+        self.llm = self._llm_cls(**self._kwargs)
+        return time.perf_counter() - start
+
+    @property
+    def release_mode(self) -> str:
+        """The configured mode, with "sleep" falling back to "keep" where there is no GPU."""
+        if self.cfg.release == "sleep" and not runtime.has_gpu():
+            return "keep"
+        return self.cfg.release
+
+    def release(self) -> float:
+        """Give the engine's memory back before another phase needs it. Returns seconds."""
+        start = time.perf_counter()
+        mode = self.release_mode
+        if mode == "sleep":
+            self.llm.sleep(level=1)
+        elif mode == "shutdown":
+            self.shutdown()
+        self.asleep = mode != "keep"
+        return time.perf_counter() - start
+
+    def acquire(self) -> float:
+        """Bring the engine back after `release()`. Returns seconds."""
+        start = time.perf_counter()
+        if self.asleep:
+            if self.release_mode == "sleep":
+                self.llm.wake_up()
+            else:
+                self._start()
+        self.asleep = False
+        return time.perf_counter() - start
+
+    def shutdown(self) -> None:
+        """Free the engine. Note: vLLM's cleanup destroys torch.distributed's default group, so
+        the trainer must not share its process with an engine that shuts down (CPU "keep" mode
+        avoids this; see README)."""
+        if self.llm is None:
+            return
+        import gc
+
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
+        """Load (HF name, tensor) pairs into the running engine, in place.
+
+        vLLM's CPU path keeps pre-packed weight copies, so only its `reload_weights` RPC takes
+        effect; the encoder and prefix caches hold results of the old weights and are dropped.
+        """
+        tensors = list(named_tensors)
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_prefix_cache()
+        return {"seconds": time.perf_counter() - start, "bytes": float(nbytes), "tensors": float(len(tensors))}
 
     def prompt_text(self, request: Request) -> str:
         return self.tokenizer.apply_chat_template(

@@ -1,0 +1,1 @@
+"""Rewards: rule functions chosen by name, and GenRM judges on vLLM; combined by weights."""

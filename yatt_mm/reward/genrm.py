@@ -1,0 +1,245 @@
+"""GenRM: a generative judge VLM that reads the question, the media and a response, answers in
+text, and is parsed into a score.
+
+Two ways to run a judge, one interface (`score(items) -> list[JudgeScore]`, and the async
+`score_one`, used to stream responses to the judge as they finish):
+- `InProcessJudge`: an in-process vLLM engine (the rollout engine class, with the judge model);
+- `ServerJudge`: a vLLM OpenAI-compatible server process (see `judge_server.py`), reached by an
+  async HTTP client with timeouts, bounded retries with backoff, and a counted fallback score.
+
+A judge that fails or answers unparseably never fails a step: the item gets `fallback_score`
+and the failure is counted by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+DEFAULT_TEMPLATE = (
+    "Question: {question}\nReference answer: {answer}\nResponse: {response}\n"
+    "Is the response correct? End with a line 'Score: 1' if correct or 'Score: 0' if not."
+)
+
+
+@dataclass
+class JudgeConfig:
+    name: str = "judge"
+    model: str = ""  # HF directory of the judge VLM
+    backend: Literal["inprocess", "server"] = "inprocess"
+    template: str = DEFAULT_TEMPLATE
+    parse: Literal["score", "yes_no"] = "score"
+    score_range: tuple[float, float] = (0.0, 1.0)
+    votes: int = 1  # k samples per response, averaged
+    temperature: float = 0.7
+    max_tokens: int = 16
+    fallback_score: float = 0.0
+    # server backend
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    timeout_s: float = 30.0
+    retries: int = 2
+    backoff_s: float = 0.5
+    startup_timeout_s: float = 180.0
+
+
+@dataclass
+class JudgeItem:
+    question: str
+    response: str
+    answer: str = ""
+    images: list[Any] = field(default_factory=list)  # PIL images
+    videos: list[np.ndarray] = field(default_factory=list)  # uint8 [T, H, W, 3]
+
+
+@dataclass
+class JudgeScore:
+    score: float
+    parsed_votes: int  # votes that parsed; 0 means the fallback was used
+    failure: str | None = None  # reason when the fallback was used
+    texts: list[str] = field(default_factory=list)
+
+
+_SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+_YES_NO_PHRASE = re.compile(r"correct\s*\(yes/no\)\s*\?", re.IGNORECASE)
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+
+
+def parse_verdict(text: str, how: str = "score", score_range: tuple[float, float] = (0.0, 1.0)) -> float | None:
+    """The judge's score, or None when the text does not state exactly one valid verdict.
+
+    score: every 'Score: x' in the text must agree and lie in `score_range` (a judge that says
+    two different scores has not decided). yes_no: the first yes/no after the phrase
+    'correct (Yes/No)?' (or anywhere, when the phrase is absent) gives 1 or 0."""
+    if not text or not text.strip():
+        return None
+    if how == "score":
+        values = {float(v) for v in _SCORE.findall(text)}
+        if len(values) != 1:
+            return None
+        (value,) = values
+        lo, hi = score_range
+        return value if lo <= value <= hi else None
+    if how == "yes_no":
+        phrase = _YES_NO_PHRASE.search(text)
+        tail = text[phrase.end():] if phrase else text
+        m = _YES_NO.search(tail)
+        return None if m is None else float(m.group(1).lower() == "yes")
+    raise ValueError(f"unknown judge parse mode {how!r}; choose score or yes_no")
+
+
+def judge_messages(cfg: JudgeConfig, item: JudgeItem) -> list[dict]:
+    text = cfg.template.format(question=item.question, answer=item.answer, response=item.response)
+    parts = [{"type": "image"} for _ in item.images] + [{"type": "video"} for _ in item.videos]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def aggregate_votes(cfg: JudgeConfig, texts: list[str], failure: str | None = None) -> JudgeScore:
+    scores = [s for s in (parse_verdict(t, cfg.parse, cfg.score_range) for t in texts) if s is not None]
+    if not scores:
+        return JudgeScore(cfg.fallback_score, 0, failure or "unparseable", texts)
+    return JudgeScore(sum(scores) / len(scores), len(scores), None, texts)
+
+
+class JudgeStats:
+    """Counts the judge's outcomes for metrics: scored, fallback by reason, latency."""
+
+    def __init__(self) -> None:
+        self.scored = 0
+        self.fallbacks: Counter[str] = Counter()
+        self.seconds = 0.0
+
+    def add(self, result: JudgeScore, seconds: float) -> None:
+        self.seconds += seconds
+        if result.failure:
+            self.fallbacks[result.failure] += 1
+        else:
+            self.scored += 1
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        out = {f"{prefix}/scored": float(self.scored), f"{prefix}/fallback": float(sum(self.fallbacks.values()))}
+        out.update({f"{prefix}/fallback_{k}": float(v) for k, v in self.fallbacks.items()})
+        return out
+
+
+class InProcessJudge:
+    def __init__(self, cfg: JudgeConfig, engine=None):
+        from yatt_mm.rollout.engine import EngineConfig, RolloutEngine
+
+        self.cfg = cfg
+        self.engine = engine or RolloutEngine(EngineConfig(model=cfg.model))
+        self.stats = JudgeStats()
+
+    def score(self, items: list[JudgeItem]) -> list[JudgeScore]:
+        from yatt_mm.rollout.engine import Request, SamplingConfig
+
+        start = time.perf_counter()
+        requests = [Request(judge_messages(self.cfg, it), images=it.images, videos=it.videos) for it in items]
+        sampling = SamplingConfig(n=self.cfg.votes, max_tokens=self.cfg.max_tokens,
+                                  temperature=self.cfg.temperature, seed=None)
+        result = self.engine.generate(requests, sampling)
+        scores = [aggregate_votes(self.cfg, [r.text for r in group]) for group in result.responses]
+        per_item = (time.perf_counter() - start) / max(len(items), 1)
+        for s in scores:
+            self.stats.add(s, per_item)
+        return scores
+
+    async def score_one(self, item: JudgeItem) -> JudgeScore:
+        return self.score([item])[0]
+
+
+def _data_url_image(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _data_url_video(video: np.ndarray) -> str:
+    import cv2  # vLLM's own video decoder; present wherever vLLM is
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "clip.mp4")
+        t, h, w, _ = video.shape
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 4.0, (w, h))
+        for frame in video:
+            writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+        writer.release()
+        data = Path(path).read_bytes()
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+class ServerJudge:
+    """Client of a vLLM OpenAI-compatible server. Every request has a timeout and bounded retries
+    with exponential backoff; after that the item gets the fallback score, counted by reason."""
+
+    def __init__(self, cfg: JudgeConfig, base_url: str, model_name: str):
+        self.cfg = cfg
+        self.base_url = base_url.rstrip("/")
+        self.model_name = model_name
+        self.stats = JudgeStats()
+        self._client = None
+
+    def _payload(self, item: JudgeItem) -> dict:
+        text = judge_messages(self.cfg, item)[0]["content"][-1]["text"]
+        content: list[dict] = [{"type": "image_url", "image_url": {"url": _data_url_image(im)}} for im in item.images]
+        content += [{"type": "video_url", "video_url": {"url": _data_url_video(v)}} for v in item.videos]
+        content.append({"type": "text", "text": text})
+        return {
+            "model": self.model_name,
+            "messages": [{"role": "user", "content": content}],
+            "n": self.cfg.votes,
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": self.cfg.temperature,
+        }
+
+    async def score_one(self, item: JudgeItem) -> JudgeScore:
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.cfg.timeout_s)
+        start = time.perf_counter()
+        payload = self._payload(item)
+        failure = "unreachable"
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                resp = await self._client.post(f"{self.base_url}/v1/chat/completions", json=payload)
+                if resp.status_code == 200:
+                    texts = [c["message"]["content"] or "" for c in resp.json()["choices"]]
+                    result = aggregate_votes(self.cfg, texts)
+                    break
+                failure = f"http_{resp.status_code}"
+            except httpx.TimeoutException:
+                failure = "timeout"
+            except httpx.HTTPError:
+                failure = "unreachable"
+            if attempt < self.cfg.retries:
+                await asyncio.sleep(self.cfg.backoff_s * 2**attempt)
+        else:
+            result = JudgeScore(self.cfg.fallback_score, 0, failure)
+        self.stats.add(result, time.perf_counter() - start)
+        return result
+
+    def score(self, items: list[JudgeItem]) -> list[JudgeScore]:
+        async def all_items():
+            try:
+                return await asyncio.gather(*(self.score_one(it) for it in items))
+            finally:
+                await self.aclose()
+
+        return list(asyncio.run(all_items()))
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
