@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kind", choices=["policy", "judge"], default="policy")
     p.set_defaults(func=_make_tiny_model)
+
+    from dataio.cli import add_subcommands as add_data_subcommands  # argparse only; heavy imports are lazy
+
+    add_data_subcommands(sub)
     return parser
 
 

@@ -1,0 +1,321 @@
+"""Decoding and Qwen2-VL sizing: images with pillow, videos with decord, frame sequences.
+
+Every output is resized so both sides are multiples of 28 (14-pixel patches merged 2x2) with
+the pixel count inside [min_pixels, max_pixels] (`smart_resize`, the rule Qwen2-VL's processor
+applies; outputs already at that size pass through the processor unchanged).
+
+decord is guarded (see `VideoDecodePool`): it is unmaintained, and a container that
+over-reports its frame count can deadlock `get_batch` while holding the GIL, which no thread
+can interrupt. So by default video decoding runs in long-lived child processes that are killed
+after `decode_timeout_s`, and frame counts are checked before any `get_batch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import math
+import multiprocessing as mp
+import queue
+import threading
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from PIL import Image, ImageOps
+
+
+class DecodeError(Exception):
+    """A sample that cannot be decoded; `reason` is the skip counter it goes to."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    factor: int = 28
+    image_min_pixels: int = 4 * 28 * 28
+    image_max_pixels: int = 1280 * 28 * 28
+    image_draft: bool = True  # JPEG DCT-domain downscale when the target is smaller (faster)
+    video_min_pixels: int = 4 * 28 * 28
+    video_max_pixels: int = 256 * 28 * 28
+    video_frames: int = 16  # N uniformly spaced frames; ignored when video_fps is set
+    video_fps: float | None = None  # sample at this rate instead, at most video_max_frames
+    video_max_frames: int = 64
+    video_start_s: float | None = None  # optional time window (a sample's JSON metadata
+    video_end_s: float | None = None  # start_s / end_s take precedence)
+    video_max_reported_frames: int = 1_000_000  # a header claiming more is treated as corrupt
+    video_threads: int = 1  # decord decoding threads per video
+    frames_fps: float = 1.0  # frame rate assumed for KEY.000.jpg ... sequences without metadata
+
+    def check(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"factor must be >= 1, got {self.factor}")
+        for lo, hi in (("image_min_pixels", "image_max_pixels"), ("video_min_pixels", "video_max_pixels")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if not 0 < a <= b:
+                raise ValueError(f"{lo} ({a}) must be > 0 and <= {hi} ({b})")
+            if b < self.factor * self.factor:
+                raise ValueError(f"{hi} ({b}) must be >= factor^2 = {self.factor ** 2}")
+        if self.video_fps is None and self.video_frames < 1:
+            raise ValueError(f"video_frames must be >= 1 (or set video_fps), got {self.video_frames}")
+        if self.video_fps is not None and self.video_fps <= 0:
+            raise ValueError(f"video_fps must be > 0, got {self.video_fps}")
+        if self.video_max_frames < 1:
+            raise ValueError(f"video_max_frames must be >= 1, got {self.video_max_frames}")
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) rounded to multiples of `factor`, scaled (keeping the aspect ratio as
+    closely as the rounding allows) into [min_pixels, max_pixels]."""
+    if height < 1 or width < 1:
+        raise DecodeError("corrupt_image", f"empty image {width}x{height}")
+    if max(height, width) / min(height, width) > 200:
+        raise DecodeError("bad_aspect_ratio", f"{width}x{height} has an aspect ratio over 200")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """Any pillow mode -> RGB; transparent pixels become white, 16-bit and float are rescaled."""
+    if im.mode == "RGB":
+        return im
+    if im.mode.startswith("I;16"):
+        a = np.asarray(im, dtype=np.float32) / 257.0
+        return Image.fromarray(a.clip(0, 255).astype(np.uint8), "L").convert("RGB")
+    if im.mode in ("I", "F"):
+        a = np.asarray(im, dtype=np.float32)
+        lo, hi = float(a.min()), float(a.max())
+        a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
+        return Image.fromarray(a.astype(np.uint8), "L").convert("RGB")
+    if im.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        bg = Image.new("RGB", rgba.size, (255, 255, 255))
+        bg.paste(rgba, mask=rgba.getchannel("A"))
+        return bg
+    return im.convert("RGB")
+
+
+def decode_image(data: bytes, cfg: MediaConfig, min_pixels: int | None = None, max_pixels: int | None = None,
+                 size: tuple[int, int] | None = None) -> Image.Image:
+    """Encoded image bytes -> RGB image at its Qwen2-VL size (or at `size` = (h, w) if given)."""
+    min_pixels = cfg.image_min_pixels if min_pixels is None else min_pixels
+    max_pixels = cfg.image_max_pixels if max_pixels is None else max_pixels
+    try:
+        im = Image.open(io.BytesIO(data))
+        orientation = im.getexif().get(0x0112, 1)
+        w, h = im.size
+        rotated = orientation in (5, 6, 7, 8)  # EXIF transposes that swap width and height
+        ow, oh = (h, w) if rotated else (w, h)
+        th, tw = size or smart_resize(oh, ow, cfg.factor, min_pixels, max_pixels)
+        if cfg.image_draft and im.format == "JPEG" and tw * th < ow * oh:
+            # decode at the smallest 1/2, 1/4, 1/8 scale still >= the target (libjpeg DCT scaling)
+            im.draft("RGB", (th, tw) if rotated else (tw, th))
+        im.load()
+        if orientation != 1:
+            im = ImageOps.exif_transpose(im)
+        im = to_rgb(im)
+    except DecodeError:
+        raise
+    except Exception as e:  # PIL raises many types for bad data (OSError, SyntaxError, ValueError, ...)
+        raise DecodeError("corrupt_image", f"{type(e).__name__}: {e}") from None
+    if im.size != (tw, th):
+        im = im.resize((tw, th), Image.Resampling.BICUBIC)
+    return im
+
+
+def sample_frame_indices(n: int, fps: float, cfg: MediaConfig, start_s: float | None = None,
+                         end_s: float | None = None) -> list[int]:
+    """Frame indices to decode: N uniform ones, or one every 1/video_fps seconds (at most
+    video_max_frames, thinned uniformly), inside the optional [start_s, end_s) window."""
+    start_s = cfg.video_start_s if start_s is None else start_s
+    end_s = cfg.video_end_s if end_s is None else end_s
+    lo = 0 if start_s is None else max(0, min(n - 1, int(math.floor(start_s * fps))))
+    hi = n if end_s is None else max(lo + 1, min(n, int(math.ceil(end_s * fps))))
+    if cfg.video_fps is not None:
+        idx = np.arange(lo, hi, max(fps / cfg.video_fps, 1e-9))
+        if len(idx) > cfg.video_max_frames:
+            idx = idx[np.linspace(0, len(idx) - 1, cfg.video_max_frames).round().astype(int)]
+    else:
+        k = min(cfg.video_frames, cfg.video_max_frames)
+        idx = np.linspace(lo, hi - 1, k) if hi - lo > 1 else np.full(k, lo)
+    return [int(i) for i in np.clip(np.round(idx), lo, hi - 1)]
+
+
+def resize_frames(frames: np.ndarray, cfg: MediaConfig) -> np.ndarray:
+    import cv2
+
+    t, h, w, _ = frames.shape
+    th, tw = smart_resize(h, w, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
+    if (th, tw) == (h, w):
+        return np.ascontiguousarray(frames)
+    interp = cv2.INTER_AREA if th * tw < h * w else cv2.INTER_CUBIC
+    out = np.empty((t, th, tw, 3), dtype=np.uint8)
+    for i in range(t):
+        out[i] = cv2.resize(frames[i], (tw, th), interpolation=interp)
+    return out
+
+
+def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None, float | None] = (None, None),
+                       expected_frames: int | None = None) -> np.ndarray:
+    """Encoded video bytes -> uint8 [T, H, W, 3] at the Qwen2-VL video size.
+
+    Checks before `get_batch`: the reported frame count is positive and plausible, matches the
+    frames decord actually indexed (packets with timestamps), and matches `expected_frames`
+    (the sample's JSON metadata) when that is given."""
+    import decord
+
+    try:
+        vr = decord.VideoReader(io.BytesIO(data), num_threads=cfg.video_threads)
+    except Exception as e:
+        raise DecodeError("corrupt_video", f"decord cannot open: {type(e).__name__}: {str(e)[:200]}") from None
+    try:
+        n = len(vr)
+        if not 0 < n <= cfg.video_max_reported_frames:
+            raise DecodeError("bad_frame_count", f"container reports {n} frames")
+        if expected_frames is not None and int(expected_frames) != n:
+            raise DecodeError("bad_frame_count", f"container reports {n} frames, metadata says {expected_frames}")
+        try:
+            vr.get_frame_timestamp(n - 1)  # raises if fewer frames were indexed than reported
+        except IndexError:
+            raise DecodeError("bad_frame_count", f"container reports {n} frames but fewer are indexed") from None
+        fps = float(vr.get_avg_fps())
+        if not (math.isfinite(fps) and fps > 0):
+            raise DecodeError("corrupt_video", f"frame rate {fps}")
+        idx = sample_frame_indices(n, fps, cfg, *window)
+        try:
+            frames = vr.get_batch(idx).asnumpy()
+        except Exception as e:
+            raise DecodeError("corrupt_video", f"get_batch: {type(e).__name__}: {str(e)[:200]}") from None
+        if frames.ndim != 4 or frames.shape[0] != len(idx) or frames.shape[-1] != 3:
+            raise DecodeError("bad_frame_count", f"asked {len(idx)} frames, got shape {frames.shape}")
+        vr.seek(0)  # decord's get_batch leak workaround (dmlc/decord#208)
+    finally:
+        del vr
+    return resize_frames(frames, cfg)
+
+
+def decode_frame_sequence(datas: list[bytes], cfg: MediaConfig, fps: float | None = None,
+                          window: tuple[float | None, float | None] = (None, None)) -> np.ndarray:
+    """KEY.000.jpg, KEY.001.jpg, ... (in order) -> uint8 [T, H, W, 3], sampled like a video."""
+    idx = sample_frame_indices(len(datas), fps or cfg.frames_fps, cfg, *window)
+    first = Image.open(io.BytesIO(datas[idx[0]])) if datas else None
+    if first is None:
+        raise DecodeError("missing_media", "empty frame sequence")
+    try:
+        w, h = first.size
+    except Exception as e:
+        raise DecodeError("corrupt_image", str(e)) from None
+    size = smart_resize(h, w, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
+    out = [np.asarray(decode_image(datas[i], cfg, size=size)) for i in idx]
+    return np.stack(out)
+
+
+# ---------------------------------------------------------------- video decoding in child processes
+
+VIDEO_DECODER = "dataio.decode:decode_video_bytes"
+
+
+def _worker_main(conn, decoder: str) -> None:
+    """A child process: receive (JSON header, video bytes), answer (JSON header, raw frames).
+    Raw bytes both ways, so nothing is unpickled in either process."""
+    mod, _, fn = decoder.partition(":")
+    decode = getattr(importlib.import_module(mod), fn)
+    while True:
+        try:
+            head = json.loads(conn.recv_bytes())
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            cfg = MediaConfig(**head["cfg"])
+            arr = decode(data, cfg, tuple(head["window"]), head["expected_frames"])
+            arr = np.ascontiguousarray(arr, dtype=np.uint8)
+            conn.send_bytes(json.dumps({"shape": list(arr.shape)}).encode())
+            conn.send_bytes(memoryview(arr).cast("B"))
+        except DecodeError as e:
+            conn.send_bytes(json.dumps({"reason": e.reason, "detail": e.detail}).encode())
+        except Exception as e:
+            conn.send_bytes(json.dumps({"reason": "corrupt_video", "detail": f"{type(e).__name__}: {e}"[:300]}).encode())
+
+
+class _Worker:
+    def __init__(self, ctx, decoder: str):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, decoder), daemon=True, name="yatt-mm-video")
+        self.proc.start()
+        child.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+class VideoDecodePool:
+    """Up to `size` child processes that decode videos; a decode that takes longer than
+    `timeout_s` gets its process killed (and replaced on next use) and raises
+    DecodeError("video_timeout"). Usable from several threads at once."""
+
+    def __init__(self, size: int, timeout_s: float, decoder: str = VIDEO_DECODER, start_method: str = "spawn"):
+        if size < 1:
+            raise ValueError(f"video decode pool size must be >= 1, got {size}")
+        if timeout_s <= 0:
+            raise ValueError(f"decode_timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.decoder = decoder
+        self._ctx = mp.get_context(start_method)
+        self._idle: queue.LifoQueue[_Worker | None] = queue.LifoQueue()
+        for _ in range(size):
+            self._idle.put(None)  # a slot; its process starts on first use
+        self._lock = threading.Lock()
+        self.killed = 0
+
+    def decode(self, data: bytes, cfg: MediaConfig, window=(None, None), expected_frames: int | None = None) -> np.ndarray:
+        w = self._idle.get()
+        try:
+            if w is None or not w.proc.is_alive():
+                w = _Worker(self._ctx, self.decoder)
+            head = {"cfg": asdict(cfg), "window": list(window), "expected_frames": expected_frames}
+            w.conn.send_bytes(json.dumps(head).encode())
+            w.conn.send_bytes(data)
+            if not w.conn.poll(self.timeout_s):
+                w.kill()
+                w = None
+                with self._lock:
+                    self.killed += 1
+                raise DecodeError("video_timeout", f"no result within {self.timeout_s}s; decoder process killed")
+            reply = json.loads(w.conn.recv_bytes())
+            if "reason" in reply:
+                raise DecodeError(reply["reason"], reply.get("detail", ""))
+            arr = np.empty(reply["shape"], dtype=np.uint8)
+            w.conn.recv_bytes_into(memoryview(arr).cast("B"))
+            return arr
+        except (EOFError, OSError, BrokenPipeError) as e:  # the child died (e.g. a crash in libav)
+            if w is not None:
+                w.kill()
+                w = None
+            raise DecodeError("corrupt_video", f"decoder process died: {type(e).__name__}") from None
+        finally:
+            self._idle.put(w)
+
+    def close(self) -> None:
+        while True:
+            try:
+                w = self._idle.get_nowait()
+            except queue.Empty:
+                return
+            if w is not None:
+                w.kill()

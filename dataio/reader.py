@@ -1,0 +1,359 @@
+"""The per-DP-rank sample stream: the rank's order (`dataio.split`), members read by offset
+(`dataio.shards`), decoded in parallel (`dataio.decode`) on torchdata.nodes, bad samples
+skipped, counted and quarantined, position saved and restored exactly.
+
+    reader = DataReader(DataConfig(shards=["data/"]), dp_rank=r, dp_size=w)
+    for sample in reader:          # endless: epoch after epoch
+        ...
+    state = reader.state_dict()    # JSON-able; load_state_dict(state) on a new reader resumes
+
+Order: the rank's list of samples for an epoch is fixed by (seed, epoch, dp_rank, dp_size)
+alone. `workers` decode threads/processes take the next keys from that list and a mapper that
+keeps order puts the results back in list order, so the stream is the same for any number of
+workers; which worker decodes which key is whichever is free (it does not matter). The state is
+(epoch, position = entries of the list consumed, including skipped ones): a restart with another
+worker count continues at the next entry, and nothing decoded is ever pickled or saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from dataio.decode import DecodeError, MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
+    decode_video_bytes, VIDEO_DECODER
+from dataio.index import Index, open_dataset
+from dataio.shards import TAR_ERROR_KIND, MemberReader
+from dataio.split import check_split, rank_order
+
+STATE_VERSION = 1
+
+
+@dataclass
+class DataConfig:
+    shards: list[str] = field(default_factory=list)  # tar files, directories or globs
+    index: str | None = None  # parquet index; default: index.parquet beside the shards, else built
+    seed: int = 0
+    shuffle: bool = True
+    slice_size: int = 64  # consecutive samples kept together when shuffling the global order
+    shuffle_buffer: int = 256  # per-rank shuffle buffer (sample indices, not decoded samples)
+    workers: int = 2  # parallel decoders; 0 decodes in the calling thread
+    worker_kind: str = "thread"  # thread | process (torchdata ParallelMapper method)
+    prefetch: int = 4  # decoded samples kept ready ahead of the consumer
+    media: MediaConfig = field(default_factory=MediaConfig)
+    video_isolation: str = "process"  # process: decord runs in killable children; none: in the worker
+    decode_timeout_s: float = 60.0  # per video, when video_isolation == "process"
+    video_decoder: str = VIDEO_DECODER  # module:function run in the video children
+    quarantine_log: str | None = None  # JSONL file: one line per skipped sample
+    max_open_shards: int = 16
+
+    def check(self) -> None:
+        if self.worker_kind not in ("thread", "process"):
+            raise ValueError(f"data.worker_kind must be 'thread' or 'process', got {self.worker_kind!r}")
+        if self.video_isolation not in ("process", "none"):
+            raise ValueError(f"data.video_isolation must be 'process' or 'none', got {self.video_isolation!r}")
+        for name in ("workers", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("slice_size", "shuffle_buffer", "max_open_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_timeout_s <= 0:
+            raise ValueError(f"data.decode_timeout_s must be > 0, got {self.decode_timeout_s}")
+        if not self.shards and not self.index:
+            raise ValueError("data.shards is empty and data.index is not set: give shard paths or an index")
+        self.media.check()
+
+
+@dataclass
+class Sample:
+    key: str
+    shard: str
+    index: int  # position in the dataset's global sample list
+    prompt: str | None
+    answer: str | None
+    metadata: dict[str, Any]
+    images: list  # PIL RGB images at their Qwen2-VL size
+    videos: list  # uint8 numpy arrays [T, H, W, 3] at their Qwen2-VL size
+
+
+@dataclass
+class Skip:
+    key: str
+    shard: str
+    index: int
+    reason: str
+    detail: str = ""
+
+
+def _parse_json(data: bytes) -> dict:
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except Exception as e:
+        raise DecodeError("corrupt_json", f"{type(e).__name__}: {e}"[:200]) from None
+    if not isinstance(obj, dict):
+        raise DecodeError("corrupt_json", f"top level is {type(obj).__name__}, not an object")
+    return obj
+
+
+class SampleDecoder:
+    """Global sample index -> Sample or Skip. Picklable (for process workers): each process
+    opens its own files and its own video children."""
+
+    def __init__(self, index: Index, cfg: DataConfig):
+        self.index = index
+        self.cfg = cfg
+        self.media = cfg.media
+        self.files = MemberReader(cfg.max_open_shards)
+        self._pool: VideoDecodePool | None = None
+        self._pool_pid = None
+
+    def __getstate__(self):
+        return {"index": self.index, "cfg": self.cfg}
+
+    def __setstate__(self, state):
+        self.__init__(state["index"], state["cfg"])
+
+    def _video(self, data: bytes, window, expected) -> np.ndarray:
+        if self.cfg.video_isolation == "none":
+            return decode_video_bytes(data, self.media, window, expected)
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = VideoDecodePool(max(1, self.cfg.workers) if self.cfg.worker_kind == "thread" else 1,
+                                         self.cfg.decode_timeout_s, self.cfg.video_decoder)
+            self._pool_pid = os.getpid()
+        return self._pool.decode(data, self.media, window, expected)
+
+    def close(self) -> None:
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.close()
+            self._pool = None
+        self.files.close()
+
+    def __call__(self, i: int) -> Sample | Skip:
+        idx = self.index
+        shard, key = idx.shard_of(i), idx.sample_key[i]
+        try:
+            return self._decode(i, shard, key)
+        except DecodeError as e:
+            return Skip(key, shard, i, e.reason, e.detail)
+        except Exception as e:  # never let one sample end the stream
+            return Skip(key, shard, i, "decode_error", f"{type(e).__name__}: {e}"[:300])
+
+    def _decode(self, i: int, shard: str, key: str) -> Sample:
+        members = self.index.members(i)
+        kinds = [k for _, k, _, _ in members]
+        if TAR_ERROR_KIND in kinds:
+            j = int(self.index.member_start[i])
+            raise DecodeError("corrupt_tar", self.index.member_error[j] or "")
+        if "truncated" in kinds:
+            raise DecodeError("truncated_tar", "a member's data runs past the end of the shard")
+        unknown = [ext for ext, k, _, _ in members if k == "unknown"]
+        if unknown:
+            raise DecodeError("unknown_extension", ",".join(unknown))
+        media = [m for m in members if m[1] in ("image", "video", "frame")]
+        if not media:
+            raise DecodeError("missing_media", "no image, video or frame member")
+
+        def read(offset: int, size: int) -> bytes:
+            try:
+                return self.files.read(shard, offset, size)
+            except (OSError, EOFError) as e:
+                raise DecodeError("read_error", f"{type(e).__name__}: {e}"[:200]) from None
+
+        meta: dict[str, Any] = {}
+        prompt = answer = None
+        for ext, kind, off, size in members:
+            if kind == "json":
+                obj = _parse_json(read(off, size))
+                prompt = obj.get("prompt", obj.get("question", prompt))
+                answer = obj.get("answer", answer)
+                m = obj.get("metadata", {})
+                meta.update(m if isinstance(m, dict) else {"metadata": m})
+                meta.update({k: v for k, v in obj.items() if k not in ("prompt", "question", "answer", "metadata")})
+            elif kind in ("txt", "cls"):
+                try:
+                    text = read(off, size).decode("utf-8").strip()
+                except UnicodeDecodeError as e:
+                    raise DecodeError("corrupt_text", str(e)[:200]) from None
+                if kind == "txt" and prompt is None:
+                    prompt = text
+                elif kind == "cls" and answer is None:
+                    answer = text
+        window = (meta.get("start_s"), meta.get("end_s"))
+        images, videos = [], []
+        for ext, kind, off, size in media:
+            if kind == "image":
+                images.append(decode_image(read(off, size), self.media))
+            elif kind == "video":
+                videos.append(self._video(read(off, size), window, meta.get("frames")))
+        frames = sorted((ext, off, size) for ext, kind, off, size in media if kind == "frame")
+        if frames:
+            datas = [read(off, size) for _, off, size in frames]
+            videos.append(decode_frame_sequence(datas, self.media, meta.get("fps"), window))
+        return Sample(key, shard, i, None if prompt is None else str(prompt),
+                      None if answer is None else str(answer), meta, images, videos)
+
+
+class DataReader:
+    """One DP rank's endless, resumable stream of decoded samples."""
+
+    def __init__(self, cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, index: Index | None = None):
+        cfg.check()
+        check_split(dp_rank, dp_size)
+        self.cfg = cfg
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.index = index if index is not None else open_dataset(cfg.shards, cfg.index)
+        if len(self.index) == 0:
+            raise ValueError(f"data.shards: the dataset {cfg.shards or cfg.index!r} has no samples")
+        self.decoder = SampleDecoder(self.index, cfg)
+        self.epoch = 0
+        self.position = 0  # entries of this epoch's rank order consumed (samples and skips)
+        self.skips: Counter[str] = Counter()
+        self.samples_yielded = 0
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    # ---------------------------------------------------------------- order
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """Global sample indices this rank reads in `epoch`, in order."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            c = self.cfg
+            self._order_cache = (epoch, rank_order(len(self.index), self.dp_rank, self.dp_size, c.seed, epoch,
+                                                    c.slice_size, c.shuffle_buffer, c.shuffle))
+        return self._order_cache[1]
+
+    def keys(self, epoch: int | None = None) -> list[str]:
+        return [self.index.sample_key[i] for i in self.order(epoch).tolist()]
+
+    # ---------------------------------------------------------------- iteration
+    def _results(self, todo: list[int]) -> Iterator[Sample | Skip]:
+        c = self.cfg
+        if c.workers == 0:
+            for i in todo:
+                yield self.decoder(i)
+            return
+        from torchdata.nodes import IterableWrapper, Loader, ParallelMapper, Prefetcher
+
+        node = ParallelMapper(IterableWrapper(todo), map_fn=self.decoder, num_workers=c.workers, in_order=True,
+                              method=c.worker_kind)
+        if c.prefetch:
+            node = Prefetcher(node, prefetch_factor=c.prefetch)
+        loader = Loader(node)
+        it = iter(loader)
+        try:
+            yield from it
+        finally:
+            _shutdown_nodes(node)  # stop the worker threads/processes now, not at garbage collection
+
+    def iter_epoch(self) -> Iterator[Sample]:
+        """The rest of the current epoch; at its end the reader moves to the next epoch."""
+        order = self.order()
+        todo = order[self.position:].tolist()
+        epoch = self.epoch
+        for res in self._results(todo):
+            if self.epoch != epoch:  # load_state_dict() was called mid-iteration
+                return
+            self.position += 1
+            if isinstance(res, Skip):
+                self._record_skip(res)
+                continue
+            self.samples_yielded += 1
+            yield res
+        if self.epoch == epoch and self.position >= len(order):
+            self.epoch += 1
+            self.position = 0
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Endless: epoch after epoch. Raises if a whole epoch yields nothing (all skipped or
+        this rank has no samples), rather than spinning forever."""
+        while True:
+            got = False
+            for s in self.iter_epoch():
+                got = True
+                yield s
+            if not got:
+                raise RuntimeError(
+                    f"data: rank {self.dp_rank}/{self.dp_size} got no usable sample in epoch {self.epoch - 1} "
+                    f"({len(self.order(self.epoch - 1))} in its range, skips {dict(self.skips)}); "
+                    "see data.quarantine_log")
+
+    def _record_skip(self, s: Skip) -> None:
+        self.skips[s.reason] += 1
+        if self.cfg.quarantine_log:
+            rec = {"time": time.time(), "reason": s.reason, "shard": s.shard, "key": s.key, "index": s.index,
+                   "detail": s.detail, "epoch": self.epoch, "dp_rank": self.dp_rank}
+            os.makedirs(os.path.dirname(os.path.abspath(self.cfg.quarantine_log)), exist_ok=True)
+            with open(self.cfg.quarantine_log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        self.decoder.close()
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        c = self.cfg
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.index.fingerprint(),
+            "num_samples": len(self.index),
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "seed": c.seed,
+            "shuffle": c.shuffle,
+            "slice_size": c.slice_size,
+            "shuffle_buffer": c.shuffle_buffer,
+            "epoch": self.epoch,
+            "position": self.position,
+            "skips": dict(self.skips),
+            "samples_yielded": self.samples_yielded,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data state version {state.get('version')} is not {STATE_VERSION}")
+        c = self.cfg
+        mine = {"dataset": self.index.fingerprint(), "num_samples": len(self.index), "dp_rank": self.dp_rank,
+                "dp_size": self.dp_size, "seed": c.seed, "shuffle": c.shuffle, "slice_size": c.slice_size,
+                "shuffle_buffer": c.shuffle_buffer}
+        for k, v in mine.items():
+            if state[k] != v:
+                raise ValueError(f"data state was saved with {k}={state[k]!r} but this reader has {k}={v!r}: "
+                                 f"resume with the same {k} (only `workers` and decode settings may change)")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.skips = Counter(state.get("skips", {}))
+        self.samples_yielded = int(state.get("samples_yielded", 0))
+
+
+def _shutdown_nodes(obj, depth: int = 0) -> None:
+    """torchdata.nodes stops its threads only in __del__; walk the node chain and stop them."""
+    if obj is None or depth > 8:
+        return
+    for name in ("_it", "source"):
+        _shutdown_nodes(getattr(obj, name, None), depth + 1)
+    stop = getattr(obj, "_shutdown", None)
+    if callable(stop):
+        try:
+            stop()
+        except Exception:
+            pass
+
+
+def rank_keys(shards, dp_rank: int, dp_size: int, seed: int = 0, epoch: int = 0, slice_size: int = 64,
+              shuffle_buffer: int = 256, shuffle: bool = True, index: str | None = None) -> list[str]:
+    """The keys rank `dp_rank` reads in `epoch`, in order (no decoding)."""
+    check_split(dp_rank, dp_size)
+    idx = open_dataset(shards, index)
+    order = rank_order(len(idx), dp_rank, dp_size, seed, epoch, slice_size, shuffle_buffer, shuffle)
+    return [idx.sample_key[i] for i in order.tolist()]
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,130 @@
+"""Bad input of every kind is skipped, counted by reason and quarantined; the stream goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+
+import pytest
+
+from dataio.decode import DecodeError, MediaConfig, VideoDecodePool
+from dataio.index import build_index, expand_shards, open_dataset
+from dataio.reader import DataConfig, DataReader
+
+from dataio_helpers import good_video_bytes, make_bad_dataset
+
+
+@pytest.fixture(scope="session")
+def bad_ds(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dataio_bad"))
+    info = make_bad_dataset(root)
+    return root, info
+
+
+@pytest.mark.parametrize("worker_kind,isolation", [("thread", "process"), ("process", "none")])
+def test_every_bad_input_is_skipped_counted_and_quarantined(bad_ds, tmp_path, worker_kind, isolation):
+    root, info = bad_ds
+    qlog = tmp_path / "quarantine.jsonl"
+    reader = DataReader(DataConfig(shards=[root], shuffle=False, workers=2, worker_kind=worker_kind,
+                                   video_isolation=isolation, quarantine_log=str(qlog)))
+    got = [s.key for s in reader.iter_epoch()]
+    reader.close()
+    assert sorted(got) == sorted(info["good"])  # every good sample, including those after bad ones
+    expected = Counter(info["expected"].values())
+    assert reader.skips == expected
+    lines = [json.loads(x) for x in qlog.read_text().splitlines()]
+    assert Counter(x["reason"] for x in lines) == expected
+    by_key = {x["key"]: x for x in lines}
+    for key, reason in info["expected"].items():
+        assert by_key[key]["reason"] == reason
+        assert os.path.exists(by_key[key]["shard"])
+    assert "c-corrupt.tar" in by_key[""]["shard"] and "invalid tar header" in by_key[""]["detail"]
+    # skipped + decoded = every sample of the epoch, exactly once
+    assert len(got) + sum(reader.skips.values()) == len(reader.index)
+    assert not os.path.exists(info["bomb_target"]), "shard content was unpickled"
+
+
+def test_index_records_tar_damage(bad_ds):
+    root, _ = bad_ds
+    table, _ = build_index(expand_shards([root]))
+    rows = table.to_pylist()
+    assert any(r["kind"] == "truncated" and r["key"] == "t_cut" for r in rows)
+    err = [r for r in rows if r["kind"] == "tar_error"]
+    assert len(err) == 1 and err[0]["shard"].endswith("c-corrupt.tar")
+    assert not any(r["key"] == "c_lost" for r in rows)
+
+
+def test_truncated_shard_is_reported_when_it_shrinks_after_indexing(tmp_path):
+    from dataio_helpers import good_image_bytes, js, write_tar
+
+    p = write_tar(str(tmp_path / "s.tar"), [("a.jpg", good_image_bytes(1)), ("a.json", js()),
+                                            ("b.jpg", good_image_bytes(2)), ("b.json", js())])
+    build_index([p], str(tmp_path / "index.parquet"))
+    data = open(p, "rb").read()
+    open(p, "wb").write(data[: data.index(b"b.jpg") + 600])  # shard cut after indexing
+    reader = DataReader(DataConfig(index=str(tmp_path / "index.parquet"), shuffle=False, workers=1))
+    assert [s.key for s in reader.iter_epoch()] == ["a"]
+    assert reader.skips == {"read_error": 1}
+
+
+def _hang_holding_gil(data, cfg, window, expected):
+    """STAND-IN for decord's get_batch deadlock (dmlc/decord#373), which holds the GIL: a
+    catastrophically backtracking regex also spins in C with the GIL held, for hours."""
+    re.match(r"(a+)+$", "a" * 64 + "b")
+
+
+def test_hanging_video_decode_is_cut_off_and_the_stream_goes_on(tmp_path):
+    pool = VideoDecodePool(1, timeout_s=1.5, decoder=f"{__name__}:_hang_holding_gil")
+    with pytest.raises(DecodeError) as e:
+        pool.decode(good_video_bytes(1), MediaConfig())
+    assert e.value.reason == "video_timeout" and pool.killed == 1
+    pool.decoder = "dataio.decode:decode_video_bytes"  # the replacement child decodes normally
+    frames = pool.decode(good_video_bytes(1), MediaConfig(video_frames=4))
+    assert frames.shape[0] == 4 and frames.flags.writeable
+    pool.close()
+
+
+def test_reader_skips_a_hanging_video_and_continues(tmp_path):
+    from dataio_helpers import good_image_bytes, js, write_tar
+
+    write_tar(str(tmp_path / "s.tar"), [("a.mp4", good_video_bytes(1)), ("a.json", js()),
+                                        ("b.jpg", good_image_bytes(2)), ("b.json", js())])
+    reader = DataReader(DataConfig(shards=[str(tmp_path)], shuffle=False, workers=2, decode_timeout_s=1.5,
+                                   video_decoder=f"{__name__}:_hang_holding_gil"))
+    assert [s.key for s in reader.iter_epoch()] == ["b"]
+    assert reader.skips == {"video_timeout": 1}
+    reader.close()
+
+
+def test_real_file_whose_metadata_frame_count_is_wrong(tmp_path):
+    """A real mp4 whose declared frame count (the sample's metadata) disagrees with the
+    container is rejected before get_batch is called."""
+    from dataio.decode import decode_video_bytes
+
+    data = good_video_bytes(3, frames=8)
+    assert decode_video_bytes(data, MediaConfig(video_frames=4), expected_frames=8).shape[0] == 4
+    with pytest.raises(DecodeError, match="bad_frame_count"):
+        decode_video_bytes(data, MediaConfig(video_frames=4), expected_frames=9)
+    with pytest.raises(DecodeError, match="bad_frame_count"):
+        decode_video_bytes(data, MediaConfig(video_frames=4, video_max_reported_frames=5))
+
+
+def test_all_bad_rank_raises_instead_of_spinning(tmp_path):
+    from dataio_helpers import js, write_tar
+
+    write_tar(str(tmp_path / "s.tar"), [("a.json", js()), ("b.json", js())])
+    reader = DataReader(DataConfig(shards=[str(tmp_path)], workers=1))
+    with pytest.raises(RuntimeError, match="no usable sample"):
+        next(iter(reader))
+
+
+def test_plain_webdataset_reads_our_shards(tmp_path):
+    import webdataset as wds
+
+    from dataio.synth import write_shards
+
+    paths = write_shards(str(tmp_path), images=9, videos=2, frame_sequences=1, samples_per_shard=4)
+    keys = [s["__key__"] for s in wds.WebDataset(paths, shardshuffle=False)]
+    assert sorted(keys) == sorted(open_dataset(paths).sample_key) and len(keys) == 12
