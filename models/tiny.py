@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Bump when the architecture, tokenizer or processors below change: it invalidates caches.
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -75,7 +75,7 @@ class TinySpec:
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 2
-    num_kv_heads: int = 1
+    num_kv_heads: int = 2  # tensor parallelism up to 2 needs at least 2 KV heads
     intermediate_size: int = 256
     vision_depth: int = 2
     vision_embed_dim: int = 64

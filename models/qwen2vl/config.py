@@ -1,0 +1,139 @@
+"""Qwen2-VL's Hugging Face config, read into the two Megatron-Core configs the model needs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Qwen2VLSpec:
+    """The architecture numbers of one Qwen2-VL checkpoint (from its config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    tie_word_embeddings: bool
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_depth: int
+    vision_embed_dim: int
+    vision_heads: int
+    vision_mlp_ratio: float
+    vision_rope_theta: float
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Qwen2VLSpec":
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        if cfg.get("model_type") != "qwen2_vl":
+            raise ValueError(f"{path}: model_type is {cfg.get('model_type')!r}; this loader reads qwen2_vl")
+        text = cfg.get("text_config") or cfg  # transformers 4.x kept text settings at the top
+        vision = cfg["vision_config"]
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        heads = text["num_attention_heads"]
+        vrope = vision.get("rope_parameters") or {}
+        return cls(
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=text["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads") or heads,
+            head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", 1e6)),
+            mrope_section=tuple(rope["mrope_section"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            image_token_id=cfg["image_token_id"],
+            video_token_id=cfg["video_token_id"],
+            vision_start_token_id=cfg["vision_start_token_id"],
+            vision_depth=vision["depth"],
+            vision_embed_dim=vision["embed_dim"],
+            vision_heads=vision["num_heads"],
+            vision_mlp_ratio=vision.get("mlp_ratio", 4),
+            vision_rope_theta=vrope.get("rope_theta", 10000.0),
+            patch_size=vision.get("patch_size", 14),
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            spatial_merge_size=vision.get("spatial_merge_size", 2),
+            in_channels=vision.get("in_channels", 3),
+        )
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _common(dtype: torch.dtype, tp: int) -> dict:
+    # Fusions need Apex/TE or CUDA kernels; the plain paths are exact and work everywhere.
+    return dict(
+        tensor_model_parallel_size=tp,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        mrope_section=list(spec.mrope_section),
+        **_common(dtype, tp),
+    )
+
+
+def vision_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.vision_depth,
+        hidden_size=spec.vision_embed_dim,
+        ffn_hidden_size=int(spec.vision_embed_dim * spec.vision_mlp_ratio),
+        num_attention_heads=spec.vision_heads,
+        num_query_groups=spec.vision_heads,
+        kv_channels=spec.vision_embed_dim // spec.vision_heads,
+        normalization="LayerNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=False,
+        activation_func=quick_gelu,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        **_common(dtype, tp),
+    )

@@ -1,0 +1,186 @@
+"""Hugging Face Qwen2-VL <-> Megatron weights, at any tensor-parallel size.
+
+Two steps each way, so each stays simple: names and layouts (HF tensors <-> full, unsharded
+Megatron tensors: `hf_to_megatron` / `megatron_to_hf`), and tensor parallelism (full <-> this
+rank's shard: `shard` / `gather`, driven by the attributes Megatron puts on its parameters).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from models.qwen2vl.config import Qwen2VLSpec
+
+_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_VISION_LAYER = {
+    "norm1.weight": "input_layernorm.weight",
+    "norm1.bias": "input_layernorm.bias",
+    "attn.proj.weight": "self_attention.linear_proj.weight",
+    "attn.proj.bias": "self_attention.linear_proj.bias",
+    "norm2.weight": "pre_mlp_layernorm.weight",
+    "norm2.bias": "pre_mlp_layernorm.bias",
+    "mlp.fc1.weight": "mlp.linear_fc1.weight",
+    "mlp.fc1.bias": "mlp.linear_fc1.bias",
+    "mlp.fc2.weight": "mlp.linear_fc2.weight",
+    "mlp.fc2.bias": "mlp.linear_fc2.bias",
+}
+_MERGER = {"ln_q": "ln_q", "mlp.0": "fc1", "mlp.2": "fc2"}
+
+
+def hf_prefixes(keys) -> tuple[str, str]:
+    """transformers 4.x and 5.x save the text and vision parts under different prefixes."""
+    keys = list(keys)
+    text = "model.language_model." if any(k.startswith("model.language_model.") for k in keys) else "model."
+    vision = "model.visual." if any(k.startswith("model.visual.") for k in keys) else "visual."
+    return text, vision
+
+
+def load_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (an HF Qwen2-VL directory is expected)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _qkv_to_megatron(q, k, v, groups: int) -> torch.Tensor:
+    """[q; k; v] -> per query group [q heads of the group, k, v]: Megatron's fused QKV layout,
+    which tensor parallelism can split into contiguous groups."""
+    d = k.shape[0] // groups
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, d, *rest)
+    return torch.cat([q, k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _qkv_from_megatron(qkv, groups: int, heads: int):
+    per = heads // groups
+    d = qkv.shape[0] // (groups * (per + 2))
+    x = qkv.reshape(groups, per + 2, d, *qkv.shape[1:])
+    q = x[:, :per].reshape(heads * d, *qkv.shape[1:])
+    return q, x[:, per].reshape(groups * d, *qkv.shape[1:]), x[:, per + 1].reshape(groups * d, *qkv.shape[1:])
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], spec: Qwen2VLSpec) -> dict[str, torch.Tensor]:
+    """HF tensors -> full Megatron tensors named as in `Qwen2VLModel.state_dict()`."""
+    t, v = hf_prefixes(hf)
+    out = {"language.embedding.word_embeddings.weight": hf[f"{t}embed_tokens.weight"],
+           "language.decoder.final_layernorm.weight": hf[f"{t}norm.weight"]}
+    if not spec.tie_word_embeddings:
+        out["language.output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(spec.num_layers):
+        src, dst = f"{t}layers.{i}.", f"language.decoder.layers.{i}."
+        for a, b in _LAYER.items():
+            out[dst + b] = hf[src + a]
+        att = src + "self_attn."
+        for kind in ("weight", "bias"):
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(
+                hf[f"{att}q_proj.{kind}"], hf[f"{att}k_proj.{kind}"], hf[f"{att}v_proj.{kind}"], spec.num_kv_heads)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+    out["vision.patch_embed.weight"] = hf[f"{v}patch_embed.proj.weight"].reshape(spec.vision_embed_dim, -1)
+    for i in range(spec.vision_depth):
+        src, dst = f"{v}blocks.{i}.", f"vision.decoder.layers.{i}."
+        for a, b in _VISION_LAYER.items():
+            out[dst + b] = hf[src + a]
+        for kind in ("weight", "bias"):
+            q, k, vv = hf[f"{src}attn.qkv.{kind}"].chunk(3)
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(q, k, vv, spec.vision_heads)
+    for a, b in _MERGER.items():
+        for kind in ("weight", "bias"):
+            out[f"vision.merger.{b}.{kind}"] = hf[f"{v}merger.{a}.{kind}"]
+    return out
+
+
+def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen2VLSpec,
+                   prefixes: tuple[str, str] = ("model.", "visual.")) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors -> HF names (by default the layout transformers 5 saves)."""
+    t, v = prefixes
+    out = {f"{t}embed_tokens.weight": full["language.embedding.word_embeddings.weight"],
+           f"{t}norm.weight": full["language.decoder.final_layernorm.weight"]}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = full["language.output_layer.weight"]
+    for i in range(spec.num_layers):
+        src, dst = f"language.decoder.layers.{i}.", f"{t}layers.{i}."
+        for a, b in _LAYER.items():
+            out[dst + a] = full[src + b]
+        for kind in ("weight", "bias"):
+            q, k, vv = _qkv_from_megatron(full[f"{src}self_attention.linear_qkv.{kind}"], spec.num_kv_heads, spec.num_heads)
+            out[f"{dst}self_attn.q_proj.{kind}"], out[f"{dst}self_attn.k_proj.{kind}"], out[f"{dst}self_attn.v_proj.{kind}"] = q, k, vv
+        gate, up = full[src + "mlp.linear_fc1.weight"].chunk(2)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+    patch = (spec.vision_embed_dim, spec.in_channels, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+    out[f"{v}patch_embed.proj.weight"] = full["vision.patch_embed.weight"].reshape(patch)
+    for i in range(spec.vision_depth):
+        src, dst = f"vision.decoder.layers.{i}.", f"{v}blocks.{i}."
+        for a, b in _VISION_LAYER.items():
+            out[dst + a] = full[src + b]
+        for kind in ("weight", "bias"):
+            q, k, vv = _qkv_from_megatron(full[f"{src}self_attention.linear_qkv.{kind}"], spec.vision_heads, spec.vision_heads)
+            out[f"{dst}attn.qkv.{kind}"] = torch.cat([q, k, vv])
+    for a, b in _MERGER.items():
+        for kind in ("weight", "bias"):
+            out[f"{v}merger.{a}.{kind}"] = full[f"vision.merger.{b}.{kind}"]
+    return out
+
+
+_GATED_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.linear_fc1\.weight$")
+
+
+def shard(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's part of a full tensor, as Megatron partitions `param`."""
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if _GATED_FC1.match(name):  # [gate; up]: each rank holds [its gate part; its up part]
+        return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(size, dim)[rank]
+
+
+def gather(name: str, param: torch.Tensor, group=None) -> torch.Tensor:
+    """The full tensor from every TP rank's shard of `param` (collective over `group`)."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return param.detach()
+    parts = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(parts, param.detach().contiguous(), group=group)
+    dim = param.partition_dim
+    if _GATED_FC1.match(name):
+        halves = [p.chunk(2, dim) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return torch.cat(parts, dim)
+
+
+def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Copy an HF checkpoint into a (possibly TP-sharded) Megatron Qwen2VLModel."""
+    full = hf_to_megatron(load_hf_state(hf_dir), model.spec)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full))
+    unexpected = sorted(set(full) - set(params))
+    if missing or unexpected:
+        raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            part = shard(name, full[name], p, tp_rank, tp_size)
+            if part.shape != p.shape:
+                raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
+            p.copy_(part.to(p.dtype))
+
+
+def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-named full tensors of the model (gathered over the TP group); every TP rank gets them."""
+    full = {name: gather(name, p, tp_group) for name, p in model.named_parameters()}
+    hf = megatron_to_hf(full, model.spec)
+    return {k: (t.to(dtype) if dtype else t).contiguous() for k, t in hf.items()}

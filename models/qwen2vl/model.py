@@ -1,0 +1,92 @@
+"""Qwen2-VL on Megatron-Core: the vision tower's outputs replace the image/video pad tokens'
+embeddings, then Megatron's GPTModel (M-RoPE, QKV bias, RMSNorm, SwiGLU) runs the text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.qwen2vl.config import Qwen2VLSpec, language_config, vision_config
+from models.qwen2vl.rope_index import rope_index
+from models.qwen2vl.vision import Qwen2VisionModel
+
+
+@dataclass
+class VLMInputs:
+    """One (micro-)batch, as the HF processor makes it, plus the 3-D position ids."""
+
+    input_ids: torch.Tensor  # [b, s]
+    position_ids: torch.Tensor  # [3, b, s]
+    attention_mask: torch.Tensor | None = None  # [b, s] 1 = real token (right padding only)
+    pixel_values: torch.Tensor | None = None  # [image patches, C*T*P*P]
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+
+    @classmethod
+    def from_processor(cls, spec: Qwen2VLSpec, batch: dict) -> "VLMInputs":
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is not None and bool((attention_mask[:, 0] == 0).any()):
+            raise ValueError("left padding is not supported: set the tokenizer's padding_side='right'")
+        position_ids = rope_index(batch["input_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
+                                  spec.image_token_id, spec.video_token_id, spec.spatial_merge_size, attention_mask)
+        return cls(batch["input_ids"], position_ids, attention_mask, batch.get("pixel_values"),
+                   batch.get("image_grid_thw"), batch.get("pixel_values_videos"), batch.get("video_grid_thw"))
+
+    def to(self, device) -> "VLMInputs":
+        return VLMInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
+
+
+class Qwen2VLModel(nn.Module):
+    """Forward returns logits [b, s, vocab / tp] (vocab-parallel under tensor parallelism)."""
+
+    def __init__(self, spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1):
+        super().__init__()
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        if spec.vocab_size % tp:
+            raise ValueError(f"vocab size {spec.vocab_size} must divide by the tensor-parallel size {tp}")
+        if spec.num_kv_heads % tp or spec.vision_heads % tp:
+            raise ValueError(f"attention heads ({spec.num_kv_heads} KV, {spec.vision_heads} vision) "
+                             f"must divide by the tensor-parallel size {tp}")
+        self.spec = spec
+        self.config = language_config(spec, dtype, tp)
+        self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp))
+        self.language = GPTModel(
+            config=self.config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=32768,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="mrope",
+            rotary_base=int(spec.rope_theta),
+            parallel_output=True,
+        )
+
+    def embed(self, inputs: VLMInputs) -> torch.Tensor:
+        """Token embeddings with the vision features in place of the media pad tokens: [s, b, h]."""
+        emb = self.language.embedding.word_embeddings(inputs.input_ids)  # [b, s, h]
+        for pixels, grid, token in (
+            (inputs.pixel_values, inputs.image_grid_thw, self.spec.image_token_id),
+            (inputs.pixel_values_videos, inputs.video_grid_thw, self.spec.video_token_id),
+        ):
+            where = inputs.input_ids == token
+            if pixels is None:
+                if bool(where.any()):
+                    raise ValueError("input_ids hold media tokens but no pixel values were given")
+                continue
+            features = self.vision(pixels, grid).to(emb.dtype)
+            if features.shape[0] != int(where.sum()):
+                raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} vision features")
+            emb = emb.masked_scatter(where[..., None], features)
+        return emb.transpose(0, 1).contiguous()
+
+    def forward(self, inputs: VLMInputs) -> torch.Tensor:
+        decoder_input = self.embed(inputs)
+        # Causal attention with right padding needs no padding mask: real tokens never see pads.
+        logits = self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
+                               decoder_input=decoder_input)
+        return logits  # GPTModel returns [b, s, v] when no labels are given

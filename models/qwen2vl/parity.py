@@ -1,0 +1,104 @@
+"""Megatron Qwen2-VL vs transformers on the same weights and inputs: logits side by side.
+
+`yatt-mm model parity HF_DIR [--tp N]` runs this (under torchrun when N > 1). Built-in probes:
+text only, one image, two images, one video. The last line printed is one JSON object with the
+max abs logit difference per probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+
+def probes(seed: int = 0) -> dict[str, tuple[list, dict]]:
+    """(chat messages, processor media kwargs) per probe; media are random but fixed."""
+    rng = np.random.default_rng(seed)
+    img = lambda h, w: Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))  # noqa: E731
+    video = rng.integers(0, 255, (4, 56, 84, 3), dtype=np.uint8)
+    q = {"type": "text", "text": "What colour is the square? Answer: red"}
+    return {
+        "text": ([{"role": "user", "content": [q]}], {}),
+        "image": ([{"role": "user", "content": [{"type": "image"}, q]}], {"images": [img(90, 120)]}),
+        "multi_image": ([{"role": "user", "content": [{"type": "image"}, {"type": "image"}, q]}],
+                        {"images": [img(64, 64), img(112, 84)]}),
+        "video": ([{"role": "user", "content": [{"type": "video"}, q]}], {"videos": [video]}),
+    }
+
+
+def init_distributed(tp: int) -> tuple[int, int]:
+    """torchrun's environment when present, else a one-process gloo group."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return parallel_state.get_tensor_model_parallel_rank(), tp
+
+
+def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    return gather_from_tensor_model_parallel_region(logits)
+
+
+def run_parity(hf_dir: str, tp: int = 1) -> dict[str, float]:
+    import models  # noqa: F401 - CPU runtime hooks
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    from models.qwen2vl.config import Qwen2VLSpec
+    from models.qwen2vl.convert import load_hf_into
+    from models.qwen2vl.model import Qwen2VLModel, VLMInputs
+
+    tp_rank, tp = init_distributed(tp)
+    spec = Qwen2VLSpec.from_hf_dir(hf_dir)
+    model = Qwen2VLModel(spec, torch.float32, tp).eval()
+    load_hf_into(model, hf_dir, tp_rank, tp)
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(hf_dir)
+
+    result = {}
+    for name, (messages, media) in probes().items():
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        batch = processor(text=[text], return_tensors="pt", **media)
+        with torch.no_grad():
+            ref = hf(**batch).logits.float()
+            ours = gather_vocab(model(VLMInputs.from_processor(spec, dict(batch)))).float()
+        result[name] = float((ref - ours).abs().max())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("hf_dir")
+    parser.add_argument("--tp", type=int, default=1)
+    args = parser.parse_args(argv)
+    result = run_parity(args.hf_dir, args.tp)
+    if dist.get_rank() == 0:
+        for name, diff in result.items():
+            print(f"{name:12s} max |logits diff| = {diff:.3e}")
+        print(json.dumps({"tp": args.tp, "max_abs_diff": result}))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""Qwen2-VL's vision tower on Megatron-Core blocks.
+
+Patch embedding (the Conv3d with kernel == stride, written as the equal Linear over flattened
+patches), a TransformerBlock with bidirectional attention inside each frame, 2-D rotary
+embedding over (row, column) of every patch, and the patch merger (2x2 patches -> one LLM token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.qwen2vl.config import Qwen2VLSpec
+
+
+def vision_layer_spec():
+    """Local (no TransformerEngine) layer with LayerNorm, biased linears and an explicit mask.
+    The shipped `get_vit_layer_with_local_spec()` uses a causal mask; a vision encoder must not."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.arbitrary},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def vision_position_ids(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """(row, column) of every patch, in the order the processor emits them: merge x merge blocks
+    row-major, repeated for every temporal patch. Shape [patches, 2]."""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        rows = rows.reshape(shape).transpose(1, 2).flatten()
+        cols = cols.reshape(shape).transpose(1, 2).flatten()
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def frame_attention_mask(grid_thw: torch.Tensor, device=None) -> torch.Tensor:
+    """Block-diagonal mask: a patch attends to the patches of its own frame only (Qwen2-VL).
+    Megatron's convention: True = masked. Shape [1, 1, patches, patches]."""
+    frame = torch.repeat_interleave(
+        torch.arange(int(grid_thw[:, 0].sum())),
+        torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]),
+    ).to(device)
+    return (frame[:, None] != frame[None, :])[None, None]
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, embed_dim: int, out_dim: int, merge: int, dtype: torch.dtype):
+        super().__init__()
+        self.hidden = embed_dim * merge * merge
+        self.ln_q = nn.LayerNorm(embed_dim, eps=1e-6, dtype=dtype)
+        self.fc1 = nn.Linear(self.hidden, self.hidden, dtype=dtype)
+        self.fc2 = nn.Linear(self.hidden, out_dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).view(-1, self.hidden)
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class Qwen2VisionModel(nn.Module):
+    def __init__(self, spec: Qwen2VLSpec, config):
+        super().__init__()
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        self.spec = spec
+        self.config = config
+        dtype = config.params_dtype
+        patch_dim = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
+        self.patch_embed = nn.Linear(patch_dim, spec.vision_embed_dim, bias=False, dtype=dtype)
+        self.decoder = TransformerBlock(config=config, spec=vision_layer_spec(),
+                                        pre_process=True, post_process=False, post_layer_norm=False)
+        self.merger = PatchMerger(spec.vision_embed_dim, spec.hidden_size, spec.spatial_merge_size, dtype)
+        head_dim = spec.vision_embed_dim // spec.vision_heads
+        spatial = head_dim // 2
+        inv_freq = 1.0 / (spec.vision_rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rotary(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Angles [patches, 1, 1, head_dim]: rows rotate the first quarter of each half, columns
+        the second; Megatron's rotate-half application then matches Qwen2-VL's."""
+        pos = vision_position_ids(grid_thw, self.spec.spatial_merge_size).float()
+        freqs = pos[..., None] * self.inv_freq.to(pos.device)  # [n, 2, spatial/2]
+        freqs = freqs.flatten(1)  # [n, spatial]: rows then columns
+        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [patches, C*T*P*P] as the HF processor emits them -> [tokens, hidden]."""
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        x = x[:, None, :]  # [s, b=1, h]: Megatron's layout
+        mask = frame_attention_mask(grid_thw, x.device)
+        x = self.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=self.rotary(grid_thw).to(x.device))
+        return self.merger(x[:, 0, :])
