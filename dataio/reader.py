@@ -46,7 +46,9 @@ class DataConfig:
     shuffle_buffer: int = 256  # per-rank shuffle buffer (sample indices, not decoded samples)
     workers: int = 2  # parallel decoders; 0 decodes in the calling thread
     worker_kind: str = "thread"  # thread | process (torchdata ParallelMapper method)
-    prefetch: int = 4  # decoded samples kept ready ahead of the consumer
+    # The ParallelMapper already decodes ahead of the consumer (bounded by its queues); a
+    # Prefetcher stage (prefetch > 0) adds a thread and a queue hop, which measured slower here.
+    prefetch: int = 0
     media: MediaConfig = field(default_factory=MediaConfig)
     video_isolation: str = "process"  # process: decord runs in killable children; none: in the worker
     decode_timeout_s: float = 60.0  # per video, when video_isolation == "process"
