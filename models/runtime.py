@@ -82,8 +82,216 @@ def set_vllm_cpu_defaults() -> None:
 
 # --- Megatron-Core ------------------------------------------------------------------------------
 
+# Each shim replaces a megatron function or method, or wraps one so that it runs under `_CudaAsCpu`
+# (below), which is cheaper to read than a copy of the function with "cuda" edited out.
+#
+# Not shimmed, because it is not about CUDA: without TransformerEngine, CLIPViTModel's default
+# `ln_pre_impl`/`ln_post_impl` is torch.nn.LayerNorm, which its `build_module(..., config=...)`
+# cannot construct. Pass `megatron.core.transformer.torch_norm.WrappedTorchNorm` explicitly.
+
+import contextlib  # noqa: E402 - this section's own imports
+import functools  # noqa: E402
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+import sys  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import Callable  # noqa: E402
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
 
 def patch_megatron_for_cpu() -> None:
-    """megatron-core 0.16.1 assumes CUDA in a few places; see the shims below."""
-    # Filled in by the megatron CPU shims (RNG tracker, device redirects, type strings, ViT norm).
-    pass
+    """megatron-core 0.16.1 assumes CUDA in a few places; `_MEGATRON_SHIMS` patches each.
+
+    For a process without a GPU, called once `megatron.core` has been imported (which already
+    imports all but one of the modules patched here). Idempotent."""
+    # Layers, rotary embeddings, the attention memory buffer and DDP's param/grad buffers allocate
+    # on torch.cuda.current_device(), which asserts without CUDA. Patched on torch itself, as
+    # megatron calls it through `torch.` in ~100 places; this runs only where there is no GPU.
+    torch.cuda.current_device = _cpu_device
+    for name, shim in _MEGATRON_SHIMS.items():
+        if name in _shimmed:
+            continue
+        try:
+            shim(importlib.import_module(name))
+        except (ImportError, AttributeError) as exc:
+            raise RuntimeError(f"the CPU shims are written for megatron-core 0.16.1: {exc}") from exc
+        _shimmed.add(name)
+
+
+_shimmed: set[str] = set()
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    """While a wrapped megatron function runs: tensors made on "cuda" are made on the CPU,
+    `.cuda()` leaves a tensor where it is, and `.type()` names a CPU tensor's type as its
+    `torch.cuda.*Tensor` twin, the only names megatron's type checks accept."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _on_cpu(*names: str) -> Callable[[ModuleType], None]:
+    """A shim that runs the module's `names` ("function" or "Class.method") under `_CudaAsCpu`."""
+
+    def shim(module: ModuleType) -> None:
+        for name in names:
+            if "." not in name:
+                _rebind(module, name, _run_on_cpu(getattr(module, name)))
+                continue
+            cls_name, attr = name.split(".")
+            cls = getattr(module, cls_name)
+            raw = inspect.getattr_static(cls, attr)
+            if isinstance(raw, (staticmethod, classmethod)):
+                setattr(cls, attr, type(raw)(_run_on_cpu(raw.__func__)))
+            else:
+                setattr(cls, attr, _run_on_cpu(raw))
+
+    return shim
+
+
+def _run_on_cpu(func: Callable) -> Callable:
+    @functools.wraps(func)
+    def on_cpu(*args, **kwargs):
+        with _CudaAsCpu():
+            return func(*args, **kwargs)
+
+    return on_cpu
+
+
+def _rebind(module: ModuleType, name: str, new) -> None:
+    """Replace `module.name` with `new`, also where other loaded megatron modules imported it."""
+    old = getattr(module, name)
+    for other in list(sys.modules.values()):
+        if getattr(other, "__name__", "").startswith("megatron.") and vars(other).get(name) is old:
+            setattr(other, name, new)
+
+
+def _cpu_rng(random: ModuleType) -> None:
+    # The RNG tracker (weight init, dropout, recompute) saves and forks CUDA generator states, and
+    # model_parallel_cuda_manual_seed seeds CUDA: without a GPU the device generator is the CPU's.
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    random.CudaRNGStatesTracker.add = _cpu_tracker_add
+    random.CudaRNGStatesTracker.fork = _cpu_tracker_fork
+    seed_fn = random.model_parallel_cuda_manual_seed
+
+    @functools.wraps(seed_fn)
+    def model_parallel_cuda_manual_seed(seed: int, *args, **kwargs):
+        torch.manual_seed(seed)  # what its torch.cuda.manual_seed(seed) does on a GPU
+        return seed_fn(seed, *args, **kwargs)
+
+    _rebind(random, "model_parallel_cuda_manual_seed", model_parallel_cuda_manual_seed)
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    """CudaRNGStatesTracker.add, keeping a CPU generator state seeded with `seed`."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+@contextlib.contextmanager
+def _cpu_tracker_fork(self, name: str = "model-parallel-rng"):
+    """CudaRNGStatesTracker.fork on the CPU generator, less the original's warning that the CPU
+    state changed inside the fork (on CPU, every fork that draws a number changes it)."""
+    if name not in self.states_:
+        raise Exception(f"cuda rng state {name} is not added")
+    orig_state, orig_name = torch.get_rng_state(), self._current_state_name
+    if orig_name != "default-rng":
+        self.states_[orig_name] = orig_state
+    torch.set_rng_state(self.states_[name])
+    self._current_state_name = name
+    try:
+        yield
+    finally:
+        if self._current_state_name != name:
+            raise Exception(f"current state name {self._current_state_name} is not {name}")
+        self.states_[name] = torch.get_rng_state()
+        if orig_name != "default-rng":
+            orig_state = self.states_[orig_name]
+        torch.set_rng_state(orig_state)
+        self._current_state_name = orig_name
+
+
+def _cpu_checkpoint_worker(async_utils: ModuleType) -> None:
+    # The persistent async checkpoint writer starts with torch.cuda.set_device(rank %
+    # torch.cuda.device_count()): ZeroDivisionError without a GPU. It has no device to pin.
+    caller = async_utils.PersistentAsyncCaller
+    loop = inspect.getattr_static(caller, "async_loop").__func__
+
+    @functools.wraps(loop)
+    def async_loop(*args, **kwargs):
+        saved = torch.cuda.device_count, torch.cuda.set_device
+        torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda device: None)
+        try:
+            return loop(*args, **kwargs)
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = saved
+
+    caller.async_loop = staticmethod(async_loop)
+
+
+def _cpu_checkpoint_preload(filesystem_async: ModuleType) -> None:
+    # The async checkpoint writer copies tensors to host memory with non_blocking=True and then
+    # calls torch.cuda.synchronize(), which asserts without CUDA: copy blocking, nothing to wait on.
+    writer = filesystem_async.FileSystemWriterAsync
+    preload = inspect.getattr_static(writer, "preload_tensors").__func__
+
+    @functools.wraps(preload)
+    def preload_tensors(write_buckets, non_blocking=True):
+        return preload(write_buckets, non_blocking=False)
+
+    writer.preload_tensors = staticmethod(preload_tensors)
+
+
+# module -> its shim. Modules and names as in megatron-core 0.16.1.
+_MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
+    "megatron.core.tensor_parallel.random": _cpu_rng,
+    # Softmax attention makes its causal masks with device="cuda".
+    "megatron.core.transformer.utils": _on_cpu(
+        "get_default_causal_mask", "get_sliding_window_causal_mask"
+    ),
+    # The schedule counts tokens in a device="cuda" tensor.
+    "megatron.core.pipeline_parallel.schedules": _on_cpu("forward_backward_no_pipelining"),
+    # Grad norm and clipping make their buffers on "cuda" and assert torch.cuda.FloatTensor grads.
+    "megatron.core.optimizer.clip_grads": _on_cpu(
+        "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"
+    ),
+    # The optimizers keep loss scales and inf flags on "cuda", accept only torch.cuda.*Tensor
+    # parameters, and move offloaded state back with .cuda().
+    "megatron.core.optimizer.optimizer": _on_cpu(
+        "MegatronOptimizer.restore_from_cpu",
+        "MixedPrecisionOptimizer.__init__",
+        "Float16OptimizerWithFloat16Params.__init__",
+        "FP32Optimizer.__init__",
+    ),
+    "megatron.core.optimizer.distrib_optimizer": _on_cpu("DistributedOptimizer.__init__"),
+    # fp16's loss scaler keeps its scale on "cuda".
+    "megatron.core.optimizer.grad_scaler": _on_cpu(
+        "MegatronGradScaler.__init__",
+        "DynamicGradScaler.__init__",
+        "DynamicGradScaler.load_state_dict",
+    ),
+    # The ViT moves its position ids with .cuda().
+    "megatron.core.models.vision.clip_vit_model": _on_cpu("CLIPViTModel.__init__"),
+    "megatron.core.dist_checkpointing.strategies.async_utils": _cpu_checkpoint_worker,
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": _cpu_checkpoint_preload,
+}

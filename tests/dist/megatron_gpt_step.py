@@ -1,12 +1,13 @@
-"""One Megatron-Core training step of a tiny GPT on CPU with gloo: the check that the CPU shims in
+"""One Megatron-Core training step of a tiny GPT on CPU with gloo: checks that the CPU shims in
 `models.runtime` let Megatron's model, DDP, optimizer and schedule run without a GPU.
 
-    torchrun --nproc-per-node 2 tests/dist/megatron_gpt_step.py --tp 1   # DP=2: grads all-reduced
+    torchrun --nproc-per-node 2 tests/dist/megatron_gpt_step.py --tp 1   # DP=2
     torchrun --nproc-per-node 2 tests/dist/megatron_gpt_step.py --tp 2   # TP=2, DP=1
 
-Rank 0 prints one JSON line: {"loss": ..., "params_identical": ..., "params_changed": ...}.
-Exits non-zero when the loss is not finite, the step changed no parameter, or (DP > 1) the
-data-parallel replicas disagree after the step.
+Rank 0 prints one JSON line: {"loss": ..., "params_identical": ..., "params_changed": ..., ...}.
+`params_identical`: after the step, every data-parallel replica holds the same parameters bit for
+bit, and so does every tensor-parallel rank for the parameters TP does not split (norms, some
+biases). Exits 1 when the loss is not finite, the step changed nothing, or replicas disagree.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import argparse
 import json
 import math
 import sys
-from functools import partial
 
-import models  # noqa: F401 - first: applies the CPU shims before megatron is imported
+import models  # noqa: F401 - first: installs the CPU shims before megatron is imported
 import torch
 import torch.distributed as dist
 
@@ -28,7 +28,6 @@ SEED = 1234
 
 
 def build_model(tp: int):
-    from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -41,7 +40,7 @@ def build_model(tp: int):
         num_query_groups=2,
         tensor_model_parallel_size=tp,
         normalization="RMSNorm",
-        add_qkv_bias=True,  # as in Qwen2
+        add_qkv_bias=True,  # Qwen2-like: GQA, RMSNorm, SwiGLU, rope, QKV bias
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         hidden_dropout=0.0,
@@ -51,10 +50,9 @@ def build_model(tp: int):
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
-    model = GPTModel(
+    model = GPTModel(  # GPTModel sets model.model_type, which the schedule reads
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=VOCAB,
@@ -62,7 +60,6 @@ def build_model(tp: int):
         position_embedding_type="rope",
         share_embeddings_and_output_weights=True,
     )
-    model.model_type = ModelType.encoder_or_decoder  # the schedule reads it off the model
     return config, model
 
 
@@ -79,8 +76,14 @@ def forward_step(data_iterator, model):
     return per_token_loss, loss_func
 
 
-def flat_params(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in params])
+
+
+def same_on_all_ranks(tensor: torch.Tensor, group) -> bool:
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
 def main() -> int:
@@ -90,40 +93,36 @@ def main() -> int:
     args = parser.parse_args()
 
     dist.init_process_group(backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    torch.manual_seed(SEED)  # Megatron's own initialize seeds the default generator first, too
     model_parallel_cuda_manual_seed(SEED)
-    dp_group = parallel_state.get_data_parallel_group()
-    dp_size = parallel_state.get_data_parallel_world_size()
 
     config, model = build_model(args.tp)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-    )
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    model.model_type = model.module.model_type
+    config.finalize_model_grads_func = finalize_model_grads  # else no DP grad all-reduce at all
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0),
-        [model],
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0), [model]
     )
 
     # Different data on each DP rank, the same within a TP group: the all-reduce has work to do.
     gen = torch.Generator().manual_seed(SEED + parallel_state.get_data_parallel_rank())
-    before = flat_params(model)
-    losses = []
+    before = flat(model.parameters())
+    loss = math.nan
     for _ in range(args.steps):
         batch = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        out = get_forward_backward_func()(
+        losses = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter([(batch[:, :-1], batch[:, 1:])]),
             model=[model],
@@ -135,32 +134,26 @@ def main() -> int:
         update_ok, grad_norm, _ = optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step skipped")
-        losses.append(float(out[0]["lm loss"]))
-    after = flat_params(model)
+        loss = float(losses[0]["lm loss"])
+    after = flat(model.parameters())
 
-    # Replicas must agree bit for bit: gather every DP rank's flat parameters.
-    gathered = [torch.empty_like(after) for _ in range(dp_size)]
-    dist.all_gather(gathered, after, group=dp_group)
-    params_identical = all(torch.equal(g, gathered[0]) for g in gathered)
+    tp_replicated = [p for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)]
+    params_identical = same_on_all_ranks(
+        after, parallel_state.get_data_parallel_group()
+    ) and same_on_all_ranks(flat(tp_replicated), parallel_state.get_tensor_model_parallel_group())
     params_changed = not torch.equal(before, after)
-    loss = losses[-1]
     ok = math.isfinite(loss) and params_changed and params_identical
 
-    if rank == 0:
-        print(
-            json.dumps(
-                {
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "params_identical": params_identical,
-                    "params_changed": params_changed,
-                    "tp": args.tp,
-                    "dp": dp_size,
-                    "world": world,
-                }
-            ),
-            flush=True,
-        )
+    if dist.get_rank() == 0:
+        result = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "params_identical": params_identical,
+            "params_changed": params_changed,
+            "tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size(),
+        }
+        print(json.dumps(result), flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0 if ok else 1
