@@ -52,7 +52,10 @@ class Qwen2VLModel(nn.Module):
         if spec.num_kv_heads % tp or spec.vision_heads % tp:
             raise ValueError(f"attention heads ({spec.num_kv_heads} KV, {spec.vision_heads} vision) "
                              f"must divide by the tensor-parallel size {tp}")
+        from megatron.core.enums import ModelType
+
         self.spec = spec
+        self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         self.config = language_config(spec, dtype, tp)
         self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp))
         self.language = GPTModel(
@@ -83,6 +86,10 @@ class Qwen2VLModel(nn.Module):
                 raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} vision features")
             emb = emb.masked_scatter(where[..., None], features)
         return emb.transpose(0, 1).contiguous()
+
+    def set_input_tensor(self, tensor) -> None:
+        """Megatron's schedules call this (pipeline parallelism hands activations over here)."""
+        self.language.set_input_tensor(tensor)
 
     def forward(self, inputs: VLMInputs) -> torch.Tensor:
         decoder_input = self.embed(inputs)

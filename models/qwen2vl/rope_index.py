@@ -2,8 +2,10 @@
 
 Text tokens count up by one on all three axes; the tokens of an image or video take their
 (t, h, w) grid coordinates offset by the position where the media starts, and the text after it
-continues from the largest position used plus one. Same result as transformers'
-`Qwen2VLModel.get_rope_index` (checked in the tests).
+continues from the largest position used plus one. This is the original Qwen2-VL definition and
+vLLM's. transformers 5.x continues after a video from max(h, w) instead, ignoring t: the two
+agree except for videos with more temporal patches than merged rows and columns, where we follow
+vLLM, because vLLM is what samples the responses we train on.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def rope_index(
                 h, w = h // merge, w // merge
                 tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
                 pieces.append(torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos)
-                pos += max(h, w)
+                pos += max(t, h, w)
                 i += t * h * w
                 if i > len(ids) or any(x != tok for x in ids[i - t * h * w : i]):
                     raise ValueError("media tokens in input_ids do not match the grid sizes given")

@@ -1,0 +1,42 @@
+"""Per-token log-probabilities and entropy from vocab-parallel logits, without gathering the
+full vocabulary: each tensor-parallel rank holds logits for its slice of the vocabulary and only
+per-token scalars cross ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels) for logits [..., vocab / tp] and labels [...]; differentiable."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    # vocab_parallel_cross_entropy writes into its logits argument: give it a copy.
+    return -vocab_parallel_cross_entropy(logits.float().clone(), labels)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the full distribution per token, from vocab-parallel logits."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    x = logits.float()
+    m = x.max(-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m)
+    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
+    if tp > 1:
+        dist.all_reduce(sums, group=group)
+    z, ex = sums
+    return torch.log(z) + m.squeeze(-1) - ex / z
+
+
+def next_token_labels(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
+    """Labels aligned with logits: position t predicts token t + 1 (the last one predicts pad)."""
+    labels = torch.full_like(input_ids, pad_id)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels

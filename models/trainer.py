@@ -1,0 +1,160 @@
+"""Training of the Megatron Qwen2-VL: DDP, Megatron's optimizer, the forward-backward schedule
+over micro-batches of variable-length multimodal samples, and HF export.
+
+The trainer knows nothing of RL: it takes micro-batches and a loss function of per-token
+logprobs. Call it from every rank after `init_parallel()`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from models.logprobs import next_token_labels, token_entropy, token_logprobs
+from models.qwen2vl.config import Qwen2VLSpec
+from models.qwen2vl.model import VLMInputs
+
+
+@dataclass
+class TrainerConfig:
+    tensor_parallel: int = 1
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = 1.0
+    seed: int = 1234
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded samples plus whatever tensors the loss needs (masks, advantages, ...)."""
+
+    inputs: VLMInputs
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return next_token_labels(self.inputs.input_ids)
+
+
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def init_parallel(tensor_parallel: int = 1, seed: int = 1234) -> None:
+    """torch.distributed (from torchrun's environment, or a single gloo process) and Megatron's
+    model-parallel groups."""
+    from megatron.core import parallel_state, tensor_parallel as tp_mod
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+        else:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        if dist.get_world_size() % tensor_parallel:
+            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
+                             f"trainer.tensor_parallel={tensor_parallel}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        tp_mod.model_parallel_cuda_manual_seed(seed)
+
+
+class VLMTrainer:
+    def __init__(self, hf_dir: str, cfg: TrainerConfig):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from models.qwen2vl.convert import load_hf_into
+        from models.qwen2vl.model import Qwen2VLModel
+
+        self.cfg = cfg
+        self.hf_dir = hf_dir
+        self.spec = Qwen2VLSpec.from_hf_dir(hf_dir)
+        dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        module = Qwen2VLModel(self.spec, dtype, cfg.tensor_parallel)
+        if torch.cuda.is_available():
+            module = module.cuda()
+        load_hf_into(module, hf_dir, self.tp_rank, cfg.tensor_parallel)
+        self.module = module
+        self.config = module.config
+        self.model = DistributedDataParallel(
+            config=self.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=module)
+        self.config.finalize_model_grads_func = finalize_model_grads  # the DP grad all-reduce
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad,
+                            bf16=dtype == torch.bfloat16, params_dtype=dtype),
+            [self.model])
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    # -- inference ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch], with_entropy: bool = False):
+        """Per-token logprobs [b, s] of each micro-batch's next tokens (and entropy)."""
+        self.model.eval()
+        out = []
+        for mb in micro_batches:
+            logits = self.model(mb.inputs.to(self.device))
+            lp = token_logprobs(logits, mb.labels.to(self.device)).cpu()
+            out.append((lp, token_entropy(logits).cpu()) if with_entropy else lp)
+        self.model.train()
+        return out
+
+    # -- training ----------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the micro-batches. `loss_fn(logprobs, mb)` returns this
+        micro-batch's share of the loss (already normalised over the whole step, see README)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.model.train()
+        n = len(micro_batches)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            logits = model(mb.inputs.to(self.device))
+            lp = token_logprobs(logits, mb.labels.to(self.device))
+
+            def loss_func(_output):
+                loss, metrics = loss_fn(lp, mb)
+                # the schedule divides by the number of micro-batches; our loss_fn already
+                # normalises over the step, so undo it
+                return loss * n, {k: v.detach() for k, v in {"loss": loss, **metrics}.items()}
+
+            return lp, loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=n, seq_length=max(mb.inputs.input_ids.shape[1] for mb in micro_batches),
+            micro_batch_size=micro_batches[0].inputs.input_ids.shape[0], forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics = {"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok)}
+        for key in reduced[0] if reduced else []:
+            metrics[f"train/{key}"] = float(sum(float(r[key]) for r in reduced))
+        return metrics
+
+    # -- weights -----------------------------------------------------------------------------
+    def export_hf(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        from models.qwen2vl.convert import export_hf
+
+        return export_hf(self.module, self.tp_group, dtype)

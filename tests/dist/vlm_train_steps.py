@@ -1,0 +1,87 @@
+"""A few training steps of the tiny Megatron Qwen2-VL under torchrun (gloo): different image
+samples on each DP rank, a supervised loss on the answer tokens. Rank 0 prints one JSON line:
+losses per step, whether DP replicas agree bit for bit, and the TP-gathered HF export's shapes.
+
+    torchrun --nproc-per-node 2 tests/dist/vlm_train_steps.py --tp 1   # DP=2
+    torchrun --nproc-per-node 2 tests/dist/vlm_train_steps.py --tp 2   # TP=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import models  # noqa: F401 - CPU runtime hooks first
+import torch
+import torch.distributed as dist
+
+from dataio.synth import colour_image
+from models.qwen2vl.convert import load_hf_state
+from models.qwen2vl.model import VLMInputs
+from models.tiny import tiny_model_dir
+from models.trainer import MicroBatch, TrainerConfig, VLMTrainer, init_parallel
+
+
+def sft_batch(processor, spec, samples):
+    """Right-padded prompt + answer; loss on the answer tokens."""
+    texts, prompts = [], []
+    for s in samples:
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}]
+        prompt = processor.apply_chat_template(msgs, add_generation_prompt=True)
+        prompts.append(prompt)
+        texts.append(prompt + s.answer + "<|im_end|>")
+    batch = dict(processor(text=texts, images=[s.image for s in samples], return_tensors="pt", padding=True))
+    mask = torch.zeros_like(batch["input_ids"], dtype=torch.float32)
+    for row, (prompt, s) in enumerate(zip(prompts, samples)):
+        p = len(processor(text=[prompt], images=[s.image], return_tensors="pt")["input_ids"][0])
+        n = int(batch["attention_mask"][row].sum())
+        mask[row, p - 1 : n - 1] = 1.0  # logits at t predict token t + 1
+    return MicroBatch(VLMInputs.from_processor(spec, batch), {"mask": mask})
+
+
+def main() -> int:
+    from megatron.core import parallel_state as ps
+    from transformers import AutoProcessor
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    path = str(tiny_model_dir("policy"))
+    init_parallel(args.tp)
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, lr=1e-3))
+    processor = AutoProcessor.from_pretrained(path)
+    processor.tokenizer.padding_side = "right"
+    dp_rank = ps.get_data_parallel_rank()
+    rng = random.Random(100 + dp_rank)  # different data per DP rank
+    batches = [sft_batch(processor, trainer.spec, [colour_image(rng) for _ in range(2)]) for _ in range(2)]
+    tokens = torch.tensor(sum(float(b.extra["mask"].sum()) for b in batches))
+    dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+
+    def loss_fn(lp, mb):
+        # token mean over the whole step and all DP ranks (DDP averages gradients over DP)
+        return -(lp * mb.extra["mask"]).sum() * trainer.dp_size / tokens, {}
+
+    losses = []
+    for _ in range(args.steps):
+        m = trainer.train_step(batches, loss_fn)
+        losses.append(m["train/loss"])
+    flat = torch.cat([p.detach().reshape(-1) for p in trainer.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(ps.get_data_parallel_world_size())]
+    dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())
+    identical = all(torch.equal(g, gathered[0]) for g in gathered)
+    exported = trainer.export_hf()
+    reference = load_hf_state(path)
+    shapes_ok = exported.keys() == reference.keys() and all(exported[k].shape == reference[k].shape for k in reference)
+    if dist.get_rank() == 0:
+        print(json.dumps({"tp": args.tp, "dp": trainer.dp_size, "losses": losses, "dp_identical": identical,
+                          "export_shapes_ok": shapes_ok}), flush=True)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

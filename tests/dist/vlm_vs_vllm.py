@@ -1,0 +1,78 @@
+"""Trainer (Megatron Qwen2-VL) and rollout engine (vLLM) in one process, as in an RL rank:
+logprobs of vLLM-sampled responses under both, before and after a training step whose weights
+are pushed into the engine. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import models  # noqa: F401 - CPU runtime hooks first
+import torch
+
+from dataio.synth import colour_image, moving_ball_video
+from models.qwen2vl.model import VLMInputs
+from models.tiny import tiny_model_dir
+from models.trainer import MicroBatch, TrainerConfig, VLMTrainer, init_parallel
+from yatt_mm.rollout.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
+
+
+def build(processor, spec, engine, request, response_ids):
+    media = {"images": request.images} if request.images else {"videos": request.videos}
+    batch = dict(processor(text=[engine.prompt_text(request)], return_tensors="pt", **media))
+    prompt_len = batch["input_ids"].shape[1]
+    batch["input_ids"] = torch.cat([batch["input_ids"], torch.tensor([response_ids])], 1)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    return MicroBatch(VLMInputs.from_processor(spec, batch)), prompt_len
+
+
+def diffs(trainer, processor, engine, requests, sampling):
+    result = engine.generate(requests, sampling)
+    out = []
+    for req, group in zip(requests, result.responses):
+        for r in group:
+            mb, p = build(processor, trainer.spec, engine, req, r.token_ids)
+            ours = trainer.logprobs([mb])[0][0, p - 1 : p - 1 + len(r.token_ids)]
+            out.append((ours - torch.tensor(r.logprobs)).abs())
+    d = torch.cat(out)
+    return float(d.max()), float(d.mean())
+
+
+def main() -> int:
+    from transformers import AutoProcessor
+
+    path = str(tiny_model_dir("policy"))
+    init_parallel(1)
+    trainer = VLMTrainer(path, TrainerConfig(lr=1e-2))
+    engine = RolloutEngine(EngineConfig(model=path))
+    processor = AutoProcessor.from_pretrained(path)
+    rng = random.Random(0)
+    img, vid = colour_image(rng), moving_ball_video(rng)
+    requests = [
+        Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": img.question}]}], images=[img.image]),
+        Request([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": vid.question}]}], videos=[vid.video]),
+    ]
+    sampling = SamplingConfig(n=2, max_tokens=16, seed=0)
+    before_max, before_mean = diffs(trainer, processor, engine, requests, sampling)
+
+    # one SFT-style step on a fixed answer, then push the new weights into the engine
+    mb, p = build(processor, trainer.spec, engine, requests[0], processor.tokenizer.encode(" red"))
+    mask = torch.zeros_like(mb.inputs.input_ids, dtype=torch.float32)
+    mask[0, p - 1 :] = 1.0
+    mask[0, -1] = 0.0
+
+    def loss_fn(lp, batch):
+        return -(lp * mask).sum() / mask.sum(), {}
+
+    metrics = trainer.train_step([mb], loss_fn)
+    sync = engine.update_weights(trainer.export_hf().items())
+    after_max, after_mean = diffs(trainer, processor, engine, requests, sampling)
+    print(json.dumps({"before_max": before_max, "before_mean": before_mean, "after_max": after_max,
+                      "after_mean": after_mean, "sync_s": sync["seconds"], "sync_bytes": sync["bytes"],
+                      "grad_norm": metrics["train/grad_norm"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
