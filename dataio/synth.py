@@ -168,11 +168,13 @@ def write_shards(
     video_fps: float = 8.0,
     frame_sequences: int = 0,
     progress: bool = False,
+    tasks: list[str] | None = None,
 ) -> list[str]:
     """Write `images` image samples and `videos` mp4 samples (plus `frame_sequences` samples
     stored as KEY.000.jpg ...) into WebDataset shards `OUT/shard-000000.tar`, ...
 
     Each sample has KEY.json {prompt, answer, task, metadata}; images alternate JPEG and PNG.
+    `tasks` limits the tasks drawn (names from IMAGE_TASKS / VIDEO_TASKS; default all).
     Deterministic for a seed. Returns the shard paths."""
     import json
     import os
@@ -180,6 +182,14 @@ def write_shards(
     import tarfile
     import time
 
+    unknown = set(tasks or []) - set(IMAGE_TASKS) - set(VIDEO_TASKS)
+    if unknown:
+        raise ValueError(f"unknown synth task(s) {sorted(unknown)}; image tasks {sorted(IMAGE_TASKS)}, "
+                         f"video tasks {sorted(VIDEO_TASKS)}")
+    image_tasks = sorted(t for t in IMAGE_TASKS if tasks is None or t in tasks)
+    video_tasks = sorted(t for t in VIDEO_TASKS if tasks is None or t in tasks)
+    if (images and not image_tasks) or ((videos or frame_sequences) and not video_tasks):
+        raise ValueError(f"synth tasks {tasks} leave no task for the requested images/videos")
     os.makedirs(out, exist_ok=True)
     rng = random.Random(seed)
     plan = ["image"] * images + ["video"] * videos + ["frames"] * frame_sequences
@@ -195,13 +205,13 @@ def write_shards(
             tf = tarfile.open(paths[-1] + ".tmp", "w", format=tarfile.USTAR_FORMAT)
         key = f"s{n:08d}"
         if what == "image":
-            task = rng.choice(sorted(IMAGE_TASKS))
+            task = rng.choice(image_tasks)
             s = IMAGE_TASKS[task](rng, image_size)
             fmt = "jpg" if n % 2 == 0 else "png"
             meta = {"width": s.image.width, "height": s.image.height, "format": fmt}
             tar_add(tf, f"{key}.{fmt}", encode_image(s.image, fmt))
         else:
-            task = rng.choice(sorted(VIDEO_TASKS))
+            task = rng.choice(video_tasks)
             s = VIDEO_TASKS[task](rng, video_frames, video_size)
             t, h, w, _ = s.video.shape
             meta = {"width": w + w % 2, "height": h + h % 2, "frames": t, "fps": video_fps, "duration": t / video_fps}
