@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dataio.cli import add_subcommands as add_data_subcommands  # argparse only; heavy imports are lazy
 
     add_data_subcommands(sub)
+    from dataio.prep.cli import add_subcommands as add_prep_subcommands  # argparse only, like `data`
+
+    add_prep_subcommands(sub)
     return parser
 
 
