@@ -38,6 +38,7 @@ class MicroBatch:
 
     inputs: VLMInputs
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    group_ids: list = field(default_factory=list)  # per row, for group-level loss aggregation
 
     @property
     def labels(self) -> torch.Tensor:

@@ -66,6 +66,7 @@ def policy_loss(
     rollout_logprobs: torch.Tensor | None = None,  # [B, T] vLLM's, for the IS correction
     ref_logprobs: torch.Tensor | None = None,  # [B, T] frozen reference, for the KL term
     group_ids: list | None = None,
+    normalizer: float | None = None,  # see aggregate()
 ) -> LossOutput:
     mask = mask.float()
     ratio = torch.exp(logprobs - old_logprobs)
@@ -90,30 +91,41 @@ def policy_loss(
         per_token = per_token + cfg.kl_coef * kl_tok
         kl = _masked_mean(kl_tok, mask)
 
-    loss = aggregate(per_token, mask, cfg.loss_agg, group_ids)
+    loss = aggregate(per_token, mask, cfg.loss_agg, group_ids, normalizer)
     clip_fraction = _masked_mean(((ratio - 1).abs() > cfg.clip_low).float(), mask)
     return LossOutput(loss, clip_fraction.detach(), kl.detach(), _masked_mean(is_weight, mask))
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, group_ids: list | None = None) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, group_ids: list | None = None,
+              normalizer: float | None = None) -> torch.Tensor:
     """token: mean over all response tokens (long answers weigh more, DAPO); sequence: mean per
     response, then over responses (GRPO paper); group: token mean within a prompt's group, then
-    mean over groups."""
+    mean over groups.
+
+    With `normalizer`, the final mean divides by it instead of the local count (tokens,
+    responses or groups): a step spread over micro-batches and DP ranks passes the global count
+    so every micro-batch's share adds up to the step's mean."""
     if how == "token":
+        if normalizer is not None:
+            return (per_token * mask).sum() / normalizer
         return _masked_mean(per_token, mask)
     per_seq_sum = (per_token * mask).sum(1)
     lengths = mask.sum(1)
     if how == "sequence":
-        return (per_seq_sum / lengths.clamp(min=1)).mean()
+        per_seq = (per_seq_sum / lengths.clamp(min=1))[lengths > 0]
+        return per_seq.sum() / normalizer if normalizer is not None else per_seq.mean()
     if how == "group":
         if group_ids is None:
             raise ValueError("loss_agg 'group' needs group ids")
         groups: dict = defaultdict(list)
         for i, g in enumerate(group_ids):
             groups[g].append(i)
-        means = [per_seq_sum[idx].sum() / lengths[idx].sum().clamp(min=1)
-                 for idx in (torch.tensor(m) for m in groups.values())]
-        return torch.stack(means).mean()
+        means = [per_seq_sum[idx].sum() / lengths[idx].sum()
+                 for idx in (torch.tensor(m) for m in groups.values()) if lengths[idx].sum() > 0]
+        if not means:
+            return per_token.sum() * 0.0
+        total = torch.stack(means)
+        return total.sum() / normalizer if normalizer is not None else total.mean()
     raise ValueError(f"unknown loss aggregation {how!r}; choose token, sequence or group")
 
 

@@ -19,7 +19,14 @@ from yatt_mm.balance import Move
 
 
 def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> torch.Tensor:
-    data = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta or {})
+    seen: set[int] = set()
+    flat = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        flat[k] = v.clone() if ptr in seen else v  # safetensors refuses tensors sharing memory
+        seen.add(ptr)
+    data = st_save(flat, metadata=meta or {})
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 

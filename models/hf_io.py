@@ -1,0 +1,36 @@
+"""Write a trained model as a Hugging Face directory that transformers and vLLM load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Everything of the source directory except its weights: config, tokenizer, processors, template.
+_NOT_COPIED = (".safetensors", ".bin", ".pt", ".index.json")
+
+
+def save_hf_dir(tensors: dict[str, torch.Tensor], source_dir: str | Path, out_dir: str | Path) -> Path:
+    """Weights from `tensors`, everything else from `source_dir`; written to a temporary sibling
+    and renamed into place, so a crash never leaves a directory that looks complete."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for f in Path(source_dir).iterdir():
+            if f.is_file() and not f.name.endswith(_NOT_COPIED):
+                shutil.copy2(f, tmp / f.name)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,1 @@
+"""The RL loop: per-DP-group controllers, GRPO with dynamic sampling, placements."""

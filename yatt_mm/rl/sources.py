@@ -1,0 +1,107 @@
+"""Where a controller's prompts come from.
+
+`ParallelSource` (the design): every DP group reads its own samples from its own reader; no
+process ever holds another group's media. `SingleControllerSource` (a baseline, for the
+controller-memory benchmark only): rank 0 reads every group's samples and sends each rank its
+share, media included, as verl's driver does. Its `take` is collective: every rank calls it the
+same number of times with the same n.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dataio.reader import DataReader, Sample
+from yatt_mm.balance import Move
+from yatt_mm.exchange import exchange
+from yatt_mm.rl.samples import Prompt
+
+
+def to_prompt(sample: Sample) -> Prompt | None:
+    if not sample.prompt or sample.answer is None:
+        return None
+    return Prompt(key=sample.key, question=sample.prompt, answer=str(sample.answer),
+                  images=list(sample.images), videos=list(sample.videos), metadata=dict(sample.metadata))
+
+
+class ParallelSource:
+    def __init__(self, reader: DataReader):
+        self.reader = reader
+        self._it: Iterator[Sample] = iter(reader)
+        self.skipped_no_question = 0
+        self.consumed: list[tuple[int, str]] = []  # (epoch, key) since last drained: data lineage
+
+    def take(self, n: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        while len(out) < n:
+            sample = next(self._it)
+            self.consumed.append((self.reader.epoch, sample.key))
+            prompt = to_prompt(sample)
+            if prompt is None:
+                self.skipped_no_question += 1  # counted; reported in metrics
+                continue
+            out.append(prompt)
+        return out
+
+    def drain_consumed(self) -> list[tuple[int, str]]:
+        out, self.consumed = self.consumed, []
+        return out
+
+    def state_dict(self) -> dict:
+        return {"reader": self.reader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reader.load_state_dict(state["reader"])
+        self._it = iter(self.reader)
+
+
+def pack_prompt(p: Prompt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors = {f"image.{i}": torch.from_numpy(np.asarray(im).copy()) for i, im in enumerate(p.images)}
+    tensors.update({f"video.{i}": torch.from_numpy(v) for i, v in enumerate(p.videos)})
+    if not tensors:
+        tensors["none"] = torch.zeros(1)
+    meta = {"key": p.key, "question": p.question, "answer": p.answer, "metadata": json.dumps(p.metadata)}
+    return tensors, meta
+
+
+def unpack_prompt(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Prompt:
+    from PIL import Image
+
+    images = [Image.fromarray(tensors[k].numpy()) for k in sorted(t for t in tensors if t.startswith("image."))]
+    videos = [tensors[k].numpy() for k in sorted(t for t in tensors if t.startswith("video."))]
+    return Prompt(meta["key"], meta["question"], meta["answer"], images, videos, json.loads(meta["metadata"]))
+
+
+class SingleControllerSource:
+    def __init__(self, reader: DataReader | None, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.inner = ParallelSource(reader) if rank == 0 else None  # rank 0 reads for everyone
+
+    def take(self, n: int) -> list[Prompt]:
+        held: dict[int, tuple] = {}
+        moves: list[Move] = []
+        mine: list[Prompt] = []
+        if self.rank == 0:
+            prompts = self.inner.take(n * self.world)
+            mine = prompts[:n]
+            for r in range(1, self.world):
+                for j, p in enumerate(prompts[r * n : (r + 1) * n]):
+                    held[r * n + j] = pack_prompt(p)
+        moves = [Move(r * n + j, 0, r) for r in range(1, self.world) for j in range(n)]
+        received = exchange(held, moves, self.rank)
+        if self.rank != 0:
+            mine = [unpack_prompt(*received[i]) for i in sorted(received)]
+        dist.barrier()
+        return mine
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict() if self.inner else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.inner:
+            self.inner.load_state_dict(state)
