@@ -61,16 +61,42 @@ def loads_of(costs: list[float], owner: list[int], k: int) -> list[float]:
     return loads
 
 
-def plan_moves(costs: list[float], owner: list[int], k: int) -> tuple[list[int], list[Move]]:
-    """Balanced owner per sample, and the moves from `owner` to it.
+def plan_moves(costs: list[float], owner: list[int], k: int, tolerance: float = 0.02) -> tuple[list[int], list[Move]]:
+    """A balanced owner per sample, and the moves from `owner` to it: few moves first.
 
-    The partition is fixed by Karmarkar-Karp; which rank gets which part is chosen to keep the
-    most cost where it already is, so fewer and cheaper samples travel."""
+    From the current placement, repeatedly move the sample from the most to the least loaded
+    rank that best halves their gap, until max/mean is within `tolerance` of 1 (few, cheap
+    moves: most samples stay where they were generated). When that stalls above what
+    Karmarkar-Karp achieves, use the KK partition instead, with parts given to the ranks that
+    already hold most of them."""
+    loads = loads_of(costs, owner, k)
+    new_owner = list(owner)
+    mean = sum(loads) / k if k else 0.0
+    for _ in range(len(costs)):
+        if mean <= 0 or max(loads) / mean <= 1 + tolerance:
+            break
+        src, dst = loads.index(max(loads)), loads.index(min(loads))
+        gap = loads[src] - loads[dst]
+        candidates = [i for i, r in enumerate(new_owner) if r == src and 0 < costs[i] < gap]
+        if not candidates:
+            break
+        i = min(candidates, key=lambda j: abs(costs[j] - gap / 2))
+        new_owner[i] = dst
+        loads[src] -= costs[i]
+        loads[dst] += costs[i]
+    kk_owner = _kk_owner(costs, owner, k)
+    if imbalance(loads) > imbalance(loads_of(costs, kk_owner, k)) + tolerance:
+        new_owner = kk_owner
+    moves = [Move(i, owner[i], new_owner[i]) for i in range(len(costs)) if owner[i] != new_owner[i]]
+    return new_owner, moves
+
+
+def _kk_owner(costs: list[float], owner: list[int], k: int) -> list[int]:
+    """KK partition; each part goes to the rank that already holds most of its cost."""
     parts = karmarkar_karp(costs, k)
     kept = [[sum(costs[i] for i in part if owner[i] == r) for r in range(k)] for part in parts]
     if k <= 7:
-        best = max(itertools.permutations(range(k)),
-                   key=lambda perm: sum(kept[p][perm[p]] for p in range(k)))
+        best = max(itertools.permutations(range(k)), key=lambda perm: sum(kept[p][perm[p]] for p in range(k)))
     else:  # greedy: biggest overlaps first
         best = [-1] * k
         taken = set()
@@ -82,5 +108,4 @@ def plan_moves(costs: list[float], owner: list[int], k: int) -> tuple[list[int],
     for p, part in enumerate(parts):
         for i in part:
             new_owner[i] = best[p]
-    moves = [Move(i, owner[i], new_owner[i]) for i in range(len(costs)) if owner[i] != new_owner[i]]
-    return new_owner, moves
+    return new_owner
