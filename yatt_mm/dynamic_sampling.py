@@ -28,7 +28,7 @@ class DynamicSamplingConfig:
     oversample: float = 1.2  # margin on top of the estimated need
     initial_valid_rate: float = 0.5
     min_valid_rate: float = 0.05  # floor on the estimate: bounds the size of one wave
-    max_wave_groups: int = 256
+    max_wave_groups: int = 64  # bounds the cost of a starved step (a policy that is always right or wrong)
     ema: float = 0.5  # weight of the newest wave in the valid-rate estimate
     max_buffer: int = 64  # surplus valid groups kept for later steps
 

@@ -1,0 +1,50 @@
+"""One RL step of the tiny demo under full colocation, split into phases, with the idle share.
+
+Runs `yatt-mm rl` (2 ranks, gloo, real vLLM engines and Megatron trainer) for a few steps on
+synthetic colour shards and reads its metrics: the step time (median over the steps after the
+first, which pays one-time warm-up), each phase's time on the slowest rank, and the idle share
+(time a rank spends outside any phase: waiting for the other rank at collectives).
+
+Last line: JSON with step_s and idle_share, plus the phase split.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+def main() -> None:
+    from dataio.synth import write_shards
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_shards(f"{tmp}/train", images=256, videos=0, samples_per_shard=64, seed=5, tasks=["colour"])
+        cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+               f"run.run_dir={tmp}/run", f"run.steps={STEPS}", f"data.shards=[{tmp}/train]", "eval.every=0",
+               "run.save_final=false"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+        if proc.returncode != 0:
+            sys.exit(f"rl run failed:\n{proc.stderr[-3000:]}")
+        records = [json.loads(x) for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "time/step" in r][1:]
+    phases = sorted({k for r in steps for k in r if k.startswith("time/") and k not in ("time/step", "time/idle", "time/idle_share")})
+    split = {k[5:]: statistics.median(r.get(k, 0.0) for r in steps) for k in phases}
+    step_s = statistics.median(r["time/step"] for r in steps)
+    idle = statistics.median(r["time/idle_share"] for r in steps)
+    print(f"median step {step_s:.2f}s over steps 2-{STEPS} (2 ranks, full colocation, tiny models)")
+    for name, sec in sorted(split.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:10s} {sec:6.2f}s  {sec / step_s:6.1%}")
+    print(f"  idle       {idle:6.1%} of the step")
+    print(json.dumps({"step_s": round(step_s, 3), "idle_share": round(idle, 4),
+                      "phases_s": {k: round(v, 3) for k, v in split.items()}}))
+
+
+if __name__ == "__main__":
+    main()
