@@ -28,6 +28,25 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(run_dir=args.run_dir, n=args.n, max_tokens=args.max_tokens)
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from yatt_mm.sft import main as sft_main
+
+    argv = (["--config", args.config] if args.config else []) + (["--nproc", str(args.nproc)] if args.nproc else [])
+    return sft_main(argv + args.overrides)
+
+
+def _model_parity(args: argparse.Namespace) -> int:
+    import subprocess
+
+    if args.tp < 1:
+        raise SystemExit("--tp must be >= 1")
+    cmd = [sys.executable, "-m", "models.qwen2vl.parity", args.hf_dir]
+    if args.tp > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp),
+               *cmd[1:], "--tp", str(args.tp)]
+    return subprocess.call(cmd)  # output streams through
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="yatt-mm",
@@ -44,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check versions, devices and that vLLM and Megatron-Core run here")
     p.add_argument("--no-live", action="store_true", help="skip the live vLLM and Megatron checks")
     p.set_defaults(func=_doctor)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning of the Megatron Qwen2-VL on WebDataset shards")
+    p.add_argument("--config", default=None, help="YAML config, e.g. configs/tiny_sft.yaml")
+    p.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N processes (DP x TP)")
+    p.add_argument("overrides", nargs="*", help="key=value settings, e.g. steps=100 trainer.lr=1e-4")
+    p.set_defaults(func=_sft)
+
+    p = sub.add_parser("model", help="model tools: parity of the Megatron Qwen2-VL with transformers")
+    msub = p.add_subparsers(dest="model_command", metavar="MODEL_COMMAND", required=True)
+    p = msub.add_parser("parity", help="max |logit diff| Megatron vs transformers on text/image/video probes")
+    p.add_argument("hf_dir", help="HF Qwen2-VL directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (> 1 runs under torchrun)")
+    p.set_defaults(func=_model_parity)
 
     p = sub.add_parser("make-tiny-model", help="build a tiny random Qwen2-VL offline (cached)")
     p.add_argument("dir", help="output directory")

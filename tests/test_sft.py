@@ -1,0 +1,133 @@
+"""`yatt-mm sft` and the cached warm starts, on real shards, real Megatron-Core, real vLLM.
+
+Megatron runs in subprocesses (the CLI, under torchrun for DP=2): the session's in-process vLLM
+engine must not share a process with it. The exported directory is loaded by transformers here
+and by vLLM in a child process."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dataio.reader import Sample
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args, timeout=300):
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+@pytest.fixture(scope="module")
+def colour_shards(tmp_path_factory):
+    from dataio.index import build_index
+    from dataio.synth import write_shards
+
+    out = tmp_path_factory.mktemp("sft_data")
+    paths = write_shards(str(out), images=400, videos=0, seed=1)
+    build_index(paths, str(out / "index.parquet"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_dp2(colour_shards, tmp_path_factory):
+    run = tmp_path_factory.mktemp("sft_run")
+    result = _run([sys.executable, "-m", "yatt_mm.cli", "sft", "--config", "configs/tiny_sft.yaml", "--nproc", "2",
+                   f"data.shards=[{colour_shards}]", "steps=30", "eval.every=0", f"run_dir={run}",
+                   f"output_dir={run / 'hf'}"])
+    return result, run
+
+
+def test_sft_dp2_lowers_loss_raises_heldout_accuracy(sft_dp2):
+    result, run = sft_dp2
+    assert result["last_loss"] < result["first_loss"] / 10, result
+    before, after = result["eval_before"]["eval/accuracy"], result["eval_after"]["eval/accuracy"]
+    assert before < 0.3 and after >= 0.7, result  # 4 colours; teacher-forced exact answer
+    assert result["eval_after"]["eval/loss"] < result["eval_before"]["eval/loss"] / 10
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    step_lines = [ln for ln in lines if "train/loss" in ln]
+    assert len(step_lines) == 30 and all(ln["train/tokens_per_s"] > 0 for ln in step_lines)
+    assert result["skipped"].get("other_task", 0) > 0  # count questions filtered out, counted
+
+
+def test_export_loads_in_transformers_and_vllm(sft_dp2):
+    import random
+
+    import torch
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    from dataio.synth import colour_image
+
+    hf_dir = Path(sft_dp2[0]["output_dir"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json"} <= {
+        p.name for p in hf_dir.iterdir()}
+    model = Qwen2VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    rng = random.Random(3)
+    correct = 0
+    for _ in range(8):
+        s = colour_image(rng)
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}]
+        prompt = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        batch = processor(text=[prompt], images=[s.image], return_tensors="pt")
+        out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+        correct += processor.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True).strip() == s.answer
+    assert correct >= 5, correct
+    result = _run([sys.executable, str(ROOT / "tests/dist/vllm_colour_accuracy.py"), str(hf_dir), "32"])
+    assert result["accuracy"] >= 0.7, result  # greedy generation in vLLM, fresh images
+
+
+def test_mistyped_key_names_the_nearest_one(colour_shards):
+    from yatt_mm.config_utils import ConfigError
+    from yatt_mm.sft import load_config
+
+    with pytest.raises(ConfigError, match="did you mean 'micro_batch_size'"):
+        load_config("configs/tiny_sft.yaml", ["micro_batch_sise=4"])
+    with pytest.raises(ConfigError, match="did you mean 'lr'"):
+        load_config("configs/tiny_sft.yaml", ["trainer.lrr=1"])
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        load_config("configs/tiny_sft.yaml", [f"data.shards=[{colour_shards}]", "micro_batch_size=64"])
+    proc = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "sft", "--config", "configs/tiny_sft.yaml",
+                           "eval.evry=3"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and "did you mean 'every'" in proc.stderr, proc.stderr
+
+
+def test_samples_without_media_or_answer_are_skipped_and_counted():
+    from yatt_mm.sft import ExampleStream
+
+    class Reader:
+        def __iter__(self):
+            from PIL import Image
+
+            img = Image.new("RGB", (56, 56))
+            meta = {"task": "image/colour"}
+            yield Sample("a", "s", 0, "What colour?", "red", meta, [img], [])
+            yield Sample("b", "s", 1, "What colour?", None, meta, [img], [])
+            yield Sample("c", "s", 2, "What colour?", "red", meta, [], [])
+            yield Sample("d", "s", 3, "What colour?", "blue", meta, [img], [])
+
+    stream = ExampleStream(Reader(), "answer", [], 0, lambda k: True)
+    got = [next(stream).key, next(stream).key]
+    assert got == ["a", "d"]
+    assert stream.skipped == {"no_answer": 1, "no_media": 1}
+    judge = ExampleStream(Reader(), "judge", [], 0, lambda k: True)
+    ex = next(judge)
+    assert ex.target in ("Score: 1<|im_end|>", "Score: 0<|im_end|>") and "Reference answer: red" in str(ex.messages)
+
+
+def test_warm_start_is_cached(colour_shards, tmp_path):
+    from yatt_mm.warmstart import warm_start
+
+    t0 = time.time()
+    path = warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True)
+    first = time.time() - t0
+    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+    t0 = time.time()
+    assert warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True) == path
+    assert time.time() - t0 < 1.0 < first
+    assert warm_start("policy", colour_shards, cache_dir=tmp_path, steps=4, quiet=True) != path  # steps in the key

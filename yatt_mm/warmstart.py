@@ -1,0 +1,205 @@
+"""Cached warm starts of the tiny models for the RL demo: a short SFT, run once per machine.
+
+    from yatt_mm.warmstart import warm_start
+    policy_dir = warm_start("policy", "data/synth")   # HF directory (vLLM and transformers load it)
+    judge_dir = warm_start("judge", "data/synth")
+
+- policy: FORMAT ONLY. The tiny policy learns to answer a colour question with one colour word,
+  drawn uniformly at random (not the true colour): it stays at chance accuracy, and RL with the
+  verifiable reward has all the accuracy left to gain.
+- judge: a reference-guided GenRM. The tiny judge reads the prompt `yatt_mm.reward.genrm`
+  builds (default template: question, media, reference answer, response) and learns to answer
+  'Score: 1' / 'Score: 0' as the rule `exact_match(response, answer)` would; responses are the
+  true answer or a wrong answer of the same task, half each.
+
+The SFT runs in a child process (`python -m yatt_mm.sft`), so the caller's torch.distributed,
+Megatron and vLLM state is untouched. The result is cached under
+`cache_dir / f"{kind}-{hash}"`, the hash covering (kind, seed, steps, the data's fingerprint,
+the tiny-model factory version and this module's version): a second call returns at once.
+Concurrent callers (several ranks) wait on a file lock and the first one builds.
+
+`python -m yatt_mm.warmstart {policy,judge} DATA_DIR [--measure]` builds (or finds) a warm
+start and, with --measure, scores it with vLLM on fresh samples (see `measure_policy` and
+`measure_judge`) and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WARMSTART_VERSION = 1
+
+# Small settings that fit the 2-core CPU: policy ~20 s, judge ~2-3 min (see README).
+SETTINGS = {
+    "policy": {"examples": "random_answer", "steps": 40, "lr": 1e-3, "batch_size": 16},
+    "judge": {"examples": "judge", "steps": 200, "lr": 3e-3, "batch_size": 16},
+}
+TASKS = ["image/colour"]
+
+
+def _data_fingerprint(data_dir: str | Path) -> str:
+    from dataio.index import expand_shards, open_dataset
+
+    shards = expand_shards([str(data_dir)])
+    h = hashlib.sha1(open_dataset(shards).fingerprint().encode())
+    for s in sorted(shards):  # the index fingerprint sees names and keys; sizes catch rewritten content
+        h.update(f"{os.path.basename(s)}:{os.path.getsize(s)}".encode())
+    return h.hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    from models.tiny import cache_root
+
+    return cache_root() / "warmstart"
+
+
+def cache_key(kind: str, data_dir: str | Path, steps: int, seed: int) -> str:
+    from models.tiny import FACTORY_VERSION
+
+    parts = {"kind": kind, "seed": seed, "steps": steps, "data": _data_fingerprint(data_dir),
+             "factory": FACTORY_VERSION, "warmstart": WARMSTART_VERSION, "settings": SETTINGS[kind], "tasks": TASKS}
+    return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def warm_start(kind: str, data_dir: str | Path, cache_dir: str | Path | None = None, steps: int | None = None,
+               seed: int = 0, quiet: bool = False) -> Path:
+    """HF directory of the warm-started tiny `kind` ("policy" or "judge") model, trained on the
+    colour questions of the shards in `data_dir` (`yatt-mm data synth` output); cached."""
+    if kind not in SETTINGS:
+        raise ValueError(f"warm_start kind must be 'policy' or 'judge', got {kind!r}")
+    if not Path(data_dir).exists():
+        raise FileNotFoundError(f"warm_start: data dir {data_dir} not found (make one with `yatt-mm data synth DIR`)")
+    s = SETTINGS[kind]
+    steps = s["steps"] if steps is None else steps
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = cache / f"{kind}-{cache_key(kind, data_dir, steps, seed)}"
+    if (out / "yatt_sft.json").is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then reuse
+        if (out / "yatt_sft.json").is_file():
+            return out
+        run_dir = cache / f".{out.name}.run"
+        overrides = [f"model=tiny:{kind}", f"examples={s['examples']}", f"data.shards=[{Path(data_dir).resolve()}]",
+                     f"data.seed={seed}", f"tasks=[{','.join(TASKS)}]", f"steps={steps}", f"batch_size={s['batch_size']}",
+                     f"micro_batch_size={s['batch_size']}", f"trainer.lr={s['lr']}", f"trainer.seed={1234 + seed}",
+                     f"seed={seed}", "eval.every=0", "eval.samples=64", f"log_every={max(1, steps // 10)}",
+                     f"run_dir={run_dir}", f"output_dir={out}"]
+        t0 = time.time()
+        if not quiet:
+            print(f"warm_start: training the tiny {kind} ({steps} SFT steps) into {out}", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, "-m", "yatt_mm.sft", *overrides], capture_output=quiet, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+        if proc.returncode != 0 or not (out / "yatt_sft.json").is_file():
+            tail = (proc.stderr or "")[-3000:] if quiet else "(see the output above)"
+            raise RuntimeError(f"warm_start({kind!r}) SFT failed with exit code {proc.returncode}: {tail}")
+        if not quiet:
+            print(f"warm_start: {kind} ready in {time.time() - t0:.0f}s: {out}", file=sys.stderr, flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- measurements (vLLM)
+
+
+def _fresh_colour_samples(n: int, seed: int):
+    """Colour questions from the synthetic generator with a seed no shard uses: never trained on."""
+    import random
+
+    from dataio.synth import colour_image
+
+    rng = random.Random(10_000_019 + seed)
+    return [colour_image(rng) for _ in range(n)]
+
+
+def measure_policy(model_dir: str | Path, n: int = 64, samples_per_prompt: int = 4, engine=None) -> dict:
+    """Rate of responses that are exactly one colour word, and accuracy, sampled at temperature
+    1 (as RL samples) and greedily."""
+    from dataio.synth import COLOURS
+    from yatt_mm.reward.rules import exact_match, extract_answer
+    from yatt_mm.rollout.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
+
+    engine = engine or RolloutEngine(EngineConfig(model=str(model_dir)))
+    samples = _fresh_colour_samples(n, 1)
+    reqs = [Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}],
+                    images=[s.image]) for s in samples]
+    out = {}
+    for name, sampling in (("sampled", SamplingConfig(n=samples_per_prompt, max_tokens=8, temperature=1.0, seed=None)),
+                           ("greedy", SamplingConfig(n=1, max_tokens=8, temperature=0.0))):
+        res = engine.generate(reqs, sampling)
+        pairs = [(r.text, s.answer) for group, s in zip(res.responses, samples) for r in group]
+        out[f"{name}/colour_word_rate"] = sum(extract_answer(t) in COLOURS for t, _ in pairs) / len(pairs)
+        out[f"{name}/accuracy"] = sum(exact_match(t, a) for t, a in pairs) / len(pairs)
+        out[f"{name}/responses"] = len(pairs)
+    return out
+
+
+def judge_pairs(n: int, seed: int = 2):
+    """Balanced held-out (question, image, response, answer) items and the rule's verdicts."""
+    import random
+
+    from yatt_mm.reward.genrm import JudgeItem
+    from yatt_mm.reward.rules import exact_match
+
+    rng = random.Random(seed)
+    items, rule = [], []
+    for i, s in enumerate(_fresh_colour_samples(n, seed)):
+        wrong = [c for c in ("blue", "green", "red", "yellow") if c != s.answer]
+        response = s.answer if i % 2 == 0 else rng.choice(wrong)
+        items.append(JudgeItem(s.question, response, s.answer, images=[s.image]))
+        rule.append(exact_match(response, s.answer))
+    return items, rule
+
+
+def measure_judge(judge_dir: str | Path, n: int = 128, engine=None) -> dict:
+    """Agreement of the judge (vLLM, temperature 0, InProcessJudge with the default template)
+    with the rule reward `exact_match` on balanced held-out pairs: a constant judge gets 0.5."""
+    from yatt_mm.reward.genrm import InProcessJudge, JudgeConfig
+    from yatt_mm.rollout.engine import EngineConfig, RolloutEngine
+
+    engine = engine or RolloutEngine(EngineConfig(model=str(judge_dir)))
+    judge = InProcessJudge(JudgeConfig(model=str(judge_dir), temperature=0.0, votes=1, max_tokens=8), engine=engine)
+    items, rule = judge_pairs(n)
+    scores = judge.score(items)
+    agree = [float(s.score == r) for s, r in zip(scores, rule)]
+    pos = [a for a, r in zip(agree, rule) if r == 1.0]
+    neg = [a for a, r in zip(agree, rule) if r == 0.0]
+    return {"judge/agreement": sum(agree) / len(agree), "judge/agreement_on_correct": sum(pos) / max(len(pos), 1),
+            "judge/agreement_on_wrong": sum(neg) / max(len(neg), 1),
+            "judge/unparsed": sum(s.failure is not None for s in scores) / len(scores), "judge/pairs": len(items),
+            "judge/example_texts": [s.texts[0] if s.texts else "" for s in scores[:4]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import models  # noqa: F401 - CPU runtime hooks first
+
+    parser = argparse.ArgumentParser(prog="python -m yatt_mm.warmstart")
+    parser.add_argument("kind", choices=sorted(SETTINGS))
+    parser.add_argument("data_dir")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--measure", action="store_true", help="score the result with vLLM on fresh samples")
+    args = parser.parse_args(argv)
+    t0 = time.time()
+    path = warm_start(args.kind, args.data_dir, args.cache_dir, args.steps, args.seed)
+    result = {"kind": args.kind, "path": str(path), "seconds": time.time() - t0}
+    info = json.loads((path / "yatt_sft.json").read_text())
+    result["sft_eval_after"] = info.get("eval_after")
+    if args.measure:
+        result.update(measure_policy(path) if args.kind == "policy" else measure_judge(path))
+        (path / "measured.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
