@@ -23,8 +23,8 @@ class Root:
 def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("name: run\ninner:\n  n: 8\n")
-    cfg = load(Root, p, ["inner.temperature=0.7", "tags=[a, b]", "inner.mode=b"])
-    assert cfg.name == "run" and cfg.inner.n == 8 and cfg.inner.temperature == 0.7
+    cfg = load(Root, p, ["inner.temperature=2e-4", "tags=[a, b]", "inner.mode=b"])
+    assert cfg.name == "run" and cfg.inner.n == 8 and cfg.inner.temperature == 2e-4  # YAML reads 2e-4 as text
     assert cfg.tags == ["a", "b"] and cfg.inner.mode == "b"
 
 
@@ -32,6 +32,7 @@ def test_yaml_and_overrides(tmp_path):
     ("inner.temprature=0.5", "unknown setting 'inner.temprature'; did you mean 'temperature'"),
     ("innr.n=3", "unknown setting 'innr'; did you mean 'inner'"),
     ("inner.n=many", "inner.n: expected int"),
+    ("inner.temperature=hot", "inner.temperature: expected float"),
     ("inner.mode=c", "inner.mode: 'c' is not one of 'a', 'b'"),
     ("inner", "must look like key=value"),
 ])

@@ -25,7 +25,21 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from yatt_mm.demo import run_demo
 
-    return run_demo(run_dir=args.run_dir, n=args.n, max_tokens=args.max_tokens)
+    return run_demo(run_dir=args.run_dir, nproc=args.nproc, overrides=args.overrides)
+
+
+def _rl(args: argparse.Namespace) -> int:
+    from yatt_mm.rl.train import main as rl_main
+
+    return rl_main(["--config", args.config] + (["--nproc", str(args.nproc)] if args.nproc else []) + args.overrides)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from yatt_mm.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(f"wrote {path}")
+    return 0
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -54,15 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("demo", help="run the tiny CPU demo (today: multimodal rollout only)")
-    p.add_argument("--run-dir", default=None, help="where to write outputs (default: runs/demo-TIME)")
-    p.add_argument("--n", type=int, default=4, help="responses per prompt")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p = sub.add_parser("demo", help="the tiny CPU demo: data, warm starts, then RL with configs/tiny_demo.yaml")
+    p.add_argument("--run-dir", default=None, help="where to write outputs (default: runs/tiny-demo-TIME)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (DP groups on CPU)")
+    p.add_argument("overrides", nargs="*", help="key=value settings for the RL config, e.g. run.steps=10")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("doctor", help="check versions, devices and that vLLM and Megatron-Core run here")
     p.add_argument("--no-live", action="store_true", help="skip the live vLLM and Megatron checks")
     p.set_defaults(func=_doctor)
+
+    p = sub.add_parser("rl", help="RL (GRPO family) of a Qwen2-VL policy: one controller per DP group")
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny_demo.yaml")
+    p.add_argument("--nproc", type=int, default=None, help="run as N local ranks under torchrun (DP x TP)")
+    p.add_argument("overrides", nargs="*", help="key=value settings, e.g. run.steps=5 rollout.sampling.n=8")
+    p.set_defaults(func=_rl)
+
+    p = sub.add_parser("plot", help="write PNGs of a run: reward curve, phase timeline per rank")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_plot)
 
     p = sub.add_parser("sft", help="supervised fine-tuning of the Megatron Qwen2-VL on WebDataset shards")
     p.add_argument("--config", default=None, help="YAML config, e.g. configs/tiny_sft.yaml")

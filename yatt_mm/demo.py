@@ -1,57 +1,54 @@
-"""The tiny CPU demo. Until the RL loop lands, it runs the most complete path that works end to
-end: build the tiny policy offline, then roll it out on synthetic images and a video with vLLM
-and write every response with its per-token logprobs."""
+"""`yatt-mm demo` (the README's first command): RL of the tiny Qwen2-VL on this CPU.
+
+1. synthetic colour-question shards (train and held-out), made once;
+2. warm starts, cached: the policy learns the answer format (at chance accuracy), the judge
+   learns to grade responses against the reference (yatt_mm/warmstart.py);
+3. `yatt-mm rl --config configs/tiny_demo.yaml` on 2 ranks: GRPO with dynamic sampling, rewards
+   from an exact-match rule plus the GenRM judge, eval on held-out prompts every few steps;
+4. the reward curve and the phase timeline as PNGs, and a summary.
+"""
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from pathlib import Path
 
-from dataio.synth import colour_image, moving_ball_video
-from models.tiny import tiny_model_dir
-from yatt_mm.rollout.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
+DATA = Path("runs/demo-data")
+CONFIG = "configs/tiny_demo.yaml"
 
 
-def _request(sample) -> Request:
-    media = {"type": "image"} if sample.image is not None else {"type": "video"}
-    return Request(
-        messages=[{"role": "user", "content": [media, {"type": "text", "text": sample.question}]}],
-        images=[sample.image] if sample.image is not None else [],
-        videos=[sample.video] if sample.video is not None else [],
-    )
+def make_data() -> None:
+    from dataio.synth import write_shards
+
+    for split, n, seed in (("train", 512, 1), ("eval", 64, 2)):
+        out = DATA / split
+        if not any(out.glob("*.tar")):
+            write_shards(str(out), images=n, videos=0, samples_per_shard=128, seed=seed, tasks=["colour"])
+            print(f"[demo] wrote {n} synthetic colour questions to {out}", flush=True)
 
 
-def run_demo(run_dir: str | None = None, n: int = 4, max_tokens: int = 24) -> int:
-    out = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    print("yatt-mm demo: the RL loop is not built yet; this runs the rollout stage on CPU.")
+def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | None = None) -> int:
+    from yatt_mm.launch import relaunch
+    from yatt_mm.plot import plot_run
+    from yatt_mm.warmstart import warm_start
 
-    t0 = time.perf_counter()
-    model = tiny_model_dir("policy", seed=0)
-    print(f"[1/3] tiny policy ready in {time.perf_counter() - t0:.1f}s: {model}")
-
-    engine = RolloutEngine(EngineConfig(model=str(model)))
-    print(f"[2/3] vLLM engine up in {engine.startup_seconds:.1f}s")
-
-    rng = random.Random(0)
-    samples = [colour_image(rng) for _ in range(4)] + [moving_ball_video(rng) for _ in range(2)]
-    result = engine.generate([_request(s) for s in samples], SamplingConfig(n=n, max_tokens=max_tokens))
-    print(
-        f"[3/3] {len(samples)} prompts x {n} responses: {result.generated_tokens} tokens in "
-        f"{result.seconds:.2f}s ({result.tokens_per_s:.0f} tok/s)"
-    )
-
-    with open(out / "rollout.jsonl", "w") as f:
-        for sample, group in zip(samples, result.responses):
-            kind = "image" if sample.image is not None else "video"
-            for r in group:
-                f.write(json.dumps({
-                    "media": kind, "question": sample.question, "answer": sample.answer,
-                    "response": r.text, "token_ids": r.token_ids, "logprobs": r.logprobs,
-                    "finish_reason": r.finish_reason,
-                }) + "\n")
-            print(f"  {kind:5s} {sample.question!r} (answer {sample.answer}) -> {group[0].text[:40]!r}")
-    print(f"responses and logprobs written to {out / 'rollout.jsonl'}")
+    start = time.time()
+    run = Path(run_dir or f"runs/tiny-demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"[demo] RL of a tiny Qwen2-VL on CPU; everything goes to {run}", flush=True)
+    make_data()
+    for kind in ("policy", "judge"):  # before the ranks start: cached after the first demo
+        print(f"[demo] warm start of the {kind}: {warm_start(kind, DATA / 'train')}", flush=True)
+    rc = relaunch("yatt_mm.rl.train", nproc, ["--config", CONFIG, f"run.run_dir={run}", *(overrides or [])])
+    if rc != 0:
+        print(f"[demo] the RL run failed (exit code {rc}); see the output above", flush=True)
+        return rc
+    for png in plot_run(run):
+        print(f"[demo] wrote {png}", flush=True)
+    evals = [(r["step"], r["eval/reward_mean"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if "eval/reward_mean" in r]
+    if evals:
+        (s0, first), (s1, last) = evals[0], evals[-1]
+        print(f"[demo] held-out exact-match reward: {first:.3f} at step {s0} -> {last:.3f} at step {s1} "
+              f"({time.time() - start:.0f}s in all)", flush=True)
     return 0

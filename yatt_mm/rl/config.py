@@ -79,14 +79,22 @@ class RLConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-def resolve_model(name: str) -> str:
-    """`tiny:KIND` builds (or reuses) the offline tiny model; anything else is a directory."""
+def resolve_model(name: str, data_shards: list[str] | None = None) -> str:
+    """`tiny:KIND` builds (or reuses) the offline tiny model; `warmstart:KIND` the tiny model
+    after its short, cached SFT on the run's first data directory (yatt_mm/warmstart.py);
+    anything else is an HF directory."""
     from pathlib import Path
 
     if name.startswith("tiny:"):
         from models.tiny import tiny_model_dir
 
         return str(tiny_model_dir(name.split(":", 1)[1]))
+    if name.startswith("warmstart:"):
+        from yatt_mm.warmstart import warm_start
+
+        if not data_shards:
+            raise ValueError(f"{name}: a warm start trains on the run's data, but data.shards is empty")
+        return str(warm_start(name.split(":", 1)[1], data_shards[0]))
     if not (Path(name) / "config.json").is_file():
         raise FileNotFoundError(f"policy.model: {name} is not an HF model directory (no config.json); "
                                 "use tiny:policy for the built-in tiny model")

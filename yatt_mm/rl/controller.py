@@ -69,8 +69,8 @@ class Controller:
     def train_samples(self, chosen: StepGroups) -> list[list[TrainSample]]:
         """Per group, its responses as training samples with GRPO-family advantages."""
         out = []
-        for group, masked in zip(chosen.groups, chosen.masked):
+        for i, (group, masked) in enumerate(zip(chosen.groups, chosen.masked)):
             rewards = torch.tensor(group.rewards, dtype=torch.float32)
             adv = advantages(self.algorithm, rewards, [0] * len(group.rewards))
-            out.append(self.builder.build(group, adv.tolist(), masked))
+            out.append(self.builder.build(group, adv.tolist(), masked, stale=i < chosen.from_buffer))
         return out

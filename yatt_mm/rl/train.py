@@ -59,7 +59,7 @@ class Run:
         if self.rank == 0:
             (self.run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str))
 
-        self.policy_dir = resolve_model(cfg.policy.model)
+        self.policy_dir = resolve_model(cfg.policy.model, cfg.data.shards)
         self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer)
         self.processor = AutoProcessor.from_pretrained(self.policy_dir)
         self.engine = self.controller = self.eval_prompts = None
@@ -72,7 +72,7 @@ class Run:
         engine_cfg = cfg.rollout.engine
         engine_cfg.model = self.policy_dir
         self.engine = RolloutEngine(engine_cfg)
-        self.judges = [(wj.judge.name, _make_judge(wj.judge), wj.weight) for wj in cfg.reward.judges]
+        self.judges = [(wj.judge.name, _make_judge(wj.judge, cfg.data.shards), wj.weight) for wj in cfg.reward.judges]
         rewarder = Rewarder(cfg.reward, self.judges)
         reader = DataReader(_rank_data(cfg.data, self.run_dir, self.dp_rank), self.dp_rank, self.dp_size)
         if cfg.run.controller == "single":
@@ -98,11 +98,11 @@ def _rank_data(data: DataConfig, run_dir: Path, dp_rank: int) -> DataConfig:
     return data
 
 
-def _make_judge(cfg):
+def _make_judge(cfg, data_shards):
     from yatt_mm.reward.genrm import InProcessJudge, ServerJudge
     from yatt_mm.reward.judge_server import JudgeServer
 
-    cfg.model = resolve_model(cfg.model) if cfg.model else cfg.model
+    cfg.model = resolve_model(cfg.model, data_shards) if cfg.model else cfg.model
     if cfg.backend == "server":
         server = JudgeServer(cfg).start()
         judge = ServerJudge(cfg, server.base_url, server.model_name)
@@ -141,16 +141,16 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     with run.timeline.phase("logprobs", step):
         old = trainer.logprobs(mbs, with_entropy=True)
     counts = _loss_counts(mbs, cfg.algorithm.loss_agg, trainer.dp_group)
-    diff_sum, entropy_sum = 0.0, 0.0
+    sums = {"diff": 0.0, "entropy": 0.0, "tokens": 0.0}
     for mb, (lp, ent) in zip(mbs, old):
-        mask = mb.extra["loss_mask"]
         mb.extra["old_logprobs"] = lp
-        diff_sum += float(((lp - mb.extra["rollout_logprobs"]).abs() * mask).sum())
-        entropy_sum += float((ent * mask).sum())
-    tok = sum_across({"d": diff_sum, "e": entropy_sum, "n": sum(float(mb.extra["loss_mask"].sum()) for mb in mbs)},
-                     trainer.dp_group)
-    metrics["train/logprob_diff_vs_rollout"] = tok["d"] / max(tok["n"], 1)
-    metrics["train/entropy"] = tok["e"] / max(tok["n"], 1)
+        fresh = mb.extra["fresh_mask"]  # vLLM sampled these with the weights the trainer has now
+        sums["diff"] += float(((lp - mb.extra["rollout_logprobs"]).abs() * fresh).sum())
+        sums["entropy"] += float((ent * fresh).sum())
+        sums["tokens"] += float(fresh.sum())
+    sums = sum_across(sums, trainer.dp_group)
+    metrics["train/logprob_diff_vs_rollout"] = sums["diff"] / max(sums["tokens"], 1)
+    metrics["train/entropy"] = sums["entropy"] / max(sums["tokens"], 1)
 
     def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
         out = policy_loss(cfg.algorithm, logprobs, mb.extra["old_logprobs"], mb.extra["advantages"],
