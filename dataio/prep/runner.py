@@ -30,7 +30,10 @@ def local_results(todo: list[tuple[int, Item]], opts: PrepOptions, workers: int)
         for i, item in todo:
             yield process(i, item, opts)
         return
-    ctx = mp.get_context("spawn")  # no fork of a process that holds threads and codec state
+    # forkserver: workers fork from a clean server process (never from this one, which may hold
+    # threads) that has the codec libraries imported already: ~0.3 s a worker instead of ~0.8 s
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["dataio.prep.work", "dataio.prep.frames", "dataio.prep.encode", "av", "PIL.Image"])
     pool = ctx.Pool(workers, initializer=_ignore_sigint)
     try:
         pending: deque = deque()
