@@ -37,10 +37,11 @@ from pathlib import Path
 
 WARMSTART_VERSION = 1
 
-# Small settings that fit the 2-core CPU: policy ~20 s, judge ~2-3 min (see README).
+# Small settings for the 2-core CPU: policy 40 steps (~10 s of training on an idle machine),
+# judge 500 steps (~2 min idle); both much longer when other jobs share the cores (see README).
 SETTINGS = {
     "policy": {"examples": "random_answer", "steps": 40, "lr": 1e-3, "batch_size": 16},
-    "judge": {"examples": "judge", "steps": 200, "lr": 3e-3, "batch_size": 16},
+    "judge": {"examples": "judge", "steps": 500, "lr": 3e-3, "batch_size": 16, "warmup_steps": 30},
 }
 TASKS = ["image/colour"]
 
@@ -91,7 +92,7 @@ def warm_start(kind: str, data_dir: str | Path, cache_dir: str | Path | None = N
         run_dir = cache / f".{out.name}.run"
         overrides = [f"model=tiny:{kind}", f"examples={s['examples']}", f"data.shards=[{Path(data_dir).resolve()}]",
                      f"data.seed={seed}", f"tasks=[{','.join(TASKS)}]", f"steps={steps}", f"batch_size={s['batch_size']}",
-                     f"micro_batch_size={s['batch_size']}", f"trainer.lr={s['lr']}", f"trainer.seed={1234 + seed}",
+                     f"micro_batch_size={s['batch_size']}", f"trainer.lr={s['lr']}", f"warmup_steps={s.get('warmup_steps', 0)}", f"trainer.seed={1234 + seed}",
                      f"seed={seed}", "eval.every=0", "eval.samples=64", f"log_every={max(1, steps // 10)}",
                      f"run_dir={run_dir}", f"output_dir={out}"]
         t0 = time.time()
