@@ -168,7 +168,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             info = run.engine.update_weights(weights.items())
             metrics["sync/seconds"], metrics["sync/bytes"] = info["seconds"], info["bytes"]
 
-    if run.leader and run.eval_prompts and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+    if run.leader and run.eval_prompts is not None and cfg.eval.every and (step + 1) % cfg.eval.every == 0:
         metrics.update(evaluate(run, step))
     if run.leader and hasattr(run.controller.source, "drain_consumed"):
         with open(run.run_dir / f"consumed_rank{run.rank}.jsonl", "a") as f:
@@ -197,17 +197,18 @@ def _empty_step(trainer) -> dict[str, float]:
 
 
 def _rollout_metrics(t: dict[str, float]) -> dict[str, float]:
-    n = max(t["responses"], 1)
+    counts = {"rollout/groups_generated": t["groups"], "rollout/padded_groups": t["padded"],
+              "rollout/waves": t["waves"], "rollout/from_buffer": t["from_buffer"]}
+    if not t["responses"]:  # the whole step came from dynamic sampling's buffer
+        return counts
+    n = t["responses"]
     mean = t["reward_sum"] / n
     return {
+        **counts,
         "rollout/reward_mean": mean,
         "rollout/reward_std": math.sqrt(max(t["reward_sq_sum"] / n - mean * mean, 0.0)),
         "rollout/valid_group_rate": t["valid_generated"] / max(t["groups"], 1),
         "rollout/response_length": t["response_tokens"] / n,
-        "rollout/groups_generated": t["groups"],
-        "rollout/padded_groups": t["padded"],
-        "rollout/waves": t["waves"],
-        "rollout/from_buffer": t["from_buffer"],
         "rollout/tokens_per_s": t["response_tokens"] / max(t["gen_seconds"], 1e-9),
     }
 
@@ -217,18 +218,24 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
     from yatt_mm.reward.rules import get_rule
 
     rule = get_rule(run.cfg.eval.reward)
-    with run.phases.phase("eval", step):
-        result = run.engine.generate([p.request() for p in run.eval_prompts],
-                                     SamplingConfig(n=1, max_tokens=run.cfg.eval.max_tokens, temperature=0.0))
-    score = sum(rule(g[0].text, p.answer, p.metadata) for p, g in zip(run.eval_prompts, result.responses))
+    score = 0.0
+    if run.eval_prompts:
+        with run.phases.phase("eval", step):
+            result = run.engine.generate([p.request() for p in run.eval_prompts],
+                                         SamplingConfig(n=1, max_tokens=run.cfg.eval.max_tokens, temperature=0.0))
+        score = sum(rule(g[0].text, p.answer, p.metadata) for p, g in zip(run.eval_prompts, result.responses))
     t = sum_across({"s": score, "n": len(run.eval_prompts)}, run.leaders)
     return {"eval/reward_mean": t["s"] / max(t["n"], 1)}
+
+
+TIMED_PHASES = ("rollout", "reward", "prepare", "balance", "logprobs", "train", "sync", "eval")
 
 
 def _phase_metrics(run: Run, step: int, seconds: float) -> dict[str, float]:
     phases = run.timeline.seconds(step)
     busy = sum(v for k, v in phases.items() if not k.startswith("switch:"))
-    local = {f"time/{k}": v for k, v in phases.items() if not k.startswith("switch:")}
+    # the same keys on every rank: a rank may skip a phase (all groups from the buffer, no eval)
+    local = {f"time/{k}": phases.get(k, 0.0) for k in TIMED_PHASES}
     local["time/step"] = seconds
     local["time/idle"] = max(seconds - busy, 0.0)
     local["memory/rss_gb"] = psutil.Process().memory_info().rss / 2**30
@@ -237,12 +244,15 @@ def _phase_metrics(run: Run, step: int, seconds: float) -> dict[str, float]:
 
 
 def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
-    parts = [f"step {step + 1}/{steps}", f"reward {m.get('rollout/reward_mean', float('nan')):.3f}",
-             f"valid {m.get('rollout/valid_group_rate', float('nan')):.2f}"]
+    if "rollout/reward_mean" in m:
+        parts = [f"step {step + 1}/{steps}", f"reward {m['rollout/reward_mean']:.3f}",
+                 f"valid {m['rollout/valid_group_rate']:.2f}"]
+    else:
+        parts = [f"step {step + 1}/{steps}", f"all {m['rollout/from_buffer']:.0f} groups from the buffer"]
     if "eval/reward_mean" in m:
         parts.append(f"eval {m['eval/reward_mean']:.3f}")
     times = " ".join(f"{k[5:]} {v:.1f}" for k, v in m.items()
-                     if k.startswith("time/") and k not in ("time/step", "time/idle_share", "time/idle"))
+                     if k.startswith("time/") and k not in ("time/step", "time/idle_share", "time/idle") and v >= 0.05)
     parts += [f"{m['time/step']:.1f}s ({times})", f"lp-diff {m.get('train/logprob_diff_vs_rollout', 0):.1e}"]
     return " | ".join(parts)
 
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
               f"run dir {run.run_dir}", flush=True)
         if run.leader:
             print(run.phases.plan.describe(), flush=True)
-    if run.leader and run.eval_prompts and cfg.eval.every:
+    if run.leader and run.eval_prompts is not None and cfg.eval.every:
         run.metrics.log(0, {**evaluate(run, -1)})
     for step in range(cfg.run.steps):
         m = rl_step(run, step)
