@@ -45,7 +45,9 @@ def make_clip(seed: int, frames: int = 96, w: int = 480, h: int = 272) -> bytes:
 
 def _decord_worker(args):
     datas, barrier = args
-    import decord
+    from dataio.decode import import_decord
+
+    decord = import_decord()
 
     barrier.wait()
     t = time.perf_counter()

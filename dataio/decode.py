@@ -168,6 +168,18 @@ def resize_frames(frames: np.ndarray, cfg: MediaConfig) -> np.ndarray:
     return out
 
 
+def import_decord():
+    """decord bundles an older libvpx: loaded before PyAV's ffmpeg, it breaks PyAV's VP9 encoder
+    for the rest of the process (avcodec_open2 returns EINVAL). Loading PyAV first keeps both."""
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        pass
+    import decord
+
+    return decord
+
+
 def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None, float | None] = (None, None),
                        expected_frames: int | None = None) -> np.ndarray:
     """Encoded video bytes -> uint8 [T, H, W, 3] at the Qwen2-VL video size.
@@ -175,7 +187,7 @@ def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None
     Checks before `get_batch`: the reported frame count is positive and plausible, matches the
     frames decord actually indexed (packets with timestamps), and matches `expected_frames`
     (the sample's JSON metadata) when that is given."""
-    import decord
+    decord = import_decord()
 
     try:
         vr = decord.VideoReader(io.BytesIO(data), num_threads=cfg.video_threads)

@@ -22,7 +22,7 @@ def rl_run(tmp_path_factory, tiny_policy):
     write_shards(str(base / "eval"), images=4, videos=0, samples_per_shard=4, seed=4, tasks=["colour"])
     run_dir = base / "run"
     cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-           f"run.run_dir={run_dir}", "run.steps=2", f"data.shards=[{base / 'train'}]",
+           f"run.run_dir={run_dir}", "run.steps=2", f"data.shards=[{base / 'train'}]", "policy.model=tiny:policy",
            f"eval.shards=[{base / 'eval'}]", "eval.every=1", "eval.num_prompts=2", "eval.max_tokens=4",
            "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
            "dynamic_sampling.max_waves=1", "data.workers=0"]

@@ -7,7 +7,6 @@ and by vLLM in a child process."""
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -120,14 +119,14 @@ def test_samples_without_media_or_answer_are_skipped_and_counted():
     assert ex.target in ("Score: 1<|im_end|>", "Score: 0<|im_end|>") and "Reference answer: red" in str(ex.messages)
 
 
-def test_warm_start_is_cached(colour_shards, tmp_path):
-    from yatt_mm.warmstart import warm_start
+def test_warm_start_is_cached_and_works_inside_a_torchrun_rank(colour_shards, tmp_path, monkeypatch):
+    import yatt_mm.warmstart as ws
 
-    t0 = time.time()
-    path = warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True)
-    first = time.time() - t0
+    # As a rank of a torchrun job calls it: the SFT child must not join the parent's rendezvous.
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}.items():
+        monkeypatch.setenv(key, value)
+    path = ws.warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True)
     assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
-    t0 = time.time()
-    assert warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True) == path
-    assert time.time() - t0 < 1.0 < first
-    assert warm_start("policy", colour_shards, cache_dir=tmp_path, steps=4, quiet=True) != path  # steps in the key
+    monkeypatch.setattr(ws.subprocess, "run", lambda *a, **k: pytest.fail("a cached warm start trained again"))
+    assert ws.warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True) == path
+    assert ws.cache_key("policy", colour_shards, 4, 0) != ws.cache_key("policy", colour_shards, 3, 0)  # steps in the key

@@ -52,13 +52,13 @@ def _sft(args: argparse.Namespace) -> int:
 def _model_parity(args: argparse.Namespace) -> int:
     import subprocess
 
+    from yatt_mm.launch import relaunch
+
     if args.tp < 1:
         raise SystemExit("--tp must be >= 1")
-    cmd = [sys.executable, "-m", "models.qwen2vl.parity", args.hf_dir]
-    if args.tp > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp),
-               *cmd[1:], "--tp", str(args.tp)]
-    return subprocess.call(cmd)  # output streams through
+    if args.tp == 1:
+        return subprocess.call([sys.executable, "-m", "models.qwen2vl.parity", args.hf_dir])  # output streams through
+    return relaunch("models.qwen2vl.parity", args.tp, [args.hf_dir, "--tp", str(args.tp)])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -490,11 +490,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"yatt-mm sft: --nproc {args.nproc} must be a positive multiple of trainer.tensor_parallel="
                   f"{cfg.trainer.tensor_parallel}", file=sys.stderr)
             return 2
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               "-m", "yatt_mm.sft"] + (["--config", args.config] if args.config else []) + args.overrides
-        import subprocess
+        from yatt_mm.launch import relaunch
 
-        return subprocess.call(cmd)
+        return relaunch("yatt_mm.sft", args.nproc, (["--config", args.config] if args.config else []) + args.overrides)
     if cfg.trainer.tensor_parallel > 1 and "RANK" not in os.environ:
         print(f"yatt-mm sft: trainer.tensor_parallel={cfg.trainer.tensor_parallel} needs several processes: "
               f"add --nproc {cfg.trainer.tensor_parallel}", file=sys.stderr)

@@ -102,13 +102,21 @@ def warm_start(kind: str, data_dir: str | Path, cache_dir: str | Path | None = N
         if not quiet:
             print(f"warm_start: training the tiny {kind} ({steps} SFT steps) into {out}", file=sys.stderr, flush=True)
         proc = subprocess.run([sys.executable, "-m", "yatt_mm.sft", *overrides], capture_output=quiet, text=True,
-                              cwd=Path(__file__).resolve().parents[1])
+                              cwd=Path(__file__).resolve().parents[1], env=_standalone_env())
         if proc.returncode != 0 or not (out / "yatt_sft.json").is_file():
             tail = (proc.stderr or "")[-3000:] if quiet else "(see the output above)"
             raise RuntimeError(f"warm_start({kind!r}) SFT failed with exit code {proc.returncode}: {tail}")
         if not quiet:
             print(f"warm_start: {kind} ready in {time.time() - t0:.0f}s: {out}", file=sys.stderr, flush=True)
     return out
+
+
+def _standalone_env() -> dict[str, str]:
+    """The environment without torchrun's variables: called from a rank of a torchrun job, the
+    SFT child would otherwise join the parent's rendezvous as that rank and wait forever."""
+    torchrun = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+    return {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC_")}
 
 
 # ---------------------------------------------------------------- measurements (vLLM)

@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"yatt-mm rl: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None and not under_torchrun():
+        if args.nproc % cfg.policy.trainer.tensor_parallel:
+            print(f"yatt-mm rl: --nproc {args.nproc} is not a multiple of policy.trainer.tensor_parallel="
+                  f"{cfg.policy.trainer.tensor_parallel}", file=sys.stderr)
+            return 2
         return relaunch("yatt_mm.rl.train", args.nproc, ["--config", args.config, *args.overrides])
     run = Run(cfg)
     if run.rank == 0:

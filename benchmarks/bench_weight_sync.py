@@ -1,0 +1,52 @@
+"""Weight sync into the rollout engine: seconds vs model bytes.
+
+yatt-mm pushes (HF name, tensor) pairs into the running vLLM engine in place (`reload_weights`
+RPC, then the encoder and prefix caches are dropped). Baseline in the same run: the
+checkpoint round trip many setups use instead — write the HF safetensors to disk, then have the
+engine reload them from that file.
+
+Last line: JSON with seconds and bytes (yatt-mm's in-place sync), plus the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import models  # noqa: F401
+
+
+def main(rounds: int = 5) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from models.tiny import tiny_model_dir
+    from yatt_mm.rollout.engine import EngineConfig, RolloutEngine
+
+    path = tiny_model_dir("policy")
+    engine = RolloutEngine(EngineConfig(model=str(path)))
+    weights = load_file(str(path / "model.safetensors"))
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    ours, disk = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "model.safetensors"
+        for i in range(rounds):
+            new = {k: v + 1e-3 * (i + 1) for k, v in weights.items()}
+            ours.append(engine.update_weights(new.items())["seconds"])
+            start = time.perf_counter()
+            save_file(new, str(f))
+            engine.update_weights(load_file(str(f)).items())  # same engine path, via the disk
+            disk.append(time.perf_counter() - start)
+    engine.update_weights(weights.items())
+    s, d = statistics.median(ours), statistics.median(disk)
+    print(f"in-place sync of {nbytes / 1e6:.2f} MB: {s * 1e3:.1f} ms ({nbytes / s / 1e9:.2f} GB/s); "
+          f"through a checkpoint file: {d * 1e3:.1f} ms (median of {rounds})")
+    print(json.dumps({"seconds": round(s, 4), "bytes": nbytes, "gb_per_s": round(nbytes / s / 1e9, 3),
+                      "via_disk_seconds": round(d, 4)}))
+
+
+if __name__ == "__main__":
+    main()
