@@ -19,6 +19,9 @@ from pathlib import Path
 
 # Bump when the architecture, tokenizer or processors below change: it invalidates caches.
 FACTORY_VERSION = 2
+# The Qwen2.5-VL kinds have their own version on top of FACTORY_VERSION, so changing them leaves
+# the Qwen2-VL kinds' cache keys (and the warm starts hashed from them) alone.
+QWEN25_VERSION = 1
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -87,7 +90,14 @@ class TinySpec:
     video_max_pixels: int = 28 * 28 * 16
 
 
-KINDS = ("policy", "judge")
+KINDS = ("policy", "judge", "policy25")
+QWEN25_KINDS = ("policy25",)  # Qwen2.5-VL architecture (window attention vision tower)
+
+# The tiny Qwen2.5-VL vision tower: RMSNorm, gated SiLU MLP with bias, window attention in
+# every block except the last. Windows of 56 px = 2x2 merged tokens, so the small test images
+# (up to 8x8 merged tokens) hold several windows. Vision head_dim 32 (vLLM's CPU encoder
+# attention takes it); text as the Qwen2-VL policy.
+QWEN25_VISION = dict(intermediate_size=128, window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
 
 
 def _spec_for(kind: str, seed: int) -> TinySpec:
@@ -97,6 +107,11 @@ def _spec_for(kind: str, seed: int) -> TinySpec:
     if kind == "judge":
         return TinySpec(kind=kind, seed=seed, num_layers=3)
     return TinySpec(kind=kind, seed=seed)
+
+
+def _version(kind: str) -> str:
+    """The cache version of a kind: FACTORY_VERSION, plus QWEN25_VERSION for Qwen2.5-VL kinds."""
+    return f"{FACTORY_VERSION}" if kind not in QWEN25_KINDS else f"{FACTORY_VERSION}.q25-{QWEN25_VERSION}"
 
 
 def _training_corpus(n_lines: int = 4000) -> list[str]:
@@ -146,6 +161,8 @@ def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -
         Qwen2VLVideoProcessor,
     )
 
+    if kind in QWEN25_KINDS:
+        return _build_tiny_qwen25(out_dir, kind, seed)
     spec = _spec_for(kind, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,11 +240,93 @@ def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -
     return out
 
 
+def _build_tiny_qwen25(out_dir: str | Path, kind: str, seed: int) -> Path:
+    """A tiny Qwen2.5-VL: the Qwen2-VL policy's tokenizer, text sizes and processors, with
+    Qwen2.5-VL's vision tower (QWEN25_VISION)."""
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    spec = _spec_for(kind, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    head_dim = spec.hidden_size // spec.num_heads
+    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+            },
+            **special,
+        ),
+        vision_config=dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_embed_dim,
+            out_hidden_size=spec.hidden_size,
+            num_heads=spec.vision_heads,
+            hidden_act="silu",
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            **QWEN25_VISION,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        **special,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, spec.lm_head_std)
+        # RMSNorm weights start at 1: perturb them (and the zero biases) so that conversion
+        # mistakes that swap or drop them show up in parity
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(out, safe_serialization=True)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
+                                              patch_size=14, merge_size=2),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.video_max_pixels,
+                                              patch_size=14, merge_size=2, cap_pixels_per_frame=True),
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    (out / "yatt_tiny.json").write_text(json.dumps(
+        {"factory_version": FACTORY_VERSION, "qwen25_version": QWEN25_VERSION, **asdict(spec),
+         "arch": "qwen2_5_vl", "vision": QWEN25_VISION}, indent=1))
+    return out
+
+
 def is_built(path: str | Path, kind: str, seed: int) -> bool:
     stamp = Path(path) / "yatt_tiny.json"
     if not stamp.is_file():
         return False
     meta = json.loads(stamp.read_text())
+    if kind in QWEN25_KINDS and meta.get("qwen25_version") != QWEN25_VERSION:
+        return False
     return (meta.get("factory_version"), meta.get("kind"), meta.get("seed")) == (
         FACTORY_VERSION,
         kind,
@@ -273,5 +372,5 @@ def cache_root() -> Path:
 
 def tiny_model_dir(kind: str = "policy", seed: int = 0) -> Path:
     """The cached tiny model for (kind, seed), built on first use."""
-    path = cache_root() / "tiny" / f"{kind}-seed{seed}-v{FACTORY_VERSION}"
+    path = cache_root() / "tiny" / f"{kind}-seed{seed}-v{_version(kind)}"
     return make_tiny_model(path, kind=kind, seed=seed)[0]

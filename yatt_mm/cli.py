@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="build a tiny random Qwen2-VL offline (cached)")
     p.add_argument("dir", help="output directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kind", choices=["policy", "judge"], default="policy")
+    p.add_argument("--kind", choices=["policy", "judge", "policy25"], default="policy")
     p.set_defaults(func=_make_tiny_model)
 
     from dataio.cli import add_subcommands as add_data_subcommands  # argparse only; heavy imports are lazy

@@ -1,4 +1,5 @@
-"""Qwen2-VL's Hugging Face config, read into the two Megatron-Core configs the model needs."""
+"""Qwen2-VL's and Qwen2.5-VL's Hugging Face configs, read into the two Megatron-Core configs the
+model needs. The language models are the same; the vision towers differ (see `vision_config`)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,25 @@ class Qwen2VLSpec:
     temporal_patch_size: int
     spatial_merge_size: int
     in_channels: int
+    # Qwen2.5-VL only (the defaults describe Qwen2-VL): the vision tower's gated MLP width, its
+    # attention windows (in pixels) and the blocks with full (per-frame) attention, and the
+    # temporal M-RoPE scale (positions per second of video).
+    model_type: str = "qwen2_vl"
+    vision_intermediate_size: int = 0
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
+    tokens_per_second: float = 1.0
+
+    @property
+    def is_qwen25(self) -> bool:
+        return self.model_type == "qwen2_5_vl"
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Qwen2VLSpec":
         cfg = json.loads((Path(path) / "config.json").read_text())
-        if cfg.get("model_type") != "qwen2_vl":
-            raise ValueError(f"{path}: model_type is {cfg.get('model_type')!r}; this loader reads qwen2_vl")
+        model_type = cfg.get("model_type")
+        if model_type not in ("qwen2_vl", "qwen2_5_vl"):
+            raise ValueError(f"{path}: model_type is {model_type!r}; this loader reads qwen2_vl and qwen2_5_vl")
         text = cfg.get("text_config") or cfg  # transformers 4.x kept text settings at the top
         vision = cfg["vision_config"]
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -64,7 +78,8 @@ class Qwen2VLSpec:
             video_token_id=cfg["video_token_id"],
             vision_start_token_id=cfg["vision_start_token_id"],
             vision_depth=vision["depth"],
-            vision_embed_dim=vision["embed_dim"],
+            # Qwen2.5-VL names the tower's width hidden_size (and the LLM's out_hidden_size)
+            vision_embed_dim=vision["embed_dim"] if model_type == "qwen2_vl" else vision["hidden_size"],
             vision_heads=vision["num_heads"],
             vision_mlp_ratio=vision.get("mlp_ratio", 4),
             vision_rope_theta=vrope.get("rope_theta", 10000.0),
@@ -72,6 +87,13 @@ class Qwen2VLSpec:
             temporal_patch_size=vision.get("temporal_patch_size", 2),
             spatial_merge_size=vision.get("spatial_merge_size", 2),
             in_channels=vision.get("in_channels", 3),
+            **({} if model_type == "qwen2_vl" else dict(
+                model_type=model_type,
+                vision_intermediate_size=vision["intermediate_size"],
+                window_size=vision.get("window_size", 112),
+                fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                tokens_per_second=vision.get("tokens_per_second", 4),
+            )),
         )
 
 
@@ -120,8 +142,26 @@ def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: i
 
 
 def vision_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1):
+    """Qwen2-VL: LayerNorm and a quick-GELU MLP; Qwen2.5-VL: RMSNorm and a gated SiLU MLP, both
+    with biases on every linear."""
     from megatron.core.transformer import TransformerConfig
 
+    if spec.is_qwen25:
+        return TransformerConfig(
+            num_layers=spec.vision_depth,
+            hidden_size=spec.vision_embed_dim,
+            ffn_hidden_size=spec.vision_intermediate_size,
+            num_attention_heads=spec.vision_heads,
+            num_query_groups=spec.vision_heads,
+            kv_channels=spec.vision_embed_dim // spec.vision_heads,
+            normalization="RMSNorm",
+            layernorm_epsilon=1e-6,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=True,
+            add_qkv_bias=True,
+            **_common(dtype, tp),
+        )
     return TransformerConfig(
         num_layers=spec.vision_depth,
         hidden_size=spec.vision_embed_dim,

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2-VL <-> Megatron weights, at any tensor-parallel size.
+"""Hugging Face Qwen2-VL and Qwen2.5-VL <-> Megatron weights, at any tensor-parallel size.
 
 Two steps each way, so each stays simple: names and layouts (HF tensors <-> full, unsharded
 Megatron tensors: `hf_to_megatron` / `megatron_to_hf`), and tensor parallelism (full <-> this
@@ -32,7 +32,25 @@ _VISION_LAYER = {
     "mlp.fc2.weight": "mlp.linear_fc2.weight",
     "mlp.fc2.bias": "mlp.linear_fc2.bias",
 }
+# Qwen2.5-VL's vision blocks: RMSNorm (weight only) and a gated MLP whose gate_proj/up_proj
+# (weights and biases) become one linear_fc1 [gate; up], as in the language model.
+_VISION_LAYER_25 = {
+    "norm1.weight": "input_layernorm.weight",
+    "attn.proj.weight": "self_attention.linear_proj.weight",
+    "attn.proj.bias": "self_attention.linear_proj.bias",
+    "norm2.weight": "pre_mlp_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "mlp.down_proj.bias": "mlp.linear_fc2.bias",
+}
 _MERGER = {"ln_q": "ln_q", "mlp.0": "fc1", "mlp.2": "fc2"}
+
+
+def _merger_keys(spec: Qwen2VLSpec):
+    """(HF suffix, Megatron suffix) of the merger's tensors; Qwen2.5-VL's ln_q has no bias."""
+    for a, b in _MERGER.items():
+        for kind in ("weight", "bias"):
+            if not (spec.is_qwen25 and a == "ln_q" and kind == "bias"):
+                yield f"{a}.{kind}", f"{b}.{kind}"
 
 
 def hf_prefixes(keys) -> tuple[str, str]:
@@ -91,14 +109,16 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: Qwen2VLSpec) -> dict[str, 
     out["vision.patch_embed.weight"] = hf[f"{v}patch_embed.proj.weight"].reshape(spec.vision_embed_dim, -1)
     for i in range(spec.vision_depth):
         src, dst = f"{v}blocks.{i}.", f"vision.decoder.layers.{i}."
-        for a, b in _VISION_LAYER.items():
+        for a, b in (_VISION_LAYER_25 if spec.is_qwen25 else _VISION_LAYER).items():
             out[dst + b] = hf[src + a]
         for kind in ("weight", "bias"):
             q, k, vv = hf[f"{src}attn.qkv.{kind}"].chunk(3)
             out[f"{dst}self_attention.linear_qkv.{kind}"] = _qkv_to_megatron(q, k, vv, spec.vision_heads)
-    for a, b in _MERGER.items():
-        for kind in ("weight", "bias"):
-            out[f"vision.merger.{b}.{kind}"] = hf[f"{v}merger.{a}.{kind}"]
+            if spec.is_qwen25:
+                out[f"{dst}mlp.linear_fc1.{kind}"] = torch.cat([hf[f"{src}mlp.gate_proj.{kind}"],
+                                                               hf[f"{src}mlp.up_proj.{kind}"]])
+    for a, b in _merger_keys(spec):
+        out[f"vision.merger.{b}"] = hf[f"{v}merger.{a}"]
     return out
 
 
@@ -123,31 +143,41 @@ def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen2VLSpec,
     out[f"{v}patch_embed.proj.weight"] = full["vision.patch_embed.weight"].reshape(patch)
     for i in range(spec.vision_depth):
         src, dst = f"vision.decoder.layers.{i}.", f"{v}blocks.{i}."
-        for a, b in _VISION_LAYER.items():
+        for a, b in (_VISION_LAYER_25 if spec.is_qwen25 else _VISION_LAYER).items():
             out[dst + a] = full[src + b]
         for kind in ("weight", "bias"):
             q, k, vv = _qkv_from_megatron(full[f"{src}self_attention.linear_qkv.{kind}"], spec.vision_heads, spec.vision_heads)
             out[f"{dst}attn.qkv.{kind}"] = torch.cat([q, k, vv])
-    for a, b in _MERGER.items():
-        for kind in ("weight", "bias"):
-            out[f"{v}merger.{a}.{kind}"] = full[f"vision.merger.{b}.{kind}"]
+            if spec.is_qwen25:
+                gate, up = full[f"{src}mlp.linear_fc1.{kind}"].chunk(2)
+                out[f"{dst}mlp.gate_proj.{kind}"], out[f"{dst}mlp.up_proj.{kind}"] = gate, up
+    for a, b in _merger_keys(spec):
+        out[f"{v}merger.{a}"] = full[f"vision.merger.{b}"]
     return out
 
 
 _GATED_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.linear_fc1\.weight$")
+# Qwen2.5-VL's vision MLP is gated too, biases included
+_GATED_VISION_FC1 = re.compile(r"^vision\.decoder\.layers\.\d+\.mlp\.linear_fc1\.(weight|bias)$")
 
 
-def shard(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This TP rank's part of a full tensor, as Megatron partitions `param`."""
+def _gated(name: str, gated_vision: bool) -> bool:
+    return bool(_GATED_FC1.match(name) or (gated_vision and _GATED_VISION_FC1.match(name)))
+
+
+def shard(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int,
+          gated_vision: bool = False) -> torch.Tensor:
+    """This TP rank's part of a full tensor, as Megatron partitions `param`. `gated_vision`:
+    the vision MLP's fc1 is [gate; up] (Qwen2.5-VL, `spec.is_qwen25`)."""
     if size == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    if _GATED_FC1.match(name):  # [gate; up]: each rank holds [its gate part; its up part]
+    if _gated(name, gated_vision):  # [gate; up]: each rank holds [its gate part; its up part]
         return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim)], dim)
     return full.chunk(size, dim)[rank]
 
 
-def gather(name: str, param: torch.Tensor, group=None) -> torch.Tensor:
+def gather(name: str, param: torch.Tensor, group=None, gated_vision: bool = False) -> torch.Tensor:
     """The full tensor from every TP rank's shard of `param` (collective over `group`)."""
     import torch.distributed as dist
 
@@ -157,7 +187,7 @@ def gather(name: str, param: torch.Tensor, group=None) -> torch.Tensor:
     parts = [torch.empty_like(param) for _ in range(size)]
     dist.all_gather(parts, param.detach().contiguous(), group=group)
     dim = param.partition_dim
-    if _GATED_FC1.match(name):
+    if _gated(name, gated_vision):
         halves = [p.chunk(2, dim) for p in parts]
         return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
     return torch.cat(parts, dim)
@@ -173,7 +203,7 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, t
         raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for name, p in params.items():
-            part = shard(name, full[name], p, tp_rank, tp_size)
+            part = shard(name, full[name], p, tp_rank, tp_size, model.spec.is_qwen25)
             if part.shape != p.shape:
                 raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
             p.copy_(part.to(p.dtype))
@@ -181,6 +211,6 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, t
 
 def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """HF-named full tensors of the model (gathered over the TP group); every TP rank gets them."""
-    full = {name: gather(name, p, tp_group) for name, p in model.named_parameters()}
+    full = {name: gather(name, p, tp_group, model.spec.is_qwen25) for name, p in model.named_parameters()}
     hf = megatron_to_hf(full, model.spec)
     return {k: (t.to(dtype) if dtype else t).contiguous() for k, t in hf.items()}

@@ -1,4 +1,4 @@
-"""Qwen2-VL on Megatron-Core: the vision tower's outputs replace the image/video pad tokens'
+"""Qwen2-VL and Qwen2.5-VL on Megatron-Core: the vision tower's outputs replace the image/video pad tokens'
 embeddings, then Megatron's GPTModel (M-RoPE, QKV bias, RMSNorm, SwiGLU) runs the text."""
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ class VLMInputs:
         attention_mask = batch.get("attention_mask")
         if attention_mask is not None and bool((attention_mask[:, 0] == 0).any()):
             raise ValueError("left padding is not supported: set the tokenizer's padding_side='right'")
+        seconds = batch.get("second_per_grid_ts")
+        if spec.is_qwen25 and batch.get("video_grid_thw") is not None and seconds is None:
+            # vLLM always has the processor's value; guessing one would shift temporal positions
+            raise ValueError("Qwen2.5-VL video inputs need the processor's second_per_grid_ts in the batch")
         position_ids = rope_index(batch["input_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
-                                  spec.image_token_id, spec.video_token_id, spec.spatial_merge_size, attention_mask)
+                                  spec.image_token_id, spec.video_token_id, spec.spatial_merge_size, attention_mask,
+                                  seconds if spec.is_qwen25 else None, spec.tokens_per_second)
         return cls(batch["input_ids"], position_ids, attention_mask, batch.get("pixel_values"),
                    batch.get("image_grid_thw"), batch.get("pixel_values_videos"), batch.get("video_grid_thw"))
 

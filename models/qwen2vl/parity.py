@@ -1,4 +1,4 @@
-"""Megatron Qwen2-VL vs transformers on the same weights and inputs: logits side by side.
+"""Megatron Qwen2-VL / Qwen2.5-VL vs transformers on the same weights and inputs: logits side by side.
 
 `yatt-mm model parity HF_DIR [--tp N]` runs this (under torchrun when N > 1). Built-in probes:
 text only, one image, two images, one video. The last line printed is one JSON object with the
@@ -62,7 +62,7 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
 
 def run_parity(hf_dir: str, tp: int = 1) -> dict[str, float]:
     import models  # noqa: F401 - CPU runtime hooks
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     from models.qwen2vl.config import Qwen2VLSpec
     from models.qwen2vl.convert import load_hf_into
@@ -72,7 +72,8 @@ def run_parity(hf_dir: str, tp: int = 1) -> dict[str, float]:
     spec = Qwen2VLSpec.from_hf_dir(hf_dir)
     model = Qwen2VLModel(spec, torch.float32, tp).eval()
     load_hf_into(model, hf_dir, tp_rank, tp)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf_cls = Qwen2_5_VLForConditionalGeneration if spec.is_qwen25 else Qwen2VLForConditionalGeneration
+    hf = hf_cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(hf_dir)
 
     result = {}

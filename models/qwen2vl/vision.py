@@ -1,8 +1,15 @@
-"""Qwen2-VL's vision tower on Megatron-Core blocks.
+"""Qwen2-VL's and Qwen2.5-VL's vision towers on Megatron-Core blocks.
 
 Patch embedding (the Conv3d with kernel == stride, written as the equal Linear over flattened
 patches), a TransformerBlock with bidirectional attention inside each frame, 2-D rotary
 embedding over (row, column) of every patch, and the patch merger (2x2 patches -> one LLM token).
+
+Qwen2.5-VL differs in the blocks (RMSNorm, gated SiLU MLP with bias: `config.vision_config`),
+the merger's norm (RMSNorm), and attention: blocks not in `fullatt_block_indexes` attend only
+within windows of `window_size` pixels (a square of merged tokens) of a frame. transformers and
+vLLM permute the patches so each window is contiguous and run variable-length attention; here
+the patches stay in the processor's order and a block-diagonal-up-to-permutation mask says who
+sees whom, which is the same attention (it is permutation-equivariant) without the reordering.
 """
 
 from __future__ import annotations
@@ -73,11 +80,31 @@ def frame_attention_mask(grid_thw: torch.Tensor, device=None) -> torch.Tensor:
     return (frame[:, None] != frame[None, :])[None, None]
 
 
+def window_attention_mask(grid_thw: torch.Tensor, merge: int, window_merged: int, device=None) -> torch.Tensor:
+    """Qwen2.5-VL's window attention as a mask (True = masked): a patch sees the patches of its
+    own frame whose merged token lies in the same `window_merged` x `window_merged` square of
+    merged tokens (windows tile each frame from the top-left; edge windows are smaller), which
+    is what transformers' and vLLM's `get_window_index` group together. [1, 1, patches, patches]."""
+    ids, offset = [], 0
+    for t, h, w in grid_thw.tolist():
+        pos = vision_position_ids(torch.tensor([[1, h, w]]), merge)  # [h*w, 2] (row, col) in order
+        wr, wc = pos[:, 0] // merge // window_merged, pos[:, 1] // merge // window_merged
+        n_wc = -(-(w // merge) // window_merged)
+        per_frame = wr * n_wc + wc
+        n_windows = int(per_frame.max()) + 1
+        for f in range(t):
+            ids.append(per_frame + offset + f * n_windows)
+        offset += t * n_windows
+    window = torch.cat(ids).to(device)
+    return (window[:, None] != window[None, :])[None, None]
+
+
 class PatchMerger(nn.Module):
-    def __init__(self, embed_dim: int, out_dim: int, merge: int, dtype: torch.dtype):
+    def __init__(self, embed_dim: int, out_dim: int, merge: int, dtype: torch.dtype, rms_norm: bool = False):
         super().__init__()
         self.hidden = embed_dim * merge * merge
-        self.ln_q = nn.LayerNorm(embed_dim, eps=1e-6, dtype=dtype)
+        norm = nn.RMSNorm if rms_norm else nn.LayerNorm  # Qwen2.5-VL: RMSNorm (weight only)
+        self.ln_q = norm(embed_dim, eps=1e-6, dtype=dtype)
         self.fc1 = nn.Linear(self.hidden, self.hidden, dtype=dtype)
         self.fc2 = nn.Linear(self.hidden, out_dim, dtype=dtype)
 
@@ -98,7 +125,8 @@ class Qwen2VisionModel(nn.Module):
         self.patch_embed = nn.Linear(patch_dim, spec.vision_embed_dim, bias=False, dtype=dtype)
         self.decoder = TransformerBlock(config=config, spec=vision_layer_spec(),
                                         pre_process=True, post_process=False, post_layer_norm=False)
-        self.merger = PatchMerger(spec.vision_embed_dim, spec.hidden_size, spec.spatial_merge_size, dtype)
+        self.merger = PatchMerger(spec.vision_embed_dim, spec.hidden_size, spec.spatial_merge_size, dtype,
+                                  rms_norm=spec.is_qwen25)
         head_dim = spec.vision_embed_dim // spec.vision_heads
         spatial = head_dim // 2
         inv_freq = 1.0 / (spec.vision_rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
@@ -117,5 +145,16 @@ class Qwen2VisionModel(nn.Module):
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
         x = x[:, None, :]  # [s, b=1, h]: Megatron's layout
         mask = frame_attention_mask(grid_thw, x.device)
-        x = self.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=self.rotary(grid_thw).to(x.device))
+        rotary = self.rotary(grid_thw).to(x.device)
+        if not self.spec.is_qwen25:
+            x = self.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary)
+            return self.merger(x[:, 0, :])
+        # Qwen2.5-VL: a different mask per block (window or full), so the layers run one by one
+        # (the block has no final norm and nothing else to do between layers)
+        window = window_attention_mask(grid_thw, self.spec.spatial_merge_size,
+                                       self.spec.window_size // self.spec.spatial_merge_size // self.spec.patch_size,
+                                       x.device)
+        for i, layer in enumerate(self.decoder.layers):
+            x, _ = layer(hidden_states=x, attention_mask=mask if i in self.spec.fullatt_block_indexes else window,
+                         rotary_pos_emb=rotary)
         return self.merger(x[:, 0, :])
