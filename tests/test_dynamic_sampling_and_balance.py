@@ -89,3 +89,33 @@ def test_plan_moves_keeps_what_is_already_balanced():
     new_owner, moves = plan_moves(costs, owner, 2)
     assert len(moves) == 2 and all(m.src == 0 and m.dst == 1 for m in moves)
     assert imbalance(loads_of(costs, new_owner, 2)) == pytest.approx(1.0)
+
+
+def test_phase_runner_releases_what_a_phase_does_not_need_and_acquires_what_it_does():
+    from yatt_mm.metrics import Timeline
+    from yatt_mm.rl.placement import PhaseRunner, full_colocation
+
+    class Engine:
+        def __init__(self, log, name):
+            self.log, self.name = log, name
+
+        def release(self):
+            self.log.append(f"release {self.name}")
+            return 0.0
+
+        def acquire(self):
+            self.log.append(f"acquire {self.name}")
+            return 0.0
+
+    log = []
+    runner = PhaseRunner(full_colocation(), {"rollout": [Engine(log, "actor")], "judge": [Engine(log, "judge")]},
+                         Timeline(rank=0))
+    with runner.phase("rollout", 0):
+        assert log == ["release judge"]
+    with runner.phase("reward", 0):
+        pass
+    with runner.phase("train", 0):
+        pass
+    assert log == ["release judge", "release actor", "acquire judge", "release judge"]
+    assert [s["phase"] for s in runner.timeline.spans if not s["phase"].startswith("switch")] == ["rollout", "reward", "train"]
+    assert "full" in full_colocation().describe() and "rollout[rollout]" in full_colocation().describe()

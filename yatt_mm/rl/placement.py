@@ -46,10 +46,11 @@ class PhaseRunner:
     """Runs phases of a plan: before a phase, releases every resident role the phase does not
     need (vLLM sleep on GPUs; a no-op for CPU engines kept resident) and acquires those it does."""
 
-    def __init__(self, plan: PlacementPlan, resources: dict[str, object], timeline: Timeline):
+    def __init__(self, plan: PlacementPlan, resources: dict[str, list], timeline: Timeline):
         self.plan = plan
         self.phases = {p.name: p for p in plan.phases}
-        self.resources = {k: v for k, v in resources.items() if v is not None}  # role -> object with acquire/release
+        # role -> the objects (with acquire()/release()) that hold its memory, e.g. judge engines
+        self.resources = {role: objs for role, objs in resources.items() if objs}
         self.timeline = timeline
         self.resident: set[str] = set(self.resources)
         self.switch_seconds = 0.0
@@ -59,11 +60,11 @@ class PhaseRunner:
         spec = self.phases[name]
         with self.timeline.phase(f"switch:{name}", step):
             for role in sorted(self.resident - set(spec.roles)):
-                self.switch_seconds += self.resources[role].release()
+                self.switch_seconds += sum(obj.release() for obj in self.resources[role])
                 self.resident.discard(role)
             for role in spec.roles:
                 if role in self.resources and role not in self.resident:
-                    self.switch_seconds += self.resources[role].acquire()
+                    self.switch_seconds += sum(obj.acquire() for obj in self.resources[role])
                     self.resident.add(role)
         with self.timeline.phase(name, step):
             yield

@@ -79,7 +79,7 @@ class Run:
             source = SingleControllerSource(reader if self.dp_rank == 0 else None, self.dp_rank, self.dp_size)
         else:
             source = ParallelSource(reader)
-        resources = {"rollout": self.engine} | {f"judge:{n}": j.engine for n, j, _ in self.judges if hasattr(j, "engine")}
+        resources = {"rollout": [self.engine], "judge": [j.engine for _, j, _ in self.judges if hasattr(j, "engine")]}
         self.phases = PhaseRunner(full_colocation(), resources, self.timeline)
         builder = SampleBuilder(self.processor, self.engine.prompt_text)
         self.controller = Controller(source, self.engine, rewarder, DynamicSampler(cfg.dynamic_sampling),
