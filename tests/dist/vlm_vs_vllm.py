@@ -1,9 +1,14 @@
 """Trainer (Megatron Qwen2-VL) and rollout engine (vLLM) in one process, as in an RL rank:
 logprobs of vLLM-sampled responses under both, before and after a training step whose weights
-are pushed into the engine. Prints one JSON line."""
+are pushed into the engine. Prints one JSON line.
+
+`--kind policy25` runs the tiny Qwen2.5-VL; the script then also records the M-RoPE positions
+vLLM computes for each prompt and compares them with ours (`positions_equal`), and reports the
+sampled responses' lengths (vLLM generated from the image and the video)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -22,15 +27,45 @@ def build(processor, spec, engine, request, response_ids):
     media = {"images": request.images} if request.images else {"videos": request.videos}
     batch = dict(processor(text=[engine.prompt_text(request)], return_tensors="pt", **media))
     prompt_len = batch["input_ids"].shape[1]
-    batch["input_ids"] = torch.cat([batch["input_ids"], torch.tensor([response_ids])], 1)
+    batch["input_ids"] = torch.cat([batch["input_ids"], torch.tensor([response_ids], dtype=torch.long)], 1)
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     return MicroBatch(VLMInputs.from_processor(spec, batch)), prompt_len
 
 
-def diffs(trainer, processor, engine, requests, sampling):
+VLLM_POSITIONS: dict[tuple, list] = {}  # prompt token ids -> vLLM's M-RoPE positions [3, s]
+
+
+def record_vllm_positions() -> None:
+    """Wrap vLLM's get_mrope_input_positions (the engine runs in this process) to keep what it
+    computes for each prompt."""
+    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl
+
+    for cls in (qwen2_vl.Qwen2VLForConditionalGeneration, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
+        original = cls.get_mrope_input_positions
+
+        def wrapped(self, input_tokens, mm_features, _original=original):
+            positions, delta = _original(self, input_tokens, mm_features)
+            VLLM_POSITIONS[tuple(int(t) for t in input_tokens)] = positions.tolist()
+            return positions, delta
+
+        cls.get_mrope_input_positions = wrapped
+
+
+def positions_equal(processor, spec, engine, requests) -> bool:
+    for req in requests:
+        mb, p = build(processor, spec, engine, req, [])
+        key = tuple(mb.inputs.input_ids[0].tolist())
+        if key not in VLLM_POSITIONS or VLLM_POSITIONS[key] != mb.inputs.position_ids[:, 0].tolist():
+            return False
+    return True
+
+
+def diffs(trainer, processor, engine, requests, sampling, lengths=None):
     result = engine.generate(requests, sampling)
     out = []
     for req, group in zip(requests, result.responses):
+        if lengths is not None:
+            lengths.append([len(r.token_ids) for r in group])
         for r in group:
             mb, p = build(processor, trainer.spec, engine, req, r.token_ids)
             ours = trainer.logprobs([mb])[0][0, p - 1 : p - 1 + len(r.token_ids)]
@@ -42,7 +77,11 @@ def diffs(trainer, processor, engine, requests, sampling):
 def main() -> int:
     from transformers import AutoProcessor
 
-    path = str(tiny_model_dir("policy"))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kind", default="policy")
+    args = parser.parse_args()
+    path = str(tiny_model_dir(args.kind))
+    record_vllm_positions()
     init_parallel(1)
     trainer = VLMTrainer(path, TrainerConfig(lr=1e-2))
     engine = RolloutEngine(EngineConfig(model=path))
@@ -54,7 +93,9 @@ def main() -> int:
         Request([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": vid.question}]}], videos=[vid.video]),
     ]
     sampling = SamplingConfig(n=2, max_tokens=16, seed=0)
-    before_max, before_mean = diffs(trainer, processor, engine, requests, sampling)
+    lengths: list = []
+    before_max, before_mean = diffs(trainer, processor, engine, requests, sampling, lengths)
+    same_positions = positions_equal(processor, trainer.spec, engine, requests)
 
     # one SFT-style step on a fixed answer, then push the new weights into the engine
     mb, p = build(processor, trainer.spec, engine, requests[0], processor.tokenizer.encode(" red"))
@@ -70,7 +111,9 @@ def main() -> int:
     after_max, after_mean = diffs(trainer, processor, engine, requests, sampling)
     print(json.dumps({"before_max": before_max, "before_mean": before_mean, "after_max": after_max,
                       "after_mean": after_mean, "sync_s": sync["seconds"], "sync_bytes": sync["bytes"],
-                      "grad_norm": metrics["train/grad_norm"]}))
+                      "grad_norm": metrics["train/grad_norm"], "kind": args.kind,
+                      "model_type": trainer.spec.model_type, "positions_equal": same_positions,
+                      "response_lengths": lengths}))
     return 0
 
 

@@ -95,6 +95,27 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     return kwargs
 
 
+# vLLM's Qwen2.5-VL wants metadata with every video (its temporal M-RoPE positions depend on
+# the frame rate). Frames arrive here as plain arrays, which transformers' processors treat as
+# 24 fps (`VideoMetadata.sampled_fps`); telling vLLM the same keeps its positions equal to the
+# trainer's, whose processor sees the same plain arrays.
+RAW_VIDEO_FPS = 24.0
+
+
+def _with_metadata(video: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+    n = int(video.shape[0])
+    return video, {"fps": RAW_VIDEO_FPS, "total_num_frames": n, "frames_indices": list(range(n)),
+                   "duration": n / RAW_VIDEO_FPS, "do_sample_frames": False}
+
+
+def _needs_video_metadata(model: str) -> bool:
+    import json
+    from pathlib import Path
+
+    config = Path(model) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen2_5_vl"
+
+
 class RolloutEngine:
     def __init__(self, cfg: EngineConfig):
         if not cfg.model:
@@ -104,6 +125,7 @@ class RolloutEngine:
 
         self.cfg = cfg
         self._kwargs = kwargs
+        self._video_metadata = _needs_video_metadata(cfg.model)
         self._llm_cls = LLM
         self.llm = None
         self.startup_seconds = self._start()
@@ -180,7 +202,8 @@ class RolloutEngine:
         if request.images:
             mm["image"] = request.images if len(request.images) > 1 else request.images[0]
         if request.videos:
-            mm["video"] = request.videos if len(request.videos) > 1 else request.videos[0]
+            videos = [_with_metadata(v) for v in request.videos] if self._video_metadata else request.videos
+            mm["video"] = videos if len(videos) > 1 else videos[0]
         item: dict[str, Any] = {"prompt": self.prompt_text(request)}
         if mm:
             item["multi_modal_data"] = mm
