@@ -146,3 +146,46 @@ def test_misconfiguration_names_the_setting(small_ds):
         DataReader(cfg(small_ds, shuffle_buffer=0))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         DataReader(cfg("/nonexistent/shards"))
+
+
+def test_ordered_thread_map_keeps_order_bounds_work_ahead_and_stops_on_close():
+    import random
+    import threading
+    import time
+
+    from dataio.reader import ordered_thread_map
+
+    rng = random.Random(0)
+    delays = [rng.uniform(0, 0.004) for _ in range(60)]
+    lock = threading.Lock()
+    started, consumed, ahead = [], [0], []
+
+    def fn(i):
+        with lock:
+            started.append(i)
+            ahead.append(i - consumed[0])
+        time.sleep(delays[i])
+        return i * i
+
+    out = []
+    for v in ordered_thread_map(fn, list(range(60)), workers=3, window=4):
+        out.append(v)
+        consumed[0] = len(out)
+    assert out == [i * i for i in range(60)] and max(ahead) < 4
+
+    started.clear()
+    gen = ordered_thread_map(fn, list(range(60)), workers=2, window=4)
+    assert [next(gen) for _ in range(3)] == [0, 1, 4]
+    gen.close()  # stops the threads (joined) after at most their current item
+    n = len(started)
+    time.sleep(0.05)
+    assert len(started) == n <= 3 + 4 and not [t for t in threading.enumerate() if t.name.startswith("yatt-mm-decode")]
+
+    def boom(i):
+        if i == 5:
+            raise ValueError("x")
+        return i
+
+    with pytest.raises(ValueError):
+        list(ordered_thread_map(boom, list(range(20)), workers=2, window=4))
+    assert list(ordered_thread_map(boom, [], workers=2, window=4)) == []
