@@ -26,7 +26,7 @@ import numpy as np
 
 DEFAULT_TEMPLATE = (
     "Question: {question}\nReference answer: {answer}\nResponse: {response}\n"
-    "Is the response correct? End with a line 'Score: 1' if correct or 'Score: 0' if not."
+    "Correct? Reply 'Score: 1' or 'Score: 0'."
 )
 
 
