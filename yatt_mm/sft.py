@@ -256,7 +256,8 @@ class Collator:
             attn[row, :length] = 1
             mask[row, e["prompt_len"] - 1: length - 1] = 1.0  # logits at t predict token t + 1
         batch = {"input_ids": ids, "attention_mask": attn}
-        for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                  "second_per_grid_ts"):  # Qwen2.5-VL processors: temporal M-RoPE spacing per video
             parts = [e[k] for e in encoded if k in e]
             if parts:
                 batch[k] = torch.cat(parts)
