@@ -16,10 +16,14 @@ import importlib
 import io
 import json
 import math
+import mmap
 import multiprocessing as mp
+import os
 import queue
+import socket
 import threading
 from dataclasses import asdict, dataclass
+from multiprocessing import reduction
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -240,11 +244,28 @@ def decode_frame_sequence(datas: list[bytes], cfg: MediaConfig, fps: float | Non
 VIDEO_DECODER = "dataio.decode:decode_video_bytes"
 
 
-def _worker_main(conn, decoder: str) -> None:
-    """A child process: receive (JSON header, video bytes), answer (JSON header, raw frames).
-    Raw bytes both ways, so nothing is unpickled in either process."""
+_SHM_GRAIN = 1 << 20  # the frame buffer grows in whole MiB
+
+
+def _shm_supported() -> bool:
+    return hasattr(os, "memfd_create") and hasattr(socket, "CMSG_LEN")
+
+
+def _worker_main(conn, decoder: str, shared: bool = False) -> None:
+    """A child process: receive (JSON header, video bytes), answer a JSON header and the raw
+    frames. Raw bytes both ways, so nothing is unpickled in either process.
+
+    shared: the parent first sends an anonymous shared-memory file (memfd). The child writes the
+    frames into it (growing it when a clip needs more) and sends only the header; a pipe would
+    cost a copy into the socket, a copy out and ~100 syscalls for a 6 MB clip."""
     mod, _, fn = decoder.partition(":")
     decode = getattr(importlib.import_module(mod), fn)
+    fd, mm = None, None
+    if shared:
+        try:
+            fd = reduction.recv_handle(conn)
+        except (EOFError, OSError):
+            return
     while True:
         try:
             head = json.loads(conn.recv_bytes())
@@ -254,9 +275,21 @@ def _worker_main(conn, decoder: str) -> None:
         try:
             cfg = MediaConfig(**head["cfg"])
             arr = decode(data, cfg, tuple(head["window"]), head["expected_frames"])
-            arr = np.ascontiguousarray(arr, dtype=np.uint8)
-            conn.send_bytes(json.dumps({"shape": list(arr.shape)}).encode())
-            conn.send_bytes(memoryview(arr).cast("B"))
+            arr = np.asarray(arr, dtype=np.uint8)
+            if fd is None:
+                arr = np.ascontiguousarray(arr)
+                conn.send_bytes(json.dumps({"shape": list(arr.shape)}).encode())
+                conn.send_bytes(memoryview(arr).cast("B"))
+                continue
+            if mm is None or len(mm) < arr.nbytes:
+                size = max(_SHM_GRAIN, -(-arr.nbytes // _SHM_GRAIN) * _SHM_GRAIN)
+                if mm is not None:
+                    mm.close()
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size)
+            if arr.nbytes:
+                np.copyto(np.frombuffer(mm, np.uint8, arr.nbytes).reshape(arr.shape), arr)
+            conn.send_bytes(json.dumps({"shape": list(arr.shape), "shm": True}).encode())
         except DecodeError as e:
             conn.send_bytes(json.dumps({"reason": e.reason, "detail": e.detail}).encode())
         except Exception as e:
@@ -264,30 +297,60 @@ def _worker_main(conn, decoder: str) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, decoder: str):
+    def __init__(self, ctx, decoder: str, shared: bool):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, decoder), daemon=True, name="yatt-mm-video")
+        self.fd, self.mm = None, None
+        self.proc = ctx.Process(target=_worker_main, args=(child, decoder, shared), daemon=True, name="yatt-mm-video")
         self.proc.start()
         child.close()
+        if shared:
+            # anonymous: no /dev/shm name that a crash could leak; freed when both ends close it
+            self.fd = os.memfd_create("yatt-mm-video-frames", os.MFD_CLOEXEC)
+            reduction.send_handle(self.conn, self.fd, self.proc.pid)
+
+    def frames(self, shape: list[int]) -> np.ndarray:
+        """A copy of the frames the child left in the shared buffer."""
+        nbytes = math.prod(shape)
+        if nbytes == 0:
+            return np.empty(shape, np.uint8)
+        if self.mm is None or len(self.mm) < nbytes:  # the child grew the buffer
+            if self.mm is not None:
+                self.mm.close()
+            self.mm = mmap.mmap(self.fd, os.fstat(self.fd).st_size, prot=mmap.PROT_READ)
+        view = np.frombuffer(self.mm, np.uint8, nbytes)
+        out = view.reshape(shape).copy()
+        del view  # release the buffer export, so that mm can be closed
+        return out
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(5)
         self.conn.close()
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class VideoDecodePool:
     """Up to `size` child processes that decode videos; a decode that takes longer than
     `timeout_s` gets its process killed (and replaced on next use) and raises
-    DecodeError("video_timeout"). Usable from several threads at once."""
+    DecodeError("video_timeout"). Usable from several threads at once.
 
-    def __init__(self, size: int, timeout_s: float, decoder: str = VIDEO_DECODER, start_method: str = "spawn"):
+    Frames come back through a shared-memory buffer per child (`shared_memory`, default where
+    the OS has memfd, i.e. Linux), else through the pipe."""
+
+    def __init__(self, size: int, timeout_s: float, decoder: str = VIDEO_DECODER, start_method: str = "spawn",
+                 shared_memory: bool | None = None):
         if size < 1:
             raise ValueError(f"video decode pool size must be >= 1, got {size}")
         if timeout_s <= 0:
             raise ValueError(f"decode_timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self.decoder = decoder
+        self.shared_memory = _shm_supported() if shared_memory is None else shared_memory
         self._ctx = mp.get_context(start_method)
         self._idle: queue.LifoQueue[_Worker | None] = queue.LifoQueue()
         for _ in range(size):
@@ -299,7 +362,9 @@ class VideoDecodePool:
         w = self._idle.get()
         try:
             if w is None or not w.proc.is_alive():
-                w = _Worker(self._ctx, self.decoder)
+                if w is not None:
+                    w.kill()
+                w = _Worker(self._ctx, self.decoder, self.shared_memory)
             head = {"cfg": asdict(cfg), "window": list(window), "expected_frames": expected_frames}
             w.conn.send_bytes(json.dumps(head).encode())
             w.conn.send_bytes(data)
@@ -312,6 +377,8 @@ class VideoDecodePool:
             reply = json.loads(w.conn.recv_bytes())
             if "reason" in reply:
                 raise DecodeError(reply["reason"], reply.get("detail", ""))
+            if reply.get("shm"):
+                return w.frames(reply["shape"])
             arr = np.empty(reply["shape"], dtype=np.uint8)
             w.conn.recv_bytes_into(memoryview(arr).cast("B"))
             return arr

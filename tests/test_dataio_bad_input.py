@@ -81,9 +81,64 @@ def test_hanging_video_decode_is_cut_off_and_the_stream_goes_on(tmp_path):
         pool.decode(good_video_bytes(1), MediaConfig())
     assert e.value.reason == "video_timeout" and pool.killed == 1
     pool.decoder = "dataio.decode:decode_video_bytes"  # the replacement child decodes normally
+    pool.timeout_s = 60  # its start-up (imports) counts too: not 1.5 s on a busy machine
     frames = pool.decode(good_video_bytes(1), MediaConfig(video_frames=4))
     assert frames.shape[0] == 4 and frames.flags.writeable
     pool.close()
+
+
+def _memfds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [t for t in out if "yatt-mm-video-frames" in t]
+
+
+def _hang_die_or_decode(data, cfg, window, expected):
+    from dataio.decode import decode_video_bytes
+
+    if data == b"hang":
+        _hang_holding_gil(data, cfg, window, expected)
+    if data == b"die":
+        os._exit(3)  # stand-in for a crash inside libav
+    return decode_video_bytes(data, cfg, window, expected)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_shared_memory_frames_match_and_are_released_after_kill_crash_and_close():
+    from dataio.decode import _shm_supported, decode_video_bytes
+
+    if not _shm_supported():
+        pytest.skip("no memfd here: frames go through the pipe")
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    pool = VideoDecodePool(1, timeout_s=60, decoder=f"{__name__}:_hang_die_or_decode")
+    pipe = VideoDecodePool(1, timeout_s=30, shared_memory=False)
+    assert pool.shared_memory and not pipe.shared_memory
+    small, big = MediaConfig(video_frames=2, video_max_pixels=4 * 28 * 28), MediaConfig(video_frames=40)
+    clip = good_video_bytes(1, frames=12)
+    for media in (small, big, small):  # the second grows the child's buffer, the third reuses it
+        got = pool.decode(clip, media)
+        assert got.flags.writeable and got.flags.owndata
+        assert (got == decode_video_bytes(clip, media)).all() and (got == pipe.decode(clip, media)).all()
+    assert _memfds()  # the buffer (and the dup mmap keeps of it) while its child lives
+    pool.timeout_s = 1.5  # only for the hang: a fresh child's start-up (imports) counts too
+    with pytest.raises(DecodeError) as e:
+        pool.decode(b"hang", small)
+    assert e.value.reason == "video_timeout" and pool.killed == 1 and _memfds() == []
+    pool.timeout_s = 60
+    assert pool.decode(clip, big).shape[0] == 40  # a new child, a new buffer
+    with pytest.raises(DecodeError) as e:
+        pool.decode(b"die", small)
+    assert e.value.reason == "corrupt_video" and "died" in e.value.detail and _memfds() == []
+    assert pool.decode(clip, big).shape[0] == 40
+    pool.close()
+    pipe.close()
+    assert _memfds() == []
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not [n for n in shm_after - shm_before if "yatt" in n]
 
 
 def test_reader_skips_a_hanging_video_and_continues(tmp_path):
@@ -96,6 +151,7 @@ def test_reader_skips_a_hanging_video_and_continues(tmp_path):
     assert [s.key for s in reader.iter_epoch()] == ["b"]
     assert reader.skips == {"video_timeout": 1}
     reader.close()
+    assert _memfds() == []  # the killed child's frame buffer was released, and the idle one's at close
 
 
 def test_real_file_whose_metadata_frame_count_is_wrong(tmp_path):
