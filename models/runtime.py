@@ -163,6 +163,20 @@ def _on_cpu(*names: str) -> Callable[[ModuleType], None]:
     return shim
 
 
+class _TorchMakingCpuTensors:
+    """`torch` as one megatron module sees it: `zeros(..., device="cuda")` makes a CPU tensor;
+    everything else is torch itself."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
 def _run_on_cpu(func: Callable) -> Callable:
     @functools.wraps(func)
     def on_cpu(*args, **kwargs):
@@ -269,8 +283,9 @@ _MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.transformer.utils": _on_cpu(
         "get_default_causal_mask", "get_sliding_window_causal_mask"
     ),
-    # The schedule counts tokens in a device="cuda" tensor.
-    "megatron.core.pipeline_parallel.schedules": _on_cpu("forward_backward_no_pipelining"),
+    # The schedules count tokens in a device="cuda" tensor. Not run under `_CudaAsCpu`: that
+    # would send every op of the forward and backward through Python (~30% of a step).
+    "megatron.core.pipeline_parallel.schedules": lambda module: setattr(module, "torch", _TorchMakingCpuTensors()),
     # Grad norm and clipping make their buffers on "cuda" and assert torch.cuda.FloatTensor grads.
     "megatron.core.optimizer.clip_grads": _on_cpu(
         "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"
