@@ -83,3 +83,38 @@ def test_mistyped_key_fails_at_start_naming_the_nearest_key():
                            "rollout.sampling.temprature=0.5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert "unknown setting 'rollout.sampling.temprature'; did you mean 'temperature'?" in proc.stderr
+
+
+def test_video_training_samples_keep_qwen25_time_spacing_through_an_exchange():
+    import random
+
+    from transformers import AutoProcessor
+
+    from dataio.synth import moving_ball_video
+    from models.qwen2vl.config import Qwen2VLSpec
+    from models.tiny import tiny_model_dir
+    from yatt_mm.rl.comm import pack_group, unpack_group
+    from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, micro_batches
+    from yatt_mm.rollout.engine import Response
+
+    path = tiny_model_dir("policy25")
+    processor = AutoProcessor.from_pretrained(path)
+    spec = Qwen2VLSpec.from_hf_dir(path)
+    vid = moving_ball_video(random.Random(0))
+    group = Group(Prompt("k0", vid.question, vid.answer, videos=[vid.video]),
+                  [Response([5, 6], "up", [-0.1, -0.2], "length"), Response([7], "x", [-0.3], "length")], [1.0, 0.0])
+    text = lambda req: processor.apply_chat_template(req.messages, add_generation_prompt=True)  # noqa: E731
+    samples = SampleBuilder(processor, text).build(group, [1.0, -1.0], masked=False)
+    assert all(s.second_per_grid_ts is not None and s.second_per_grid_ts.numel() == 1 for s in samples)
+    moved = unpack_group(*pack_group(samples))  # as balancing sends it to another DP rank
+    assert torch_equal_all(moved, samples)
+    (mb,) = micro_batches(moved, 4096, spec, processor.tokenizer.pad_token_id)
+    assert mb.inputs.position_ids.shape == (3, 2, mb.inputs.input_ids.shape[1])
+    assert mb.extra["loss_mask"].sum() == 3  # two response tokens + one
+
+
+def torch_equal_all(a, b) -> bool:
+    import torch
+
+    return all(torch.equal(x.second_per_grid_ts, y.second_per_grid_ts) and torch.equal(x.input_ids, y.input_ids)
+               for x, y in zip(a, b))

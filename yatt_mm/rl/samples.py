@@ -48,7 +48,7 @@ class Group:
 
 
 _TENSORS = ("input_ids", "loss_mask", "rollout_logprobs", "pixel_values", "image_grid_thw",
-            "pixel_values_videos", "video_grid_thw")
+            "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass
@@ -64,6 +64,7 @@ class TrainSample:
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None  # Qwen2.5-VL: seconds per temporal patch, per video
 
     @property
     def text_tokens(self) -> int:
@@ -101,6 +102,8 @@ class SampleBuilder:
             media["videos"] = prompt.videos
         enc = self.processor(text=[self.prompt_text(prompt.request())], return_tensors="pt", **media)
         prompt_ids = enc["input_ids"][0]
+        seconds = enc.get("second_per_grid_ts")
+        seconds = None if seconds is None else torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
         p = prompt_ids.numel()
         out = []
         for response, adv in zip(group.responses, advantages):
@@ -114,7 +117,8 @@ class SampleBuilder:
                 input_ids=ids, loss_mask=mask, rollout_logprobs=lp, advantage=float(adv),
                 group_id=prompt.key, masked=masked, stale=stale,
                 pixel_values=enc.get("pixel_values"), image_grid_thw=enc.get("image_grid_thw"),
-                pixel_values_videos=enc.get("pixel_values_videos"), video_grid_thw=enc.get("video_grid_thw")))
+                pixel_values_videos=enc.get("pixel_values_videos"), video_grid_thw=enc.get("video_grid_thw"),
+                second_per_grid_ts=seconds))
         return out
 
 
@@ -151,7 +155,8 @@ def _collate(rows: list[TrainSample], spec, pad_id: int) -> MicroBatch:
              "pixel_values": _cat([r.pixel_values for r in rows]),
              "image_grid_thw": _cat([r.image_grid_thw for r in rows]),
              "pixel_values_videos": _cat([r.pixel_values_videos for r in rows]),
-             "video_grid_thw": _cat([r.video_grid_thw for r in rows])}
+             "video_grid_thw": _cat([r.video_grid_thw for r in rows]),
+             "second_per_grid_ts": _cat([r.second_per_grid_ts for r in rows])}
     keep = torch.tensor([0.0 if r.masked else 1.0 for r in rows])[:, None]
     fresh = torch.tensor([0.0 if r.stale else 1.0 for r in rows])[:, None]
     response_mask = torch.stack([pad(r.loss_mask, 0.0) for r in rows])
