@@ -90,10 +90,11 @@ def test_trainer_logprobs_match_vllm_before_and_after_weight_sync(tiny_policy):
     assert result["sync_bytes"] > 1e6
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_training_steps_lower_loss_and_keep_replicas_identical(tp, tiny_policy):
-    result = _torchrun("tests/dist/vlm_train_steps.py", "--tp", str(tp))
+@pytest.mark.parametrize("tp, dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16")])
+def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, tiny_policy):
+    result = _torchrun("tests/dist/vlm_train_steps.py", "--tp", str(tp), "--dtype", dtype)
     losses = result["losses"]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0], losses
     assert result["dp_identical"] and result["export_shapes_ok"]
+    assert result["entropy_tp_consistent"]  # vocab-parallel entropy/logprobs = full-vocabulary ones

@@ -48,10 +48,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     path = str(tiny_model_dir("policy"))
     init_parallel(args.tp)
-    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, lr=1e-3))
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, lr=1e-3, dtype=args.dtype))
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     dp_rank = ps.get_data_parallel_rank()
@@ -68,6 +69,18 @@ def main() -> int:
     for _ in range(args.steps):
         m = trainer.train_step(batches, loss_fn)
         losses.append(m["train/loss"])
+    # vocab-parallel entropy and logprobs agree with the full-vocabulary computation
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from models.logprobs import token_entropy, token_logprobs
+
+    with torch.no_grad():
+        logits = trainer.model(batches[0].inputs)
+        full = gather_from_tensor_model_parallel_region(logits).float()
+        ref_lp = torch.log_softmax(full, -1).gather(-1, batches[0].labels[..., None])[..., 0]
+        ref_ent = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
+        entropy_ok = bool(torch.allclose(token_entropy(logits), ref_ent, atol=1e-3)
+                          and torch.allclose(token_logprobs(logits, batches[0].labels), ref_lp, atol=1e-3))
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(ps.get_data_parallel_world_size())]
     dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())
@@ -76,7 +89,8 @@ def main() -> int:
     reference = load_hf_state(path)
     shapes_ok = exported.keys() == reference.keys() and all(exported[k].shape == reference[k].shape for k in reference)
     if dist.get_rank() == 0:
-        print(json.dumps({"tp": args.tp, "dp": trainer.dp_size, "losses": losses, "dp_identical": identical,
+        print(json.dumps({"tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
+                          "dp_identical": identical, "entropy_tp_consistent": entropy_ok,
                           "export_shapes_ok": shapes_ok}), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
