@@ -13,6 +13,7 @@ after `decode_timeout_s`, and frame counts are checked before any `get_batch`.
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
 import json
 import math
@@ -158,7 +159,8 @@ def sample_frame_indices(n: int, fps: float, cfg: MediaConfig, start_s: float | 
     return [int(i) for i in np.clip(np.round(idx), lo, hi - 1)]
 
 
-def resize_frames(frames: np.ndarray, cfg: MediaConfig) -> np.ndarray:
+def resize_frames(frames: np.ndarray, cfg: MediaConfig, alloc=None) -> np.ndarray:
+    """alloc(shape) -> uint8 array for the output (e.g. a view of shared memory); default np.empty."""
     import cv2
 
     t, h, w, _ = frames.shape
@@ -166,7 +168,7 @@ def resize_frames(frames: np.ndarray, cfg: MediaConfig) -> np.ndarray:
     if (th, tw) == (h, w):
         return np.ascontiguousarray(frames)
     interp = cv2.INTER_AREA if th * tw < h * w else cv2.INTER_CUBIC
-    out = np.empty((t, th, tw, 3), dtype=np.uint8)
+    out = (alloc or np.empty)((t, th, tw, 3), dtype=np.uint8)
     for i in range(t):
         out[i] = cv2.resize(frames[i], (tw, th), interpolation=interp)
     return out
@@ -185,8 +187,9 @@ def import_decord():
 
 
 def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None, float | None] = (None, None),
-                       expected_frames: int | None = None) -> np.ndarray:
-    """Encoded video bytes -> uint8 [T, H, W, 3] at the Qwen2-VL video size.
+                       expected_frames: int | None = None, alloc=None) -> np.ndarray:
+    """Encoded video bytes -> uint8 [T, H, W, 3] at the Qwen2-VL video size (resized into
+    alloc(shape, dtype=np.uint8) when given).
 
     Checks before `get_batch`: the reported frame count is positive and plausible, matches the
     frames decord actually indexed (packets with timestamps), and matches `expected_frames`
@@ -220,7 +223,7 @@ def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None
         vr.seek(0)  # decord's get_batch leak workaround (dmlc/decord#208)
     finally:
         del vr
-    return resize_frames(frames, cfg)
+    return resize_frames(frames, cfg, alloc)
 
 
 def decode_frame_sequence(datas: list[bytes], cfg: MediaConfig, fps: float | None = None,
@@ -266,29 +269,43 @@ def _worker_main(conn, decoder: str, shared: bool = False) -> None:
             fd = reduction.recv_handle(conn)
         except (EOFError, OSError):
             return
+    takes_alloc = shared and "alloc" in inspect.signature(decode).parameters
+
+    def shm_view(shape, dtype=np.uint8):
+        """The start of the shared buffer as an array of `shape`, growing the buffer if needed."""
+        nonlocal mm
+        nbytes = math.prod(shape)
+        if mm is None or len(mm) < nbytes:
+            size = max(_SHM_GRAIN, -(-nbytes // _SHM_GRAIN) * _SHM_GRAIN)
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view of it is still alive somewhere: let GC unmap it
+                    pass
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        return np.frombuffer(mm, np.uint8, nbytes).reshape(shape)
+
     while True:
         try:
             head = json.loads(conn.recv_bytes())
             data = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        arr = None
         try:
             cfg = MediaConfig(**head["cfg"])
-            arr = decode(data, cfg, tuple(head["window"]), head["expected_frames"])
+            args = (data, cfg, tuple(head["window"]), head["expected_frames"])
+            arr = decode(*args, alloc=shm_view) if takes_alloc else decode(*args)
             arr = np.asarray(arr, dtype=np.uint8)
             if fd is None:
                 arr = np.ascontiguousarray(arr)
                 conn.send_bytes(json.dumps({"shape": list(arr.shape)}).encode())
                 conn.send_bytes(memoryview(arr).cast("B"))
                 continue
-            if mm is None or len(mm) < arr.nbytes:
-                size = max(_SHM_GRAIN, -(-arr.nbytes // _SHM_GRAIN) * _SHM_GRAIN)
-                if mm is not None:
-                    mm.close()
-                os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size)
-            if arr.nbytes:
-                np.copyto(np.frombuffer(mm, np.uint8, arr.nbytes).reshape(arr.shape), arr)
+            if arr.nbytes and not (mm is not None and arr.flags.c_contiguous
+                                   and arr.ctypes.data == np.frombuffer(mm, np.uint8, 1).ctypes.data):
+                np.copyto(shm_view(arr.shape), arr)  # not resized into the buffer already
             conn.send_bytes(json.dumps({"shape": list(arr.shape), "shm": True}).encode())
         except DecodeError as e:
             conn.send_bytes(json.dumps({"reason": e.reason, "detail": e.detail}).encode())

@@ -119,10 +119,14 @@ def test_shared_memory_frames_match_and_are_released_after_kill_crash_and_close(
     assert pool.shared_memory and not pipe.shared_memory
     small, big = MediaConfig(video_frames=2, video_max_pixels=4 * 28 * 28), MediaConfig(video_frames=40)
     clip = good_video_bytes(1, frames=12)
+    direct = VideoDecodePool(1, timeout_s=60)  # decode_video_bytes resizes straight into the buffer
     for media in (small, big, small):  # the second grows the child's buffer, the third reuses it
         got = pool.decode(clip, media)
         assert got.flags.writeable and got.flags.owndata
-        assert (got == decode_video_bytes(clip, media)).all() and (got == pipe.decode(clip, media)).all()
+        want = decode_video_bytes(clip, media)
+        assert (got == want).all() and (got == pipe.decode(clip, media)).all()
+        assert (direct.decode(clip, media) == want).all()  # small: resized in place; big: no resize, copied
+    direct.close()
     assert _memfds()  # the buffer (and the dup mmap keeps of it) while its child lives
     pool.timeout_s = 1.5  # only for the hang: a fresh child's start-up (imports) counts too
     with pytest.raises(DecodeError) as e:
