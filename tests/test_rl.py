@@ -118,3 +118,20 @@ def torch_equal_all(a, b) -> bool:
 
     return all(torch.equal(x.second_per_grid_ts, y.second_per_grid_ts) and torch.equal(x.input_ids, y.input_ids)
                for x, y in zip(a, b))
+
+
+def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, tiny_policy):
+    """TP=2 on 2 ranks: one DP group, whose TP rank 0 is the controller and broadcasts the
+    training samples to its TP peer."""
+    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+           f"run.run_dir={run_dir}", "run.steps=1", f"data.shards=[{tmp_path / 'train'}]", "policy.model=tiny:policy",
+           "policy.trainer.tensor_parallel=2", "eval.every=0", "rollout.prompts_per_step=2", "rollout.sampling.n=4",
+           "rollout.sampling.max_tokens=4", "dynamic_sampling.max_waves=1", "data.workers=0", "run.save_final=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert "DP 1 x TP 2" in proc.stdout
+    (record,) = [r for r in _metrics(run_dir) if "train/grad_norm" in r]
+    assert record["train/logprob_diff_vs_rollout"] < 1e-3
+    assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: TP rank 0

@@ -62,17 +62,18 @@ class Run:
         self.policy_dir = resolve_model(cfg.policy.model, cfg.data.shards)
         self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer)
         self.processor = AutoProcessor.from_pretrained(self.policy_dir)
-        self.engine = self.controller = self.eval_prompts = None
-        self.judges = []
+        self.controller = self.eval_prompts = None
+        # Every rank starts its engines, TP peers included (theirs stay idle): an in-process vLLM
+        # engine creates its process groups with collectives over all ranks, so a rank that
+        # skipped it would leave the others waiting forever.
+        cfg.rollout.engine.model = self.policy_dir
+        self.engine = RolloutEngine(cfg.rollout.engine)
+        self.judges = [(wj.judge.name, _make_judge(wj.judge, cfg.data.shards), wj.weight) for wj in cfg.reward.judges]
         if self.leader:
             self._build_controller()
 
     def _build_controller(self) -> None:
         cfg = self.cfg
-        engine_cfg = cfg.rollout.engine
-        engine_cfg.model = self.policy_dir
-        self.engine = RolloutEngine(engine_cfg)
-        self.judges = [(wj.judge.name, _make_judge(wj.judge, cfg.data.shards), wj.weight) for wj in cfg.reward.judges]
         rewarder = Rewarder(cfg.reward, self.judges)
         reader = DataReader(_rank_data(cfg.data, self.run_dir, self.dp_rank), self.dp_rank, self.dp_size)
         if cfg.run.controller == "single":
