@@ -150,6 +150,28 @@ def build_tokenizer():
     return hf
 
 
+def _text_config(spec, vocab: int, ids: dict[str, int]) -> dict:
+    """The language model's settings, the same for the Qwen2-VL and Qwen2.5-VL tiny models."""
+    head_dim = spec.hidden_size // spec.num_heads
+    return dict(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+        },
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+
+
 def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -> Path:
     """Build a tiny Qwen2-VL into `out_dir` (created; must not exist or be empty)."""
     import torch
@@ -170,25 +192,8 @@ def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab = len(tokenizer)
-    head_dim = spec.hidden_size // spec.num_heads
     config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=vocab,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_heads,
-            num_key_value_heads=spec.num_kv_heads,
-            max_position_embeddings=4096,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
-            },
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        ),
+        text_config=_text_config(spec, vocab, ids),
         vision_config=dict(
             depth=spec.vision_depth,
             embed_dim=spec.vision_embed_dim,
@@ -257,24 +262,9 @@ def _build_tiny_qwen25(out_dir: str | Path, kind: str, seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    head_dim = spec.hidden_size // spec.num_heads
     special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_layers,
-            num_attention_heads=spec.num_heads,
-            num_key_value_heads=spec.num_kv_heads,
-            max_position_embeddings=4096,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
-            },
-            **special,
-        ),
+        text_config=_text_config(spec, len(tokenizer), ids),
         vision_config=dict(
             depth=spec.vision_depth,
             hidden_size=spec.vision_embed_dim,

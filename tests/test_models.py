@@ -3,8 +3,6 @@
 Megatron runs in subprocesses (torchrun or plain python): each needs its own torch.distributed
 state, which must not meet the session's in-process vLLM engine."""
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,13 +13,12 @@ from models.qwen2vl.config import Qwen2VLSpec
 from models.qwen2vl.convert import gather, hf_to_megatron, load_hf_state, megatron_to_hf, shard
 from models.qwen2vl.rope_index import rope_index
 
+from subproc import run_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args, timeout=300):
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+_run = run_json
 
 
 def _torchrun(script, *args):

@@ -2,8 +2,6 @@
 attention, time-scaled M-RoPE (against vLLM and transformers), parity with transformers at TP1
 and TP2, and the trainer against vLLM. Megatron runs in subprocesses (see test_models.py)."""
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from types import MethodType, SimpleNamespace
@@ -16,13 +14,12 @@ from models.qwen2vl.convert import hf_to_megatron, load_hf_state, megatron_to_hf
 from models.qwen2vl.rope_index import rope_index
 from models.qwen2vl.vision import window_attention_mask
 
+from subproc import run_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args, timeout=300):
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+_run = run_json
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ import pytest
 
 from dataio.reader import Sample
 
+from subproc import run_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args, timeout=300):
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+_run = run_json
 
 
 @pytest.fixture(scope="module")
