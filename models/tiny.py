@@ -150,6 +150,14 @@ def build_tokenizer():
     return hf
 
 
+def _token_ids(ids: dict[str, int]) -> dict:
+    """The top-level config's special token ids (both tiny architectures)."""
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+
+
 def _text_config(spec, vocab: int, ids: dict[str, int]) -> dict:
     """The language model's settings, the same for the Qwen2-VL and Qwen2.5-VL tiny models."""
     head_dim = spec.hidden_size // spec.num_heads
@@ -204,14 +212,7 @@ def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
+        **_token_ids(ids),
     )
 
     torch.manual_seed(spec.seed)
@@ -262,7 +263,6 @@ def _build_tiny_qwen25(out_dir: str | Path, kind: str, seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     config = Qwen2_5_VLConfig(
         text_config=_text_config(spec, len(tokenizer), ids),
         vision_config=dict(
@@ -276,12 +276,7 @@ def _build_tiny_qwen25(out_dir: str | Path, kind: str, seed: int) -> Path:
             temporal_patch_size=2,
             **QWEN25_VISION,
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        **special,
+        **_token_ids(ids),
     )
     torch.manual_seed(spec.seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)

@@ -67,15 +67,21 @@ def test_rope_index_matches_transformers_and_follows_vllm_for_long_videos(tiny_p
     assert ref[:, 0, 14].tolist() == [8, 8, 8]
 
 
-def test_parity_with_transformers_tp1(tiny_policy):
-    result = _run([sys.executable, "-m", "models.qwen2vl.parity", str(tiny_policy)])
+@pytest.mark.parametrize("kind", ["policy", "policy25"])  # Qwen2-VL and Qwen2.5-VL
+def test_parity_with_transformers_tp1(kind):
+    from models.tiny import tiny_model_dir
+
+    result = _run([sys.executable, "-m", "models.qwen2vl.parity", str(tiny_model_dir(kind))])
     assert set(result["max_abs_diff"]) == {"text", "image", "multi_image", "video"}
     assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
 
 
-def test_parity_with_transformers_tp2(tiny_policy):
+@pytest.mark.parametrize("kind", ["policy", "policy25"])
+def test_parity_with_transformers_tp2(kind):
+    from models.tiny import tiny_model_dir
+
     result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "models.qwen2vl.parity", str(tiny_policy), "--tp", "2"])
+                   "-m", "models.qwen2vl.parity", str(tiny_model_dir(kind)), "--tp", "2"])
     assert result["tp"] == 2 and all(d < 1e-4 for d in result["max_abs_diff"].values()), result
 
 

@@ -130,16 +130,7 @@ def test_rope_index_follows_vllm_time_scaled_video_positions(tiny25):
     assert ours[:, 0, 26].tolist() == [14, 14, 14] and ref[:, 0, 26].tolist() == [9, 9, 9]
 
 
-def test_parity_with_transformers_tp1(tiny25):
-    result = _run([sys.executable, "-m", "models.qwen2vl.parity", str(tiny25)])
-    assert set(result["max_abs_diff"]) == {"text", "image", "multi_image", "video"}
-    assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
-
-
-def test_parity_with_transformers_tp2(tiny25):
-    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "models.qwen2vl.parity", str(tiny25), "--tp", "2"])
-    assert result["tp"] == 2 and all(d < 1e-4 for d in result["max_abs_diff"].values()), result
+# Parity with transformers (TP1, TP2): tests/test_models.py, parametrized over both architectures.
 
 
 def test_vllm_generates_and_trainer_logprobs_match(tiny25):
