@@ -116,6 +116,10 @@ def test_samples_without_media_or_answer_are_skipped_and_counted():
     judge = ExampleStream(Reader(), "judge", [], 0, lambda k: True)
     ex = next(judge)
     assert ex.target in ("Score: 1<|im_end|>", "Score: 0<|im_end|>") and "Reference answer: red" in str(ex.messages)
+    compare = next(ExampleStream(Reader(), "judge_compare", [], 0, lambda k: True))
+    text = str(compare.messages)
+    assert compare.images == [] and "'type': 'image'" not in text and "Question" not in text
+    assert "Reference answer: red" in text and compare.target in ("Score: 1<|im_end|>", "Score: 0<|im_end|>")
 
 
 def test_warm_start_is_cached_and_works_inside_a_torchrun_rank(colour_shards, tmp_path, monkeypatch):
@@ -129,3 +133,25 @@ def test_warm_start_is_cached_and_works_inside_a_torchrun_rank(colour_shards, tm
     monkeypatch.setattr(ws.subprocess, "run", lambda *a, **k: pytest.fail("a cached warm start trained again"))
     assert ws.warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True) == path
     assert ws.cache_key("policy", colour_shards, 4, 0) != ws.cache_key("policy", colour_shards, 3, 0)  # steps in the key
+
+
+def test_judge_warm_start_chains_its_stages(colour_shards, tmp_path):
+    import yatt_mm.warmstart as ws
+
+    path = ws.warm_start("judge", colour_shards, cache_dir=tmp_path, steps=2, quiet=True)
+    info = json.loads((path / "yatt_sft.json").read_text())
+    assert info["examples"] == "judge" and info["steps"] == 2
+    first = Path(info["source_model"])  # the second stage starts from the first stage's weights
+    assert first.name == "stage0-hf" and json.loads((first / "yatt_sft.json").read_text())["examples"] == "judge_compare"
+
+
+@pytest.mark.slow
+def test_tiny_judge_agrees_with_the_rule_reward(tmp_path):
+    """The demo's judge, built as the demo builds it (about 3 min), graded with vLLM on fresh pairs."""
+    from dataio.synth import write_shards
+
+    write_shards(str(tmp_path / "train"), images=512, videos=0, samples_per_shard=128, seed=1, tasks=["colour"])
+    result = _run([sys.executable, "-m", "yatt_mm.warmstart", "judge", str(tmp_path / "train"),
+                   "--cache-dir", str(tmp_path / "cache"), "--measure"], timeout=1500)
+    assert result["judge/unparsed"] == 0.0 and result["judge/pairs"] == 128
+    assert result["judge/agreement_on_correct"] >= 0.9 and result["judge/agreement_on_wrong"] >= 0.9, result

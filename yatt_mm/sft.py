@@ -10,7 +10,9 @@ its media, and a target) through an example builder chosen by name (`examples:`)
   for a colour question): teaches the answer *format* only (the policy warm start);
 - `judge`: GenRM judge prompt (question, media, response, reference) -> 'Score: 1' or 'Score: 0'
   by the rule `exact_match(response, answer)`; responses are the true answer or a wrong one of
-  the same task, half each (the judge warm start).
+  the same task, half each, and near misses (see `judge_response`; the judge warm start);
+- `judge_compare`: verdicts on text-only prompts holding just the reference and the response
+  (`genrm.COMPARE_TEMPLATE`), true or wrong answers only: the judge warm start's first stage.
 The loss is the token mean of -logprob over the target tokens (prompt masked), normalised over
 the whole step across DP ranks. Held-out samples (a hash of the key, never trained on, or
 separate `eval.shards`) are scored by teacher-forced argmax: an example counts as correct when
@@ -59,7 +61,7 @@ class SFTConfig:
     model: str = "tiny:policy"  # HF directory, or tiny:policy / tiny:judge (models.tiny.tiny_model_dir)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-3))
-    examples: Literal["answer", "random_answer", "judge"] = "answer"
+    examples: Literal["answer", "random_answer", "judge", "judge_compare"] = "answer"
     tasks: list[str] = field(default_factory=list)  # keep only these sample tasks (e.g. image/colour); empty: all
     steps: int = 50
     batch_size: int = 16  # samples per DP rank per step
@@ -144,28 +146,47 @@ def random_answer_example(sample, rng: random.Random) -> Example | str:
     return ex
 
 
-def judge_example(sample, rng: random.Random) -> Example | str:
-    from yatt_mm.reward.genrm import JudgeConfig, JudgeItem, judge_messages
+def judge_response(answer: str, choices: list[str], rng: random.Random, near_misses: bool) -> str:
+    """A response for the judge to grade: the true answer or a wrong one of the task, half each;
+    with `near_misses`, a third of them instead look like an early policy's slips (a cut-off
+    word, a doubled letter, two words run together, a capitalised answer), graded by the same
+    rule, so the judge learns where the rule draws its line."""
+    wrong = [c for c in choices if c != answer]
+    if near_misses and rng.random() < 1 / 3:
+        other = rng.choice(wrong or choices)
+        return rng.choice([answer[:rng.randint(1, max(1, len(answer) - 1))], answer + answer[-1],
+                           answer[:2] + other[2:], other[:2] + answer[2:], answer.capitalize()])
+    return answer if rng.random() < 0.5 or not wrong else rng.choice(wrong)
+
+
+def judge_example(sample, rng: random.Random, compare_only: bool = False) -> Example | str:
+    from yatt_mm.reward.genrm import COMPARE_TEMPLATE, JudgeConfig, JudgeItem, judge_messages
     from yatt_mm.reward.rules import exact_match
 
     choices = _task_choices(sample)
     if not choices:
         return "no_answer_choices"
-    wrong = [c for c in choices if exact_match(c, sample.answer) == 0.0]
-    response = sample.answer if rng.random() < 0.5 or not wrong else rng.choice(wrong)
+    response = judge_response(sample.answer, choices, rng, near_misses=not compare_only)
     verdict = int(exact_match(response, sample.answer))
-    item = JudgeItem(sample.prompt, response, sample.answer, sample.images, sample.videos)
-    return Example(sample.key, judge_messages(JudgeConfig(), item), sample.images, sample.videos,
-                   f"Score: {verdict}<|im_end|>")
+    if compare_only:  # text only: the reference and the response, no question, no media
+        item, cfg = JudgeItem("", response, sample.answer), JudgeConfig(template=COMPARE_TEMPLATE)
+    else:
+        item, cfg = JudgeItem(sample.prompt, response, sample.answer, sample.images, sample.videos), JudgeConfig()
+    return Example(sample.key, judge_messages(cfg, item), item.images, item.videos, f"Score: {verdict}<|im_end|>")
+
+
+def judge_compare_example(sample, rng: random.Random) -> Example | str:
+    return judge_example(sample, rng, compare_only=True)
 
 
 EXAMPLE_BUILDERS: dict[str, Callable] = {
     "answer": answer_example,
     "random_answer": random_answer_example,
     "judge": judge_example,
+    "judge_compare": judge_compare_example,
 }
 # Held-out examples of the format-only warm start are scored against the true answers.
-EVAL_BUILDERS = {"answer": "answer", "random_answer": "answer", "judge": "judge"}
+EVAL_BUILDERS = {"answer": "answer", "random_answer": "answer", "judge": "judge", "judge_compare": "judge_compare"}
 
 
 def is_held_out(key: str, fraction: float) -> bool:

@@ -24,10 +24,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-DEFAULT_TEMPLATE = (
-    "Question: {question}\nReference answer: {answer}\nResponse: {response}\n"
-    "Correct? Reply 'Score: 1' or 'Score: 0'."
-)
+# The comparison at the heart of a reference-guided judge; the default template puts the question
+# (and the media, as chat parts) before it. The tiny judge's warm start learns the comparison
+# alone first (see yatt_mm/warmstart.py).
+COMPARE_TEMPLATE = "Reference answer: {answer}\nResponse: {response}\nCorrect? Reply 'Score: 1' or 'Score: 0'."
+DEFAULT_TEMPLATE = "Question: {question}\n" + COMPARE_TEMPLATE
 
 
 @dataclass
