@@ -90,3 +90,23 @@ def test_server_judge_killed_mid_step_falls_back_and_counts(tiny_policy, tmp_pat
     assert [s.failure for s in after] == ["unreachable", "unreachable"]
     assert all(s.score == cfg.fallback_score for s in after)
     assert judge.stats.fallbacks["unreachable"] == 2
+
+
+def test_reward_parts_and_judge_rule_agreement_are_summed_per_step():
+    from types import SimpleNamespace
+
+    from yatt_mm.reward.genrm import JudgeStats
+    from yatt_mm.rl.config import RewardConfig, RewardFunction
+    from yatt_mm.rl.rewarder import Rewarder, reward_metrics
+
+    judge = SimpleNamespace(stats=JudgeStats())  # only its counters are read here
+    rewarder = Rewarder(RewardConfig(functions=[RewardFunction("exact_match", 1.0)]), [("genrm", judge, 0.5)])
+    # two prompts' parts as score() builds them: the judge disagrees with the rule on 2 of 5
+    rewarder._count([{"exact_match": [1.0, 0.0, 1.0], "genrm": [1.0, 0.5, 0.0]},
+                     {"exact_match": [0.0, 0.0], "genrm": [0.0, 0.0]}])
+    counts = rewarder.take_counts()
+    assert counts["genrm/agree_exact_match"] == 3 and counts["exact_match/n"] == 5
+    m = reward_metrics(counts, ["exact_match"], ["genrm"])
+    assert m["reward/exact_match"] == pytest.approx(0.4) and m["reward/genrm"] == pytest.approx(0.3)
+    assert m["genrm/genrm/agreement_exact_match"] == pytest.approx(0.6)
+    assert rewarder.take_counts()["exact_match/n"] == 0  # per step: taking resets

@@ -13,6 +13,9 @@ import pytest
 from dataio.synth import write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
+# The demo config's judge is a warm start trained on the run's data (minutes); the tests use the
+# untrained tiny judge instead: it answers nonsense, so most items get the counted fallback score.
+UNTRAINED_JUDGE = "reward.judges=[{judge: {name: genrm, model: 'tiny:judge', votes: 2, max_tokens: 4}, weight: 0.5}]"
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def rl_run(tmp_path_factory, tiny_policy):
            f"run.run_dir={run_dir}", "run.steps=2", f"data.shards=[{base / 'train'}]", "policy.model=tiny:policy",
            f"eval.shards=[{base / 'eval'}]", "eval.every=1", "eval.num_prompts=2", "eval.max_tokens=4",
            "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
-           "dynamic_sampling.max_waves=1", "data.workers=0"]
+           "dynamic_sampling.max_waves=1", "data.workers=0", UNTRAINED_JUDGE]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     return run_dir, proc.stdout
@@ -49,6 +52,20 @@ def test_two_rank_run_completes_with_metrics_and_final_policy(rl_run):
     assert any("eval/reward_mean" in r for r in records)
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert (run_dir / "final" / "config.json").is_file()
+
+
+def test_judge_scores_every_response_and_its_agreement_with_the_rule_is_logged(rl_run):
+    run_dir, stdout = rl_run
+    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    # running counts over the run: 4 responses of every group generated (waves are over-sampled)
+    judged = [r["genrm/genrm/scored"] + r["genrm/genrm/fallback"] for r in steps]
+    generated = [r["rollout/groups_generated"] for r in steps]
+    assert judged == [4 * generated[0], 4 * (generated[0] + generated[1])] and generated[0] >= 4
+    for r in steps:
+        assert 0.0 <= r["genrm/genrm/agreement_exact_match"] <= 1.0
+        assert r["reward/exact_match"] == 0.0  # the untrained policy never names the colour
+        assert abs(r["rollout/reward_mean"] - 0.5 * r["reward/genrm"]) < 1e-9  # weights as configured
+    assert "genrm agrees with exact_match" in stdout
 
 
 def test_starved_dynamic_sampling_pads_instead_of_failing(rl_run):
@@ -128,7 +145,8 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, tiny_p
     cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
            f"run.run_dir={run_dir}", "run.steps=1", f"data.shards=[{tmp_path / 'train'}]", "policy.model=tiny:policy",
            "policy.trainer.tensor_parallel=2", "eval.every=0", "rollout.prompts_per_step=2", "rollout.sampling.n=4",
-           "rollout.sampling.max_tokens=4", "dynamic_sampling.max_waves=1", "data.workers=0", "run.save_final=false"]
+           "rollout.sampling.max_tokens=4", "dynamic_sampling.max_waves=1", "data.workers=0", "run.save_final=false",
+           UNTRAINED_JUDGE]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 2" in proc.stdout

@@ -31,7 +31,7 @@ from yatt_mm.rl.comm import balance_groups, broadcast_samples, sum_across
 from yatt_mm.rl.config import RLConfig, resolve_model
 from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.placement import PhaseRunner, full_colocation
-from yatt_mm.rl.rewarder import Rewarder
+from yatt_mm.rl.rewarder import Rewarder, reward_metrics
 from yatt_mm.rl.samples import SampleBuilder, micro_batches
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource, to_prompt
 from yatt_mm.rollout.engine import RolloutEngine, SamplingConfig
@@ -127,8 +127,11 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
                  "reward_sq_sum": stats.reward_sq_sum, "response_tokens": stats.response_tokens,
                  "valid_generated": chosen.valid_generated, "padded": chosen.padded, "waves": chosen.waves,
                  "from_buffer": chosen.from_buffer, "gen_seconds": stats.seconds}
+        local.update({f"reward:{k}": v for k, v in run.controller.rewarder.take_counts().items()})
         totals = sum_across(local, run.leaders)
         metrics.update(_rollout_metrics(totals))
+        metrics.update(reward_metrics({k[len("reward:"):]: v for k, v in totals.items() if k.startswith("reward:")},
+                                      [f.name for f in cfg.reward.functions], [name for name, _, _ in run.judges]))
         # 4. balance whole groups across DP groups by text tokens + vision patches
         if cfg.run.balance and run.dp_size > 1:
             with run.timeline.phase("balance", step):
@@ -252,6 +255,8 @@ def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
         parts = [f"step {step + 1}/{steps}", f"all {m['rollout/from_buffer']:.0f} groups from the buffer"]
     if "eval/reward_mean" in m:
         parts.append(f"eval {m['eval/reward_mean']:.3f}")
+    parts += [f"{k.split('/')[1]} agrees with {k.split('/agreement_', 1)[1]} {v:.2f}" for k, v in m.items()
+              if k.startswith("genrm/") and "/agreement_" in k]
     times = " ".join(f"{k[5:]} {v:.1f}" for k, v in m.items()
                      if k.startswith("time/") and k not in ("time/step", "time/idle_share", "time/idle") and v >= 0.05)
     parts += [f"{m['time/step']:.1f}s ({times})", f"lp-diff {m.get('train/logprob_diff_vs_rollout', 0):.1e}"]
