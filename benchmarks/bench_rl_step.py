@@ -1,7 +1,8 @@
 """One RL step of the tiny demo under full colocation, split into phases, with the idle share.
 
-Runs `yatt-mm rl` (2 ranks, gloo, real vLLM engines and Megatron trainer) for a few steps on
-synthetic colour shards and reads its metrics: the step time (median over the steps after the
+Runs `yatt-mm rl` with the demo's config and data (2 ranks, gloo, real vLLM engines for the
+policy and the GenRM judge, Megatron trainer; the warm starts are the demo's, cached) for a few
+steps and reads its metrics: the step time (median over the steps after the
 first, which pays one-time warm-up), each phase's time on the slowest rank, and the idle share
 (time a rank spends outside any phase: waiting for the other rank at collectives).
 
@@ -11,6 +12,7 @@ Last line: JSON with step_s and idle_share, plus the phase split.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,12 +24,13 @@ STEPS = 4
 
 
 def main() -> None:
-    from dataio.synth import write_shards
+    from yatt_mm.demo import DATA, make_data
 
+    os.chdir(ROOT)  # the demo's data directory is relative to the repo root
+    make_data()
     with tempfile.TemporaryDirectory() as tmp:
-        write_shards(f"{tmp}/train", images=256, videos=0, samples_per_shard=64, seed=5, tasks=["colour"])
         cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-               f"run.run_dir={tmp}/run", f"run.steps={STEPS}", f"data.shards=[{tmp}/train]", "eval.every=0",
+               f"run.run_dir={tmp}/run", f"run.steps={STEPS}", f"data.shards=[{DATA / 'train'}]", "eval.every=0",
                "run.save_final=false"]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
         if proc.returncode != 0:

@@ -1,10 +1,12 @@
 """`yatt-mm demo` (the README's first command): RL of the tiny Qwen2-VL on this CPU.
 
 1. synthetic colour-question shards (train and held-out), made once;
-2. the policy's warm start, cached: 12 SFT steps that teach the answer format and leave
-   held-out accuracy near 0.45 (yatt_mm/warmstart.py);
+2. the warm starts, cached (yatt_mm/warmstart.py): the policy's 12 SFT steps teach the answer
+   format and leave held-out accuracy near 0.45; the judge's SFT teaches it to grade a
+   response against the reference answer;
 3. `yatt-mm rl --config configs/tiny_demo.yaml` on 2 ranks: GRPO with dynamic sampling, the
-   exact-match rule as reward, greedy eval on held-out prompts every few steps;
+   exact-match rule and the tiny GenRM judge as rewards, greedy eval on held-out prompts every
+   few steps;
 4. the reward curve and the phase timeline as PNGs, and a summary.
 """
 
@@ -28,6 +30,16 @@ def make_data() -> None:
             print(f"[demo] wrote {n} synthetic colour questions to {out}", flush=True)
 
 
+def warm_starts(config: str, overrides: list[str]) -> list[str]:
+    """The tiny models the config names as `warmstart:KIND` (policy and judges)."""
+    from yatt_mm.config_utils import load
+    from yatt_mm.rl.config import RLConfig
+
+    cfg = load(RLConfig, config, overrides)
+    models = [cfg.policy.model] + [wj.judge.model for wj in cfg.reward.judges]
+    return [m.split(":", 1)[1] for m in models if m.startswith("warmstart:")]
+
+
 def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | None = None) -> int:
     from yatt_mm.launch import relaunch
     from yatt_mm.plot import plot_run
@@ -37,8 +49,10 @@ def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | 
     run = Path(run_dir or f"runs/tiny-demo-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"[demo] RL of a tiny Qwen2-VL on CPU; everything goes to {run}", flush=True)
     make_data()
-    # before the ranks start (they find it cached): about 10-30 s the first time
-    print(f"[demo] warm start of the policy: {warm_start('policy', DATA / 'train')}", flush=True)
+    # before the ranks start (they find them cached): the policy's about 10-30 s the first time,
+    # the judge's about 3 min
+    for kind in warm_starts(CONFIG, overrides or []):
+        print(f"[demo] warm start of the {kind}: {warm_start(kind, DATA / 'train')}", flush=True)
     rc = relaunch("yatt_mm.rl.train", nproc, ["--config", CONFIG, f"run.run_dir={run}", *(overrides or [])])
     if rc != 0:
         print(f"[demo] the RL run failed (exit code {rc}); see the output above", flush=True)
