@@ -25,6 +25,9 @@ class RunConfig:
     balance: bool = True  # move groups across DP ranks to even out their cost
     patch_weight: float = 1.0  # cost of a vision patch relative to a text token
     save_final: bool = True  # write the trained policy as an HF directory at the end
+    checkpoint_every: int = 0  # steps between asynchronous checkpoints (0: none); see rl/checkpoint.py
+    keep_checkpoints: int = 2  # complete checkpoints kept on disk
+    resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one
 
 
 @dataclass

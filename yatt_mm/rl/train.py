@@ -28,6 +28,7 @@ from yatt_mm.dynamic_sampling import DynamicSampler
 from yatt_mm.launch import relaunch, under_torchrun
 from yatt_mm.metrics import MetricsWriter, Timeline
 from yatt_mm.rl.comm import balance_groups, broadcast_samples, sum_across
+from yatt_mm.rl.checkpoint import Checkpointer, latest_complete, load_controller, load_trainer
 from yatt_mm.rl.config import RLConfig, resolve_model
 from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.placement import PhaseRunner, full_colocation
@@ -55,6 +56,7 @@ class Run:
         self.run_dir = Path(cfg.run.run_dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(self.run_dir, self.rank)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", self.rank, self.world, cfg.run.keep_checkpoints)
         self.timeline = Timeline(self.rank, self.run_dir / f"timeline_rank{self.rank}.jsonl")
         if self.rank == 0:
             (self.run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str))
@@ -286,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
               f"run dir {run.run_dir}", flush=True)
         if run.leader:
             print(run.phases.plan.describe(), flush=True)
-    if run.leader and run.eval_prompts is not None and cfg.eval.every:
+    start = resume(run) if cfg.run.resume else 0
+    if start == 0 and run.leader and run.eval_prompts is not None and cfg.eval.every:
         run.metrics.log(0, {**evaluate(run, -1)})
-    for step in range(cfg.run.steps):
+    for step in range(start, cfg.run.steps):
         m = rl_step(run, step)
+        if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+            # after the weight sync, nothing is in flight: snapshot now, write during the next rollout
+            m.update(run.checkpointer.save(step + 1, run.trainer, run.controller, run.dp_rank))
         run.metrics.log(step + 1, m)
         if run.rank == 0:
             print(progress_line(step, cfg.run.steps, m), flush=True)
@@ -297,9 +303,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def resume(run: Run) -> int:
+    """Continue from the newest complete checkpoint in the run directory: trainer weights and
+    optimizer, the engine's weights, each controller's data position and sampler buffer. Log
+    lines of steps after the checkpoint (a crashed run's last steps) are dropped, so the
+    metrics and the data lineage read as one run. Returns the step to start from."""
+    ckpt = latest_complete(run.run_dir / "checkpoints", run.world)
+    if ckpt is None:
+        return 0
+    step = load_trainer(ckpt, run.trainer, run.rank, run.world)
+    weights = run.trainer.export_hf()  # collective over TP
+    if run.leader:
+        run.engine.update_weights(weights.items())
+        load_controller(ckpt, run.controller, run.dp_rank)
+        _drop_lines_after(run.run_dir / f"consumed_rank{run.rank}.jsonl", step)
+    if run.rank == 0:
+        _drop_lines_after(run.run_dir / "metrics.jsonl", step)
+        print(f"resumed from {ckpt} (step {step})", flush=True)
+    dist.barrier()
+    return step
+
+
+def _drop_lines_after(path: Path, step: int) -> None:
+    if path.is_file():
+        kept = [ln for ln in path.read_text().splitlines(keepends=True) if json.loads(ln)["step"] <= step]
+        path.write_text("".join(kept))  # the open append-mode writers go on at the new end
+
+
 def finish(run: Run) -> None:
     from models.hf_io import save_hf_dir
 
+    run.checkpointer.wait()
     if run.cfg.run.save_final:
         weights = run.trainer.export_hf()
         if run.rank == 0:
