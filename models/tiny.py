@@ -9,6 +9,7 @@ Builds are deterministic for (kind, seed) and cached: `tiny_model_dir()` builds 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -305,9 +306,12 @@ def _build_tiny_qwen25(out_dir: str | Path, kind: str, seed: int) -> Path:
     return out
 
 
+_ESSENTIAL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json")
+
+
 def is_built(path: str | Path, kind: str, seed: int) -> bool:
     stamp = Path(path) / "yatt_tiny.json"
-    if not stamp.is_file():
+    if not stamp.is_file() or not all((Path(path) / f).is_file() for f in _ESSENTIAL_FILES):
         return False
     meta = json.loads(stamp.read_text())
     if kind in QWEN25_KINDS and meta.get("qwen25_version") != QWEN25_VERSION:
@@ -319,35 +323,38 @@ def is_built(path: str | Path, kind: str, seed: int) -> bool:
     )
 
 
-def make_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -> tuple[Path, bool]:
+def make_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0,
+                    replace_broken: bool = False) -> tuple[Path, bool]:
     """Build into `out_dir` unless it already holds this (kind, seed). Returns (path, built).
 
-    The build goes to a sibling temporary directory renamed into place at the end, so an
-    interrupted build never leaves a directory that looks complete, and concurrent callers
-    (several ranks, several test workers) do not see each other's half-written files.
+    Concurrent callers (several ranks, several test workers) wait on a file lock while the first
+    one builds, then reuse its result. The build goes to a sibling temporary directory renamed
+    into place at the end, so an interrupted build never leaves a directory that looks complete.
+    A directory that holds something else is an error, unless `replace_broken` (our own cache)
+    says to rebuild it.
     """
     out = Path(out_dir)
     if is_built(out, kind, seed):
         return out, False
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(
-            f"{out} exists and does not hold a tiny {kind} model with seed {seed}; "
-            "pick an empty or new directory"
-        )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        build_tiny_model(tmp, kind=kind, seed=seed)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_built(out, kind, seed):  # another caller built it while we waited
+            return out, False
+        if out.exists() and any(out.iterdir()):
+            if not replace_broken:
+                raise FileExistsError(f"{out} exists and does not hold a tiny {kind} model with seed {seed}; "
+                                      "pick an empty or new directory")
+            shutil.rmtree(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
+            build_tiny_model(tmp, kind=kind, seed=seed)
+            if out.exists():
+                out.rmdir()  # empty, checked above
+            tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
             os.rename(tmp, out)
-        except OSError:
-            if not is_built(out, kind, seed):  # lost a race to a complete build: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out, True
 
 
@@ -358,4 +365,4 @@ def cache_root() -> Path:
 def tiny_model_dir(kind: str = "policy", seed: int = 0) -> Path:
     """The cached tiny model for (kind, seed), built on first use."""
     path = cache_root() / "tiny" / f"{kind}-seed{seed}-v{_version(kind)}"
-    return make_tiny_model(path, kind=kind, seed=seed)[0]
+    return make_tiny_model(path, kind=kind, seed=seed, replace_broken=True)[0]

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from dataio.synth import colour_image, moving_ball_video
-from models.tiny import make_tiny_model
+from models.tiny import is_built, make_tiny_model
 
 
 def _tensors(path):
@@ -35,6 +35,27 @@ def test_cached_build_is_reused_and_foreign_dirs_are_refused(tmp_path, tiny_poli
         make_tiny_model(tmp_path / "junk", kind="policy", seed=0)
     with pytest.raises(ValueError, match="unknown tiny model kind"):
         make_tiny_model(tmp_path / "k", kind="critic", seed=0)
+
+
+def test_concurrent_first_builds_share_one_and_a_broken_cache_entry_is_rebuilt(tmp_path):
+    """Ranks of a fresh machine build the same tiny model at once (a CI run lost the judge's
+    weights that way): all get the same complete model; an entry missing its weights is rebuilt."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from models.tiny import tiny_model_dir; print(tiny_model_dir('judge'))"
+    env = {**os.environ, "YATT_MM_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    (path,) = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert is_built(path, "judge", 0)
+    os.unlink(os.path.join(path, "model.safetensors"))
+    assert not is_built(path, "judge", 0)
+    rebuilt = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert rebuilt.returncode == 0 and is_built(path, "judge", 0), rebuilt.stderr[-2000:]
 
 
 def test_judge_kind_differs_from_policy(tmp_path):
