@@ -18,17 +18,23 @@ ROOT = Path(__file__).resolve().parents[1]
 UNTRAINED_JUDGE = "reward.judges=[{judge: {name: genrm, model: 'tiny:judge', votes: 2, max_tokens: 4}, weight: 0.5}]"
 
 
+def _tiny_rl(run_dir, train_dir, *settings: str) -> list[str]:
+    """`yatt-mm rl` on 2 ranks with the demo config cut down to seconds: the untrained tiny policy,
+    2 prompts x 4 responses of 4 tokens per rank, one wave, then `settings`."""
+    return [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+            f"run.run_dir={run_dir}", f"data.shards=[{train_dir}]", "policy.model=tiny:policy",
+            "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
+            "dynamic_sampling.max_waves=1", "data.workers=0", *settings]
+
+
 @pytest.fixture(scope="module")
 def rl_run(tmp_path_factory, tiny_policy):
     base = tmp_path_factory.mktemp("rl")
     write_shards(str(base / "train"), images=16, videos=0, samples_per_shard=7, seed=3, tasks=["colour"])
     write_shards(str(base / "eval"), images=4, videos=0, samples_per_shard=4, seed=4, tasks=["colour"])
     run_dir = base / "run"
-    cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-           f"run.run_dir={run_dir}", "run.steps=2", f"data.shards=[{base / 'train'}]", "policy.model=tiny:policy",
-           f"eval.shards=[{base / 'eval'}]", "eval.every=1", "eval.num_prompts=2", "eval.max_tokens=4",
-           "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
-           "dynamic_sampling.max_waves=1", "data.workers=0", UNTRAINED_JUDGE]
+    cmd = _tiny_rl(run_dir, base / "train", "run.steps=2", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
+                   "eval.num_prompts=2", "eval.max_tokens=4", UNTRAINED_JUDGE)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     return run_dir, proc.stdout
@@ -142,11 +148,8 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, tiny_p
     training samples to its TP peer."""
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-           f"run.run_dir={run_dir}", "run.steps=1", f"data.shards=[{tmp_path / 'train'}]", "policy.model=tiny:policy",
-           "policy.trainer.tensor_parallel=2", "eval.every=0", "rollout.prompts_per_step=2", "rollout.sampling.n=4",
-           "rollout.sampling.max_tokens=4", "dynamic_sampling.max_waves=1", "data.workers=0", "run.save_final=false",
-           UNTRAINED_JUDGE]
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=1", "policy.trainer.tensor_parallel=2", "eval.every=0",
+                   "run.save_final=false", UNTRAINED_JUDGE)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 2" in proc.stdout
@@ -168,11 +171,8 @@ def test_resume_after_a_crash_repeats_nothing_and_loses_nothing(tmp_path, tiny_p
     step 3 read, and the run's logs must read as one run."""
     write_shards(str(tmp_path / "train"), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-           f"run.run_dir={run_dir}", f"data.shards=[{tmp_path / 'train'}]", "policy.model=tiny:policy",
-           "eval.every=0", "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
-           "dynamic_sampling.max_waves=1", "data.workers=0", "reward.judges=[]", "run.checkpoint_every=2",
-           "run.save_final=false", "run.steps=3"]
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "eval.every=0", "reward.judges=[]", "run.checkpoint_every=2",
+                   "run.save_final=false", "run.steps=3")
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-5000:])
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2"]
@@ -229,3 +229,23 @@ def test_checkpoint_keeps_the_sampler_buffer_with_its_media():
     assert back.responses == group.responses and back.rewards == group.rewards
     assert back.reward_parts == group.reward_parts and back.prompt.metadata == group.prompt.metadata
     assert np.array_equal(np.asarray(back.prompt.images[0]), np.asarray(image))
+
+
+def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_policy):
+    """run.placement=partial: rollout and reward in one phase, each prompt's responses sent to
+    the rank's judge server (a real vLLM server process) as they finish."""
+    write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    server_judge = UNTRAINED_JUDGE.replace("votes: 2", "backend: server, votes: 2")
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "run.save_final=false",
+                   "run.placement=partial", server_judge)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert "placement partial: rollout_reward[rollout+judge]" in proc.stdout
+    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    generated = sum(r["rollout/groups_generated"] for r in steps)
+    assert steps[-1]["genrm/genrm/scored"] + steps[-1]["genrm/genrm/fallback"] == 4 * generated
+    assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 and r["time/reward"] == 0 for r in steps)
+    # an in-process judge cannot run beside the in-process rollout engine: refused at start
+    bad = subprocess.run(cmd[:-1] + [UNTRAINED_JUDGE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "set backend: server for judge(s) genrm" in bad.stderr

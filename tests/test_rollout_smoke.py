@@ -45,6 +45,23 @@ def test_seeded_sampling_reproduces(rollout_engine):
     assert [r.logprobs for r in a.responses[0]] == [r.logprobs for r in b.responses[0]]
 
 
+def test_streaming_hands_over_each_prompt_once_with_the_same_responses(rollout_engine):
+    """Partial colocation's hand-over: every prompt's responses reach the callback once, as the
+    result has them, and greedy answers equal those of a plain (batch) generate."""
+    rng = random.Random(5)
+    samples = [colour_image(rng) for _ in range(3)]
+    vid = moving_ball_video(rng)
+    requests = [_ask("image", s.question, images=[s.image]) for s in samples]
+    requests.append(_ask("video", vid.question, videos=[vid.video]))
+    greedy = SamplingConfig(n=1, max_tokens=8, temperature=0.0)
+    handed: dict[int, list] = {}
+    streamed = rollout_engine.generate(requests, greedy, on_finished=lambda i, rs: handed.setdefault(i, []).append(rs))
+    assert sorted(handed) == [0, 1, 2, 3] and all(len(v) == 1 for v in handed.values())
+    assert [handed[i][0] for i in range(4)] == streamed.responses
+    batch = rollout_engine.generate(requests, greedy)
+    assert [[r.token_ids for r in g] for g in streamed.responses] == [[r.token_ids for r in g] for g in batch.responses]
+
+
 def test_weight_sync_changes_outputs_and_restoring_restores_exactly(rollout_engine, tiny_policy):
     import torch
     from safetensors.torch import load_file

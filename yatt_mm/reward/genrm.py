@@ -50,6 +50,7 @@ class JudgeConfig:
     retries: int = 2
     backoff_s: float = 0.5
     startup_timeout_s: float = 180.0
+    devices: str = ""  # GPUs: CUDA_VISIBLE_DEVICES of the server (e.g. "6,7"); empty: inherited
 
 
 @dataclass

@@ -57,6 +57,8 @@ class JudgeServer:
         if not runtime.has_gpu():
             for key, value in runtime.VLLM_CPU_ENV.items():
                 env.setdefault(key, value)
+        elif self.cfg.devices:  # partial colocation: the judge's own share of the node's GPUs
+            env["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         start = time.perf_counter()
         # its own session: stopping it also stops any worker processes it spawned

@@ -20,7 +20,7 @@ class RunConfig:
     run_dir: str = ""  # default: runs/NAME-TIME
     name: str = "rl"
     controller: Literal["parallel", "single"] = "parallel"  # single: verl-like baseline, for benchmarks
-    placement: Literal["full"] = "full"
+    placement: Literal["full", "partial"] = "full"  # partial: rollout beside server judges (rl/placement.py)
     micro_batch_tokens: int = 4096  # rows x longest row per micro-batch
     balance: bool = True  # move groups across DP ranks to even out their cost
     patch_weight: float = 1.0  # cost of a vision patch relative to a text token

@@ -53,10 +53,17 @@ class Controller:
 
     def _wave(self, n: int, step: int, stats: RolloutStats) -> list[Group]:
         prompts = self.source.take(n)
-        with self.phases.phase("rollout", step):
-            result = self.engine.generate([p.request() for p in prompts], self.sampling)
-        with self.phases.phase("reward", step):
-            scored = self.rewarder.score(prompts, result.responses)
+        requests = [p.request() for p in prompts]
+        if self.phases.plan.overlaps("rollout", "judge"):  # partial colocation: judge while generating
+            with self.phases.phase("rollout_reward", step):
+                stream = self.rewarder.stream(prompts)
+                result = self.engine.generate(requests, self.sampling, on_finished=stream.add)
+                scored = stream.results()
+        else:
+            with self.phases.phase("rollout", step):
+                result = self.engine.generate(requests, self.sampling)
+            with self.phases.phase("reward", step):
+                scored = self.rewarder.score(prompts, result.responses)
         groups = [Group(p, rs, total, parts) for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add(groups, result.seconds)
         return groups

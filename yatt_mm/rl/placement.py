@@ -2,9 +2,9 @@
 can be printed and tested; `PhaseRunner` carries it out by acquiring the roles a phase needs and
 releasing the others, timing each phase on this rank.
 
-Full colocation (the one built so far): rollout, reward and train take turns on all devices.
-Partial colocation adds a phase in which rollout and reward run side by side on split devices;
-the controller does not change, only the plan and the runner's handling of concurrent roles.
+Full colocation: rollout, reward and train take turns on all devices. Partial colocation: one
+phase in which rollout and reward run side by side on split devices, responses streaming to the
+judges as they finish (the controller asks the plan which of the two it runs), then training.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ class PlacementPlan:
     mode: str
     phases: tuple[Phase, ...]
 
+    def overlaps(self, *roles: str) -> bool:
+        """Whether one phase holds all of `roles` at once."""
+        return any(set(roles) <= set(p.roles) for p in self.phases)
+
     def describe(self) -> str:
         return f"placement {self.mode}: " + " -> ".join(f"{p.name}[{'+'.join(p.roles) or '-'}]" for p in self.phases)
 
@@ -40,6 +44,22 @@ def full_colocation() -> PlacementPlan:
         Phase("sync", ("train", "rollout")),
         Phase("eval", ("rollout",)),
     ))
+
+
+def partial_colocation() -> PlacementPlan:
+    """Rollout and the GenRM judges side by side (the judges as vLLM servers on their own share
+    of the devices), each prompt's responses going to the judges the moment they finish; then
+    training takes every device."""
+    return PlacementPlan("partial", (
+        Phase("rollout_reward", ("rollout", "judge"), devices="split"),
+        Phase("logprobs", ("train",)),
+        Phase("train", ("train",)),
+        Phase("sync", ("train", "rollout")),
+        Phase("eval", ("rollout",)),
+    ))
+
+
+PLANS = {"full": full_colocation, "partial": partial_colocation}
 
 
 class PhaseRunner:

