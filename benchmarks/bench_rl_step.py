@@ -12,30 +12,15 @@ Last line: JSON with step_s and idle_share, plus the phase split.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _rl import demo_rl_records
+
 STEPS = 4
 
 
 def main() -> None:
-    from yatt_mm.demo import DATA, make_data
-
-    os.chdir(ROOT)  # the demo's data directory is relative to the repo root
-    make_data()
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-               f"run.run_dir={tmp}/run", f"run.steps={STEPS}", f"data.shards=[{DATA / 'train'}]", "eval.every=0",
-               "run.save_final=false"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
-        if proc.returncode != 0:
-            sys.exit(f"rl run failed:\n{proc.stderr[-3000:]}")
-        records = [json.loads(x) for x in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
+    records = demo_rl_records(STEPS)
     steps = [r for r in records if "time/step" in r][1:]
     phases = sorted({k for r in steps for k in r if k.startswith("time/") and k not in ("time/step", "time/idle", "time/idle_share")})
     split = {k[5:]: statistics.median(r.get(k, 0.0) for r in steps) for k in phases}
