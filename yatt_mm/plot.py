@@ -12,6 +12,14 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _eval_rule(run: Path) -> str:
+    """The rule that scored the held-out prompts, from the run's saved config (if any)."""
+    try:
+        return str(json.loads((run / "config.json").read_text())["eval"]["reward"])
+    except (OSError, KeyError, ValueError):
+        return ""
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib
 
@@ -25,16 +33,22 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("rollout/reward_mean", "training rollouts (all groups, unfiltered)"),
-                       ("eval/reward_mean", "held-out prompts, greedy")):
+    eval_rule = _eval_rule(run)
+    curves = [("rollout/reward_mean", "training rollouts: total reward (all groups, unfiltered)", "-"),
+              ("eval/reward_mean", f"held-out prompts, greedy{f': {eval_rule}' if eval_rule else ''}", "-")]
+    # with several reward parts (rules, judges), each part's mean on the training rollouts
+    parts = sorted({k for r in records for k in r if k.startswith("reward/")})
+    if len(parts) > 1:
+        curves += [(k, f"training rollouts: {k.split('/', 1)[1]}", "--") for k in parts]
+    for key, label, style in curves:
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o", ms=3, label=label)
+            ax.plot(*zip(*pts), style, marker="o", ms=3, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title(f"reward: {run.name}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     written.append(run / "reward_curve.png")
     fig.savefig(written[-1], dpi=120)
