@@ -67,6 +67,8 @@ def test_judge_scores_every_response_and_its_agreement_with_the_rule_is_logged(r
     judged = [r["genrm/genrm/scored"] + r["genrm/genrm/fallback"] for r in steps]
     generated = [r["rollout/groups_generated"] for r in steps]
     assert judged == [4 * generated[0], 4 * (generated[0] + generated[1])] and generated[0] >= 4
+    assert steps[-1]["genrm/genrm/fallback"] > 0  # the untrained judge's nonsense, counted by reason
+    assert steps[-1]["genrm/genrm/fallback_unparseable"] == steps[-1]["genrm/genrm/fallback"]
     for r in steps:
         assert 0.0 <= r["genrm/genrm/agreement_exact_match"] <= 1.0
         assert r["reward/exact_match"] == 0.0  # the untrained policy never names the colour
