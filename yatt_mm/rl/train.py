@@ -282,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"yatt-mm rl: --nproc {args.nproc} is not a multiple of policy.trainer.tensor_parallel="
                   f"{cfg.policy.trainer.tensor_parallel}", file=sys.stderr)
             return 2
+        # built (or found) once here, before the ranks start: N ranks building the same tiny
+        # model or warm start at once only wait on each other's locks
+        for name in [cfg.policy.model] + [wj.judge.model for wj in cfg.reward.judges]:
+            if name.startswith(("tiny:", "warmstart:")):
+                resolve_model(name, cfg.data.shards)
         return relaunch("yatt_mm.rl.train", args.nproc, ["--config", args.config, *args.overrides])
     run = Run(cfg)
     if run.rank == 0:
