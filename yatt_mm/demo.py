@@ -30,29 +30,20 @@ def make_data() -> None:
             print(f"[demo] wrote {n} synthetic colour questions to {out}", flush=True)
 
 
-def warm_starts(config: str, overrides: list[str]) -> list[str]:
-    """The tiny models the config names as `warmstart:KIND` (policy and judges)."""
-    from yatt_mm.config_utils import load
-    from yatt_mm.rl.config import RLConfig
-
-    cfg = load(RLConfig, config, overrides)
-    models = [cfg.policy.model] + [wj.judge.model for wj in cfg.reward.judges]
-    return [m.split(":", 1)[1] for m in models if m.startswith("warmstart:")]
-
-
 def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | None = None) -> int:
+    from yatt_mm.config_utils import load
     from yatt_mm.launch import relaunch
     from yatt_mm.plot import plot_run
-    from yatt_mm.warmstart import warm_start
+    from yatt_mm.rl.config import RLConfig, prebuild_models
 
     start = time.time()
     run = Path(run_dir or f"runs/tiny-demo-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"[demo] RL of a tiny Qwen2-VL on CPU; everything goes to {run}", flush=True)
     make_data()
-    # before the ranks start (they find them cached): the policy's about 10-30 s the first time,
-    # the judge's about 3 min
-    for kind in warm_starts(CONFIG, overrides or []):
-        print(f"[demo] warm start of the {kind}: {warm_start(kind, DATA / 'train')}", flush=True)
+    # before the ranks start (they find them cached): the policy's warm start about 10-30 s the
+    # first time, the judge's about 4 min
+    for name, path in prebuild_models(load(RLConfig, CONFIG, overrides or [])).items():
+        print(f"[demo] {name}: {path}", flush=True)
     rc = relaunch("yatt_mm.rl.train", nproc, ["--config", CONFIG, f"run.run_dir={run}", *(overrides or [])])
     if rc != 0:
         print(f"[demo] the RL run failed (exit code {rc}); see the output above", flush=True)

@@ -111,6 +111,10 @@ def aggregate_votes(cfg: JudgeConfig, texts: list[str], failure: str | None = No
     return JudgeScore(sum(scores) / len(scores), len(scores), None, texts)
 
 
+# Why an item got the fallback score, as JudgeStats reports it.
+FALLBACK_REASONS = ("unparseable", "timeout", "unreachable", "http")
+
+
 class JudgeStats:
     """Counts the judge's outcomes for metrics: scored, fallback by reason, latency."""
 
@@ -127,8 +131,12 @@ class JudgeStats:
             self.scored += 1
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
+        """Running counts under fixed keys (the same on every rank, so they can be summed):
+        scored, fallback, and fallback by reason (http_503 and the like count as "http")."""
         out = {f"{prefix}/scored": float(self.scored), f"{prefix}/fallback": float(sum(self.fallbacks.values()))}
-        out.update({f"{prefix}/fallback_{k}": float(v) for k, v in self.fallbacks.items()})
+        for reason in FALLBACK_REASONS:
+            out[f"{prefix}/fallback_{reason}"] = float(
+                sum(v for k, v in self.fallbacks.items() if k == reason or k.startswith(f"{reason}_")))
         return out
 
 

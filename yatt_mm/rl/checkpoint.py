@@ -20,6 +20,7 @@ a checkpoint is unpickled as code.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import threading
@@ -54,12 +55,12 @@ def controller_state(controller) -> tuple[dict, dict[str, torch.Tensor]]:
     """The DP group's data position and dynamic-sampling state: JSON, plus the media tensors of
     the buffered groups (safetensors, never pickle)."""
     tensors: dict[str, torch.Tensor] = {}
+    index = itertools.count()
 
     def encode(group: Group) -> dict:
-        i = len([k for k in tensors if k.endswith(".__group__")])
-        t, meta = pack_prompt(group.prompt)
+        i = next(index)
+        t, meta = pack_prompt(group.prompt)  # never empty: a prompt without media has a "none" tensor
         tensors.update({f"{i}.{k}": v.contiguous() for k, v in t.items()})
-        tensors[f"{i}.__group__"] = torch.zeros(1)
         return {"index": i, "prompt": meta, "responses": [asdict(r) for r in group.responses],
                 "rewards": group.rewards, "reward_parts": group.reward_parts}
 
@@ -70,7 +71,7 @@ def controller_state(controller) -> tuple[dict, dict[str, torch.Tensor]]:
 def load_controller_state(controller, state: dict, tensors: dict[str, torch.Tensor]) -> None:
     def decode(g: dict) -> Group:
         prefix = f"{g['index']}."
-        own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and not k.endswith("__group__")}
+        own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         return Group(unpack_prompt(own, g["prompt"]), [Response(**r) for r in g["responses"]], g["rewards"],
                      g["reward_parts"])
 

@@ -102,3 +102,11 @@ def resolve_model(name: str, data_shards: list[str] | None = None) -> str:
         raise FileNotFoundError(f"policy.model: {name} is not an HF model directory (no config.json); "
                                 "use tiny:policy for the built-in tiny model")
     return name
+
+
+def prebuild_models(cfg: RLConfig) -> dict[str, str]:
+    """Build (or find) every `tiny:`/`warmstart:` model the config names (policy and judges),
+    once, in this process: call it before starting the ranks, so that they only read a finished
+    cache instead of building the same model at once. Returns name -> directory."""
+    names = [cfg.policy.model] + [wj.judge.model for wj in cfg.reward.judges]
+    return {n: resolve_model(n, cfg.data.shards) for n in dict.fromkeys(names) if n.startswith(("tiny:", "warmstart:"))}

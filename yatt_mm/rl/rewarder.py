@@ -14,10 +14,6 @@ from yatt_mm.rl.samples import Prompt
 from yatt_mm.rollout.engine import Response
 
 
-# Why a judge's item got the fallback score (JudgeStats), as fixed metric keys.
-FALLBACK_REASONS = ("unparseable", "timeout", "unreachable", "http")
-
-
 class Rewarder:
     def __init__(self, cfg: RewardConfig, judges: list[tuple[str, InProcessJudge | ServerJudge, float]]):
         self.rules = [(f.name, get_rule(f.name), f.weight) for f in cfg.functions]  # fails early on a bad name
@@ -75,12 +71,7 @@ class Rewarder:
         out = {k: float(self._counts[k]) for k in keys}
         self._counts.clear()
         for name, judge, _ in self.judges:
-            fallbacks = judge.stats.fallbacks
-            out[f"genrm/{name}/scored"] = float(judge.stats.scored)
-            out[f"genrm/{name}/fallback"] = float(sum(fallbacks.values()))
-            for reason in FALLBACK_REASONS:  # http_503 and the like count as "http"
-                out[f"genrm/{name}/fallback_{reason}"] = float(
-                    sum(v for k, v in fallbacks.items() if k == reason or k.startswith(f"{reason}_")))
+            out.update(judge.stats.as_metrics(f"genrm/{name}"))
         return out
 
 

@@ -29,7 +29,7 @@ from yatt_mm.launch import relaunch, under_torchrun
 from yatt_mm.metrics import MetricsWriter, Timeline
 from yatt_mm.rl.comm import balance_groups, broadcast_samples, sum_across
 from yatt_mm.rl.checkpoint import Checkpointer, latest_complete, load_controller, load_trainer
-from yatt_mm.rl.config import RLConfig, resolve_model
+from yatt_mm.rl.config import RLConfig, prebuild_models, resolve_model
 from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.placement import PLANS, PhaseRunner
 from yatt_mm.rl.rewarder import Rewarder, reward_metrics
@@ -282,11 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"yatt-mm rl: --nproc {args.nproc} is not a multiple of policy.trainer.tensor_parallel="
                   f"{cfg.policy.trainer.tensor_parallel}", file=sys.stderr)
             return 2
-        # built (or found) once here, before the ranks start: N ranks building the same tiny
-        # model or warm start at once only wait on each other's locks
-        for name in [cfg.policy.model] + [wj.judge.model for wj in cfg.reward.judges]:
-            if name.startswith(("tiny:", "warmstart:")):
-                resolve_model(name, cfg.data.shards)
+        prebuild_models(cfg)
         return relaunch("yatt_mm.rl.train", args.nproc, ["--config", args.config, *args.overrides])
     run = Run(cfg)
     if run.rank == 0:
