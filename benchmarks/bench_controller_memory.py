@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import sys
 import tempfile
 
@@ -24,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from models.parallel import free_port
 
 GROUP_COUNTS = (1, 2, 4)
 PROMPTS_PER_STEP = 16
@@ -62,9 +63,7 @@ def worker(rank: int, world: int, port: int, data: str, mode: str, out: str) -> 
 
 
 def measure(data: str, mode: str, world: int) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     mp.spawn(worker, args=(world, port, data, mode, out), nprocs=world)

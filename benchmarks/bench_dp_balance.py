@@ -15,7 +15,7 @@ import json
 import random
 import time
 
-from yatt_mm.balance import imbalance, loads_of, plan_moves, sample_cost
+from yatt_mm.rl.balance import imbalance, loads_of, plan_moves, sample_cost
 
 
 def workload(dp: int = 4, groups_per_rank: int = 32, n: int = 8, seed: int = 0):

@@ -18,7 +18,7 @@ def main(items_n: int = 64) -> None:
     from dataio.synth import colour_image
     from models.tiny import tiny_model_dir
     from yatt_mm.reward.genrm import InProcessJudge, JudgeConfig, JudgeItem, ServerJudge
-    from yatt_mm.reward.judge_server import JudgeServer
+    from yatt_mm.engines.server import JudgeServer
 
     rng = random.Random(0)
     samples = [colour_image(rng) for _ in range(items_n)]

@@ -22,7 +22,7 @@ def main(rounds: int = 5) -> None:
     from dataio.synth import colour_image, moving_ball_video
     from models.tiny import tiny_model_dir
     from yatt_mm.rl.samples import Prompt
-    from yatt_mm.rollout.engine import EngineConfig, RolloutEngine, SamplingConfig
+    from yatt_mm.engines.engine import EngineConfig, RolloutEngine, SamplingConfig
 
     engine = RolloutEngine(EngineConfig(model=str(tiny_model_dir("policy"))))
     rng = random.Random(0)

@@ -24,7 +24,8 @@ import torch
 
 def make_batch(processor, spec, n: int, micro: int):
     from dataio.synth import colour_image
-    from yatt_mm.sft import Collator, Example
+    from yatt_mm.sft.collate import Collator
+    from yatt_mm.sft.examples import Example
 
     rng = random.Random(0)
     examples = []
@@ -41,7 +42,8 @@ def main() -> int:
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
     from models.tiny import tiny_model_dir
-    from models.trainer import TrainerConfig, VLMTrainer, init_parallel
+    from models.parallel import init_parallel
+    from models.trainer import TrainerConfig, VLMTrainer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=6)

@@ -24,7 +24,7 @@ def main(rounds: int = 5) -> None:
     from safetensors.torch import load_file, save_file
 
     from models.tiny import tiny_model_dir
-    from yatt_mm.rollout.engine import EngineConfig, RolloutEngine
+    from yatt_mm.engines.engine import EngineConfig, RolloutEngine
 
     path = tiny_model_dir("policy")
     engine = RolloutEngine(EngineConfig(model=str(path)))

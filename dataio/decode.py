@@ -41,22 +41,22 @@ class DecodeError(Exception):
 
 @dataclass(frozen=True)
 class MediaConfig:
-    factor: int = 28
-    image_min_pixels: int = 4 * 28 * 28
-    image_max_pixels: int = 1280 * 28 * 28
+    factor: int = 28  # output sides are multiples of this (Qwen2-VL: 14-px patches merged 2x2); >= 1
+    image_min_pixels: int = 4 * 28 * 28  # images are upscaled to at least this many pixels (H * W)
+    image_max_pixels: int = 1280 * 28 * 28  # images are downscaled to at most this many pixels (H * W)
     image_draft: bool = True  # JPEG DCT-domain downscale when the target is smaller (faster)
-    video_min_pixels: int = 4 * 28 * 28
-    video_max_pixels: int = 256 * 28 * 28
+    video_min_pixels: int = 4 * 28 * 28  # min pixels (H * W) per video frame after resizing
+    video_max_pixels: int = 256 * 28 * 28  # max pixels (H * W) per video frame after resizing
     video_frames: int = 16  # N uniformly spaced frames; ignored when video_fps is set
     video_fps: float | None = None  # sample at this rate instead, at most video_max_frames
-    video_max_frames: int = 64
-    video_start_s: float | None = None  # optional time window (a sample's JSON metadata
-    video_end_s: float | None = None  # start_s / end_s take precedence)
+    video_max_frames: int = 64  # cap on frames sampled per video (also caps video_frames); >= 1
+    video_start_s: float | None = None  # window start in seconds; None: from 0; sample JSON start_s wins
+    video_end_s: float | None = None  # window end in seconds (exclusive); None: to the end; sample JSON end_s wins
     video_max_reported_frames: int = 1_000_000  # a header claiming more is treated as corrupt
     video_threads: int = 1  # decord decoding threads per video
     frames_fps: float = 1.0  # frame rate assumed for KEY.000.jpg ... sequences without metadata
 
-    def check(self) -> None:
+    def validate(self) -> None:
         if self.factor < 1:
             raise ValueError(f"factor must be >= 1, got {self.factor}")
         for lo, hi in (("image_min_pixels", "image_max_pixels"), ("video_min_pixels", "video_max_pixels")):

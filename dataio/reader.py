@@ -41,8 +41,8 @@ STATE_VERSION = 1
 class DataConfig:
     shards: list[str] = field(default_factory=list)  # tar files, directories or globs
     index: str | None = None  # parquet index; default: index.parquet beside the shards, else built
-    seed: int = 0
-    shuffle: bool = True
+    seed: int = 0  # seeds the slice shuffle and per-rank shuffle buffer (with epoch, dp_rank)
+    shuffle: bool = True  # false: every rank reads its range in index order (no slice or buffer shuffle)
     slice_size: int = 64  # consecutive samples kept together when shuffling the global order
     shuffle_buffer: int = 256  # per-rank shuffle buffer (sample indices, not decoded samples)
     workers: int = 2  # parallel decoders; 0 decodes in the calling thread
@@ -50,14 +50,14 @@ class DataConfig:
     # Samples decoded ahead of the consumer: at most 2 * workers + prefetch in flight (threads);
     # for process workers prefetch > 0 adds a torchdata Prefetcher stage.
     prefetch: int = 0
-    media: MediaConfig = field(default_factory=MediaConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)  # image/video decoding and Qwen2-VL resizing
     video_isolation: str = "process"  # process: decord runs in killable children; none: in the worker
     decode_timeout_s: float = 60.0  # per video, when video_isolation == "process"
     video_decoder: str = VIDEO_DECODER  # module:function run in the video children
     quarantine_log: str | None = None  # JSONL file: one line per skipped sample
-    max_open_shards: int = 16
+    max_open_shards: int = 16  # shard files kept open per decoder (least recently used closed); >= 1
 
-    def check(self) -> None:
+    def validate(self) -> None:
         if self.worker_kind not in ("thread", "process"):
             raise ValueError(f"data.worker_kind must be 'thread' or 'process', got {self.worker_kind!r}")
         if self.video_isolation not in ("process", "none"):
@@ -72,7 +72,7 @@ class DataConfig:
             raise ValueError(f"data.decode_timeout_s must be > 0, got {self.decode_timeout_s}")
         if not self.shards and not self.index:
             raise ValueError("data.shards is empty and data.index is not set: give shard paths or an index")
-        self.media.check()
+        self.media.validate()
 
 
 @dataclass
@@ -208,7 +208,7 @@ class DataReader:
     """One DP rank's endless, resumable stream of decoded samples."""
 
     def __init__(self, cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, index: Index | None = None):
-        cfg.check()
+        cfg.validate()
         check_split(dp_rank, dp_size)
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size

@@ -13,9 +13,19 @@ import torch
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".index.json")
 
 
-def save_hf_dir(tensors: dict[str, torch.Tensor], source_dir: str | Path, out_dir: str | Path) -> Path:
-    """Weights from `tensors`, everything else from `source_dir`; written to a temporary sibling
-    and renamed into place, so a crash never leaves a directory that looks complete."""
+def check_hf_dir(path: str | Path) -> Path:
+    """`path` if it holds an HF model (config.json), else an error that says what to give."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not an HF model directory (no config.json); give one, or tiny:policy "
+                                "for the built-in tiny model (built by the yatt-mm launcher)")
+    return Path(path)
+
+
+def save_hf_dir(tensors: dict[str, torch.Tensor], source_dir: str | Path, out_dir: str | Path,
+                extra_files: dict[str, str] | None = None) -> Path:
+    """Weights from `tensors`, everything else from `source_dir` (but its tiny-model stamp: this
+    is another model now) plus `extra_files` (name -> text); written to a temporary sibling and
+    renamed into place, so a crash never leaves a directory that looks complete."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -23,8 +33,10 @@ def save_hf_dir(tensors: dict[str, torch.Tensor], source_dir: str | Path, out_di
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         for f in Path(source_dir).iterdir():
-            if f.is_file() and not f.name.endswith(_NOT_COPIED):
+            if f.is_file() and not f.name.endswith(_NOT_COPIED) and f.name != "yatt_tiny.json":
                 shutil.copy2(f, tmp / f.name)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         tmp.chmod(0o755)

@@ -2,17 +2,15 @@
 over micro-batches of variable-length multimodal samples, and HF export.
 
 The trainer knows nothing of RL: it takes micro-batches and a loss function of per-token
-logprobs. Call it from every rank after `init_parallel()`.
+logprobs. Call it from every rank after `models.parallel.init_parallel()`.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
-import torch.distributed as dist
 
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 from models.qwen2vl.config import Qwen2VLSpec
@@ -21,15 +19,15 @@ from models.qwen2vl.model import VLMInputs
 
 @dataclass
 class TrainerConfig:
-    tensor_parallel: int = 1
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    clip_grad: float = 1.0
-    seed: int = 1234
+    tensor_parallel: int = 1  # Megatron tensor-parallel size; the world size must be a multiple of it
+    dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
+    lr: float = 1e-5  # Adam learning rate
+    min_lr: float = 0.0  # Megatron OptimizerConfig.min_lr; no decay schedule is run, so no effect yet
+    weight_decay: float = 0.0  # Adam(W) weight decay coefficient
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.999  # Adam second-moment decay
+    clip_grad: float = 1.0  # clip the global gradient L2 norm to this; 0 disables
+    seed: int = 1234  # Megatron model-parallel RNG seed (SFT; RL seeds it from run.seed)
 
 
 @dataclass
@@ -46,32 +44,6 @@ class MicroBatch:
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def init_parallel(tensor_parallel: int = 1, seed: int = 1234) -> None:
-    """torch.distributed (from torchrun's environment, or a single gloo process) and Megatron's
-    model-parallel groups."""
-    from megatron.core import parallel_state, tensor_parallel as tp_mod
-
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
-        else:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        if dist.get_world_size() % tensor_parallel:
-            raise ValueError(f"world size {dist.get_world_size()} is not a multiple of "
-                             f"trainer.tensor_parallel={tensor_parallel}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-        tp_mod.model_parallel_cuda_manual_seed(seed)
 
 
 class VLMTrainer:
@@ -106,6 +78,17 @@ class VLMTrainer:
                             bf16=dtype == torch.bfloat16, params_dtype=dtype),
             [self.model])
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    # -- placement ---------------------------------------------------------------------------
+    # The trainer is a resource of the RL loop's PhaseRunner like the engines: released while
+    # rollout and judging run, acquired for logprobs, training and the weight sync. It stays
+    # resident for now (CPU: nothing to gain); offloading weights, gradients and optimizer state
+    # to host memory on GPUs is the GPU-path work (issue 11).
+    def release(self) -> float:
+        return 0.0
+
+    def acquire(self) -> float:
+        return 0.0
 
     # -- inference ---------------------------------------------------------------------------
     @torch.no_grad()

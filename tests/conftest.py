@@ -1,8 +1,16 @@
-"""Shared, expensive fixtures: built once per test session."""
+"""Shared, expensive fixtures: built once per test session. The tests mirror the package
+layout (tests/dataio, tests/models, ...); the helpers they share (dataio_helpers.py,
+prep_media.py, subproc.py, and the torchrun workers in dist/) stay here, importable from every
+folder."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 import models  # noqa: F401 - installs the CPU runtime hooks before any test imports torchvision
 
@@ -17,6 +25,6 @@ def tiny_policy():
 @pytest.fixture(scope="session")
 def rollout_engine(tiny_policy):
     """One in-process vLLM engine for the whole session (about 3-5 s to start on CPU)."""
-    from yatt_mm.rollout.engine import EngineConfig, RolloutEngine
+    from yatt_mm.engines.engine import EngineConfig, RolloutEngine
 
     return RolloutEngine(EngineConfig(model=str(tiny_policy)))

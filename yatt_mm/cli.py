@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -28,25 +29,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(run_dir=args.run_dir, nproc=args.nproc, overrides=args.overrides)
 
 
-def _rl(args: argparse.Namespace) -> int:
-    from yatt_mm.rl.train import main as rl_main
-
-    return rl_main(["--config", args.config] + (["--nproc", str(args.nproc)] if args.nproc else []) + args.overrides)
-
-
 def _plot(args: argparse.Namespace) -> int:
     from yatt_mm.plot import plot_run
 
     for path in plot_run(args.run_dir):
         print(f"wrote {path}")
     return 0
-
-
-def _sft(args: argparse.Namespace) -> int:
-    from yatt_mm.sft import main as sft_main
-
-    argv = (["--config", args.config] if args.config else []) + (["--nproc", str(args.nproc)] if args.nproc else [])
-    return sft_main(argv + args.overrides)
 
 
 def _model_parity(args: argparse.Namespace) -> int:
@@ -59,6 +47,9 @@ def _model_parity(args: argparse.Namespace) -> int:
     if args.tp == 1:
         return subprocess.call([sys.executable, "-m", "models.qwen2vl.parity", args.hf_dir])  # output streams through
     return relaunch("models.qwen2vl.parity", args.tp, [args.hf_dir, "--tp", str(args.tp)])
+
+
+COMMANDS_WITH_OWN_PARSER = {"rl": "yatt_mm.rl.train", "sft": "yatt_mm.sft.train"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,21 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-live", action="store_true", help="skip the live vLLM and Megatron checks")
     p.set_defaults(func=_doctor)
 
-    p = sub.add_parser("rl", help="RL (GRPO family) of a Qwen2-VL policy: one controller per DP group")
-    p.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny_demo.yaml")
-    p.add_argument("--nproc", type=int, default=None, help="run as N local ranks under torchrun (DP x TP)")
-    p.add_argument("overrides", nargs="*", help="key=value settings, e.g. run.steps=5 rollout.sampling.n=8")
-    p.set_defaults(func=_rl)
+    # rl and sft parse their own arguments (yatt_mm/launch.py): listed here for --help only
+    sub.add_parser("rl", help="RL (GRPO family) of a Qwen2-VL policy: one controller per DP group "
+                   "(--config C [--nproc N] [--help-config] [key=value ...])")
 
     p = sub.add_parser("plot", help="write PNGs of a run: reward curve, phase timeline per rank")
     p.add_argument("run_dir")
     p.set_defaults(func=_plot)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning of the Megatron Qwen2-VL on WebDataset shards")
-    p.add_argument("--config", default=None, help="YAML config, e.g. configs/tiny_sft.yaml")
-    p.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N processes (DP x TP)")
-    p.add_argument("overrides", nargs="*", help="key=value settings, e.g. steps=100 trainer.lr=1e-4")
-    p.set_defaults(func=_sft)
+    sub.add_parser("sft", help="supervised fine-tuning of the Megatron Qwen2-VL on WebDataset shards "
+                   "(--config C [--nproc N] [--help-config] [key=value ...])")
 
     p = sub.add_parser("model", help="model tools: parity of the Megatron Qwen2-VL with transformers")
     msub = p.add_subparsers(dest="model_command", metavar="MODEL_COMMAND", required=True)
@@ -118,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown our progress
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS_WITH_OWN_PARSER:  # options and overrides in any order
+        module = importlib.import_module(COMMANDS_WITH_OWN_PARSER[argv[0]])
+        return module.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -118,7 +118,7 @@ def live_vllm() -> None:
 
     from dataio.synth import colour_image, moving_ball_video
     from models.tiny import tiny_model_dir
-    from yatt_mm.rollout.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
+    from yatt_mm.engines.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
 
     engine = RolloutEngine(EngineConfig(model=str(tiny_model_dir("policy"))))
     rng = random.Random(0)
@@ -138,17 +138,12 @@ def live_vllm() -> None:
 
 def live_megatron() -> None:
     """Build a tiny Megatron-Core GPT on one gloo rank; forward, backward, finite loss."""
-    import socket
-
     import torch
-    import torch.distributed as dist
 
     import models  # noqa: F401 - installs the CPU shims' hooks
+    from models.parallel import init_distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_distributed()
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

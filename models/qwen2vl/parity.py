@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image
+
+from models.parallel import init_parallel
 
 
 def probes(seed: int = 0) -> dict[str, tuple[list, dict]]:
@@ -35,19 +36,9 @@ def probes(seed: int = 0) -> dict[str, tuple[list, dict]]:
 
 def init_distributed(tp: int) -> tuple[int, int]:
     """torchrun's environment when present, else a one-process gloo group."""
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    init_parallel(tp, seed=0)
     return parallel_state.get_tensor_model_parallel_rank(), tp
 
 

@@ -8,8 +8,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from yatt_mm.balance import imbalance, loads_of, plan_moves
-from yatt_mm.exchange import exchange
+from yatt_mm.rl.balance import imbalance, loads_of, plan_moves
+from yatt_mm.rl.distributed import exchange
 
 
 def main(rank: int, world: int, port: str, out_path: str) -> None:

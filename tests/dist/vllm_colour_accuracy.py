@@ -7,7 +7,7 @@ import sys
 
 import models  # noqa: F401 - CPU runtime hooks first
 from dataio.synth import colour_image
-from yatt_mm.rollout.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
+from yatt_mm.engines.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
 
 engine = RolloutEngine(EngineConfig(model=sys.argv[1]))
 rng = random.Random(7)

@@ -21,7 +21,8 @@ from dataio.synth import colour_image
 from models.qwen2vl.convert import load_hf_state
 from models.qwen2vl.model import VLMInputs
 from models.tiny import tiny_model_dir
-from models.trainer import MicroBatch, TrainerConfig, VLMTrainer, init_parallel
+from models.parallel import init_parallel
+from models.trainer import MicroBatch, TrainerConfig, VLMTrainer
 
 
 def sft_batch(processor, spec, samples):

@@ -4,7 +4,7 @@ text, and is parsed into a score.
 Two ways to run a judge, one interface (`score(items) -> list[JudgeScore]`, and the async
 `score_one`, used to stream responses to the judge as they finish):
 - `InProcessJudge`: an in-process vLLM engine (the rollout engine class, with the judge model);
-- `ServerJudge`: a vLLM OpenAI-compatible server process (see `judge_server.py`), reached by an
+- `ServerJudge`: a vLLM OpenAI-compatible server process (see `yatt_mm/engines/server.py`), reached by an
   async HTTP client with timeouts, bounded retries with backoff, and a counted fallback score.
 
 A judge that fails or answers unparseably never fails a step: the item gets `fallback_score`
@@ -26,31 +26,38 @@ import numpy as np
 
 # The comparison at the heart of a reference-guided judge; the default template puts the question
 # (and the media, as chat parts) before it. The tiny judge's warm start learns the comparison
-# alone first (see yatt_mm/warmstart.py).
+# alone first (see yatt_mm/demo/warmstart.py).
 COMPARE_TEMPLATE = "Reference answer: {answer}\nResponse: {response}\nCorrect? Reply 'Score: 1' or 'Score: 0'."
 DEFAULT_TEMPLATE = "Question: {question}\n" + COMPARE_TEMPLATE
 
 
 @dataclass
 class JudgeConfig:
-    name: str = "judge"
+    name: str = "judge"  # the judge's reward-part name, also in metric keys (genrm/<name>/...)
     model: str = ""  # HF directory of the judge VLM
-    backend: Literal["inprocess", "server"] = "inprocess"
-    template: str = DEFAULT_TEMPLATE
-    parse: Literal["score", "yes_no"] = "score"
-    score_range: tuple[float, float] = (0.0, 1.0)
+    backend: str = "inprocess"  # inprocess | server | module:function (yatt_mm/reward/judges.py)
+    template: str = DEFAULT_TEMPLATE  # judge prompt; str.format fields {question}, {answer}, {response}
+    parse: Literal["score", "yes_no"] = "score"  # score: one 'Score: x' in score_range; yes_no: yes=1, no=0
+    score_range: tuple[float, float] = (0.0, 1.0)  # [lo, hi] of valid 'Score: x' values (parse=score)
     votes: int = 1  # k samples per response, averaged
-    temperature: float = 0.7
-    max_tokens: int = 16
-    fallback_score: float = 0.0
+    temperature: float = 0.7  # judge sampling temperature
+    max_tokens: int = 16  # most tokens per judge answer
+    fallback_score: float = 0.0  # score when no vote parses or the server fails (counted by reason)
     # server backend
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
-    timeout_s: float = 30.0
-    retries: int = 2
-    backoff_s: float = 0.5
-    startup_timeout_s: float = 180.0
+    timeout_s: float = 30.0  # HTTP timeout per request to the judge server, seconds
+    retries: int = 2  # extra attempts after a failed request, before the fallback score
+    backoff_s: float = 0.5  # wait before retry k (k = 0, 1, ...): backoff_s * 2**k seconds
+    startup_timeout_s: float = 180.0  # seconds to wait for the judge server to become healthy
     devices: str = ""  # GPUs: CUDA_VISIBLE_DEVICES of the server (e.g. "6,7"); empty: inherited
+
+    def validate(self) -> None:
+        from yatt_mm.reward.judges import JUDGES  # judges.py builds on this module
+
+        JUDGES.get(self.backend)
+        if self.votes < 1:
+            raise ValueError(f"votes must be >= 1, got {self.votes}")
 
 
 @dataclass
@@ -142,14 +149,14 @@ class JudgeStats:
 
 class InProcessJudge:
     def __init__(self, cfg: JudgeConfig, engine=None):
-        from yatt_mm.rollout.engine import EngineConfig, RolloutEngine
+        from yatt_mm.engines.engine import EngineConfig, RolloutEngine
 
         self.cfg = cfg
         self.engine = engine or RolloutEngine(EngineConfig(model=cfg.model))
         self.stats = JudgeStats()
 
     def score(self, items: list[JudgeItem]) -> list[JudgeScore]:
-        from yatt_mm.rollout.engine import Request, SamplingConfig
+        from yatt_mm.engines.engine import Request, SamplingConfig
 
         start = time.perf_counter()
         requests = [Request(judge_messages(self.cfg, it), images=it.images, videos=it.videos) for it in items]
@@ -193,10 +200,11 @@ class ServerJudge:
     """Client of a vLLM OpenAI-compatible server. Every request has a timeout and bounded retries
     with exponential backoff; after that the item gets the fallback score, counted by reason."""
 
-    def __init__(self, cfg: JudgeConfig, base_url: str, model_name: str):
+    def __init__(self, cfg: JudgeConfig, base_url: str, model_name: str, server=None):
         self.cfg = cfg
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
+        self.server = server  # the JudgeServer this client owns (stopped by close()), if any
         self.stats = JudgeStats()
         self._client = None
 
@@ -248,6 +256,10 @@ class ServerJudge:
                 await self.aclose()
 
         return list(asyncio.run(all_items()))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
 
     async def aclose(self) -> None:
         if self._client is not None:

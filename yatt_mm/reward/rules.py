@@ -1,7 +1,8 @@
 """Rule rewards: verifiable checks of a response against the sample's answer.
 
 Chosen by name in config (`reward.functions: [{name: exact_match, weight: 1.0}]`). A rule is a
-plain function `(response_text, answer, metadata) -> float`; `@rule("name")` registers one.
+plain function `(response_text, answer, metadata) -> float`; `@rule("name")` registers one, and
+`name: my_module:my_reward` uses anyone's own.
 """
 
 from __future__ import annotations
@@ -9,25 +10,15 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from yatt_mm.registry import Registry
+
 RuleFn = Callable[[str, str, dict], float]
-RULES: dict[str, RuleFn] = {}
+RULES: Registry[RuleFn] = Registry("reward function")
+rule = RULES.register
+get_rule = RULES.get
 
 _ANSWER_TAG = re.compile(r"answer\s*(?:is)?\s*[:=]?\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def rule(name: str) -> Callable[[RuleFn], RuleFn]:
-    def register(fn: RuleFn) -> RuleFn:
-        RULES[name] = fn
-        return fn
-
-    return register
-
-
-def get_rule(name: str) -> RuleFn:
-    if name not in RULES:
-        raise KeyError(f"unknown reward function {name!r}; registered: {', '.join(sorted(RULES))}")
-    return RULES[name]
 
 
 def _normalise(text: str) -> str:

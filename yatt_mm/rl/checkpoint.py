@@ -32,7 +32,7 @@ import torch
 
 from yatt_mm.rl.samples import Group
 from yatt_mm.rl.sources import pack_prompt, unpack_prompt
-from yatt_mm.rollout.engine import Response
+from yatt_mm.engines.engine import Response
 
 
 def weights_checksum(module: torch.nn.Module) -> float:
@@ -80,7 +80,8 @@ def load_controller_state(controller, state: dict, tensors: dict[str, torch.Tens
 
 
 class Checkpointer:
-    """Takes a rank's snapshot at once and writes it in a background thread; one write at a time."""
+    """Takes a rank's snapshot at once and writes it in a background thread; one write at a time.
+    Also resumes a run from the newest complete checkpoint."""
 
     def __init__(self, root: Path, rank: int, world: int, keep: int):
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
@@ -101,6 +102,25 @@ class Checkpointer:
                                         name=f"checkpoint-step{step}", daemon=False)
         self._thread.start()
         return {"checkpoint/snapshot_seconds": seconds, "checkpoint/last_write_seconds": self.last_write_seconds}
+
+    def resume(self, trainer, controller, dp_rank: int, sync_weights, logs: list[Path]) -> int:
+        """Continue from the newest complete checkpoint: the trainer's weights and optimizer,
+        the engine's weights (`sync_weights()`, a collective over TP), the controller's data
+        position and sampler buffer. Lines of `logs` after the checkpoint's step (a crashed
+        run's last steps) are dropped, so metrics and data lineage read as one run. Returns the
+        step to start from (0 without a checkpoint)."""
+        ckpt = latest_complete(self.root, self.world)
+        if ckpt is None:
+            return 0
+        step = load_trainer(ckpt, trainer, self.rank, self.world)
+        sync_weights()
+        if controller is not None:
+            load_controller(ckpt, controller, dp_rank)
+        for path in logs:
+            drop_lines_after(path, step)
+        if self.rank == 0:
+            print(f"resumed from {ckpt} (step {step})", flush=True)
+        return step
 
     def wait(self) -> None:
         """Block until the write in flight is on disk; re-raise its failure here, in the loop."""
@@ -187,3 +207,10 @@ def load_controller(ckpt: Path, controller, dp_rank: int) -> None:
 
     state = json.loads((ckpt / f"controller_dp{dp_rank}.json").read_text())
     load_controller_state(controller, state, load_file(str(ckpt / f"controller_dp{dp_rank}.safetensors")))
+
+
+def drop_lines_after(path: Path, step: int) -> None:
+    """Keep the JSON lines of `path` whose "step" is at most `step`."""
+    if path.is_file():
+        kept = [ln for ln in path.read_text().splitlines(keepends=True) if json.loads(ln)["step"] <= step]
+        path.write_text("".join(kept))  # the open append-mode writers go on at the new end

@@ -1,24 +1,27 @@
-"""The RL run's settings: one typed tree, read from YAML with key=value overrides."""
+"""The RL run's settings: one typed tree, read from YAML with key=value overrides. Each section
+is the config of the component that uses it; this file holds the loop's own and the root."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from dataio.reader import DataConfig
 from models.trainer import TrainerConfig
-from yatt_mm.algorithms import AlgorithmConfig
-from yatt_mm.dynamic_sampling import DynamicSamplingConfig
-from yatt_mm.reward.genrm import JudgeConfig
-from yatt_mm.rollout.engine import EngineConfig, SamplingConfig
+from yatt_mm.engines.engine import EngineConfig, SamplingConfig
+from yatt_mm.reward.rewarder import RewardConfig
+from yatt_mm.rl.algorithms import AlgorithmConfig
+from yatt_mm.rl.dynamic_sampling import DynamicSamplingConfig
 
 
 @dataclass
 class RunConfig:
-    steps: int = 20
-    seed: int = 0
-    run_dir: str = ""  # default: runs/NAME-TIME
-    name: str = "rl"
+    steps: int = 20  # RL steps
+    seed: int = 0  # Megatron's RNG seed
+    run_dir: str = ""  # metrics, timelines, checkpoints, the final policy; default: runs/NAME-TIME
+    name: str = "rl"  # names the default run_dir
     controller: Literal["parallel", "single"] = "parallel"  # single: verl-like baseline, for benchmarks
     placement: Literal["full", "partial"] = "full"  # partial: rollout beside server judges (rl/placement.py)
     micro_batch_tokens: int = 4096  # rows x longest row per micro-batch
@@ -29,36 +32,29 @@ class RunConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept on disk
     resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one
 
+    def validate(self) -> None:
+        for name in ("steps", "micro_batch_tokens", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
 
 @dataclass
 class PolicyConfig:
-    model: str = "tiny:policy"  # an HF Qwen2-VL directory, or tiny:policy / tiny:judge
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: str = "tiny:policy"  # an HF Qwen2-VL directory, or tiny:KIND / warmstart:KIND (built by the launcher)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # Megatron trainer settings
 
 
 @dataclass
 class RolloutConfig:
     prompts_per_step: int = 8  # valid groups per DP group per step
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the vLLM engine
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # responses per prompt, length, temperature
 
-
-@dataclass
-class RewardFunction:
-    name: str = "exact_match"
-    weight: float = 1.0
-
-
-@dataclass
-class WeightedJudge:
-    judge: JudgeConfig = field(default_factory=JudgeConfig)
-    weight: float = 1.0
-
-
-@dataclass
-class RewardConfig:
-    functions: list[RewardFunction] = field(default_factory=lambda: [RewardFunction()])
-    judges: list[WeightedJudge] = field(default_factory=list)
+    def validate(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
 
 
 @dataclass
@@ -66,47 +62,46 @@ class EvalConfig:
     every: int = 5  # steps; 0 disables
     shards: list[str] = field(default_factory=list)  # held-out data; empty: no eval
     num_prompts: int = 32  # per DP group
-    max_tokens: int = 16
+    max_tokens: int = 16  # longest greedy answer
     reward: str = "exact_match"  # a rule reward, unfiltered and greedy
+
+    def validate(self) -> None:
+        from yatt_mm.reward.rules import get_rule
+
+        get_rule(self.reward)
 
 
 @dataclass
 class RLConfig:
-    run: RunConfig = field(default_factory=RunConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)  # the loop: steps, placement, checkpoints
+    data: DataConfig = field(default_factory=DataConfig)  # training shards and how each DP group reads them
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # the model trained
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation on vLLM
+    reward: RewardConfig = field(default_factory=RewardConfig)  # rule rewards and GenRM judges
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantages and the policy loss
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # valid groups only
+    eval: EvalConfig = field(default_factory=EvalConfig)  # greedy held-out reward
 
+    def validate(self) -> None:
+        if self.run.placement == "partial":
+            local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend != "server"]
+            if not self.reward.judges or local:
+                raise ValueError(
+                    "run.placement=partial runs the rollout beside GenRM judges served by vLLM servers: "
+                    + (f"set backend: server for judge(s) {', '.join(local)}" if local else "configure reward.judges"))
 
-def resolve_model(name: str, data_shards: list[str] | None = None) -> str:
-    """`tiny:KIND` builds (or reuses) the offline tiny model; `warmstart:KIND` the tiny model
-    after its short, cached SFT on the run's first data directory (yatt_mm/warmstart.py);
-    anything else is an HF directory."""
-    from pathlib import Path
+    def check_world(self, world_size: int) -> None:
+        tp = self.policy.trainer.tensor_parallel
+        if world_size < 1 or world_size % tp:
+            raise ValueError(f"{world_size} ranks: must be a positive multiple of policy.trainer.tensor_parallel={tp}")
 
-    if name.startswith("tiny:"):
-        from models.tiny import tiny_model_dir
+    def resolve_models(self, resolve) -> None:
+        """Replace model names (tiny:, warmstart:) by directories; `resolve(name, data_shards)`."""
+        self.policy.model = resolve(self.policy.model, self.data.shards)
+        for wj in self.reward.judges:
+            if wj.judge.model:
+                wj.judge.model = resolve(wj.judge.model, self.data.shards)
 
-        return str(tiny_model_dir(name.split(":", 1)[1]))
-    if name.startswith("warmstart:"):
-        from yatt_mm.warmstart import warm_start
-
-        if not data_shards:
-            raise ValueError(f"{name}: a warm start trains on the run's data, but data.shards is empty")
-        return str(warm_start(name.split(":", 1)[1], data_shards[0]))
-    if not (Path(name) / "config.json").is_file():
-        raise FileNotFoundError(f"policy.model: {name} is not an HF model directory (no config.json); "
-                                "use tiny:policy for the built-in tiny model")
-    return name
-
-
-def prebuild_models(cfg: RLConfig) -> dict[str, str]:
-    """Build (or find) every `tiny:`/`warmstart:` model the config names (policy and judges),
-    once, in this process: call it before starting the ranks, so that they only read a finished
-    cache instead of building the same model at once. Returns name -> directory."""
-    names = [cfg.policy.model] + [wj.judge.model for wj in cfg.reward.judges]
-    return {n: resolve_model(n, cfg.data.shards) for n in dict.fromkeys(names) if n.startswith(("tiny:", "warmstart:"))}
+    def fix_run_dir(self) -> Path:
+        self.run.run_dir = self.run.run_dir or f"runs/{self.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return Path(self.run.run_dir)

@@ -6,37 +6,16 @@ in here talks to other DP groups; the loop exchanges only metadata and, when bal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from yatt_mm.algorithms import AlgorithmConfig, advantages
-from yatt_mm.dynamic_sampling import DynamicSampler, StepGroups
+from yatt_mm.engines.engine import RolloutEngine, SamplingConfig
+from yatt_mm.reward.rewarder import Rewarder
+from yatt_mm.reward.rules import RuleFn
+from yatt_mm.rl.algorithms import AlgorithmConfig, advantages
+from yatt_mm.rl.dynamic_sampling import DynamicSampler, StepGroups
 from yatt_mm.rl.placement import PhaseRunner
-from yatt_mm.rl.rewarder import Rewarder
-from yatt_mm.rl.samples import Group, SampleBuilder, TrainSample
-from yatt_mm.rollout.engine import RolloutEngine, SamplingConfig
-
-
-@dataclass
-class RolloutStats:
-    """Everything generated this step, before filtering (filtered rewards are biased)."""
-
-    groups: int = 0
-    responses: int = 0
-    reward_sum: float = 0.0
-    reward_sq_sum: float = 0.0
-    response_tokens: int = 0
-    seconds: float = 0.0
-
-    def add(self, groups: list[Group], seconds: float) -> None:
-        self.seconds += seconds
-        for g in groups:
-            self.groups += 1
-            self.responses += len(g.rewards)
-            self.reward_sum += sum(g.rewards)
-            self.reward_sq_sum += sum(r * r for r in g.rewards)
-            self.response_tokens += sum(len(r.token_ids) for r in g.responses)
+from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, TrainSample
+from yatt_mm.rl.stats import RolloutStats
 
 
 class Controller:
@@ -65,13 +44,27 @@ class Controller:
             with self.phases.phase("reward", step):
                 scored = self.rewarder.score(prompts, result.responses)
         groups = [Group(p, rs, total, parts) for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
-        stats.add(groups, result.seconds)
+        stats.add_wave(groups, result.seconds)
         return groups
 
-    def collect(self, step: int, target: int) -> tuple[StepGroups, RolloutStats]:
+    def step(self, step: int, target: int) -> tuple[list[list[TrainSample]], RolloutStats]:
+        """Rollout, reward and dynamic sampling until `target` groups, then their training
+        samples with advantages; and what it took (this DP group's counts)."""
         stats = RolloutStats()
         chosen = self.sampler.collect(target, lambda n: self._wave(n, step, stats))
-        return chosen, stats
+        stats.add_choice(chosen)
+        stats.reward_counts = self.rewarder.take_counts()
+        with self.phases.phase("prepare", step):
+            return self.train_samples(chosen), stats
+
+    def evaluate(self, prompts: list[Prompt], rule: RuleFn, max_tokens: int, step: int) -> tuple[float, int]:
+        """Greedy answers to held-out prompts, scored by a rule (unfiltered): (score sum, count)."""
+        if not prompts:
+            return 0.0, 0
+        with self.phases.phase("eval", step):
+            result = self.engine.generate([p.request() for p in prompts],
+                                          SamplingConfig(n=1, max_tokens=max_tokens, temperature=0.0))
+        return sum(rule(g[0].text, p.answer, p.metadata) for p, g in zip(prompts, result.responses)), len(prompts)
 
     def train_samples(self, chosen: StepGroups) -> list[list[TrainSample]]:
         """Per group, its responses as training samples with GRPO-family advantages."""

@@ -39,6 +39,8 @@ def full_colocation() -> PlacementPlan:
     return PlacementPlan("full", (
         Phase("rollout", ("rollout",)),
         Phase("reward", ("judge",)),
+        Phase("prepare", ()),
+        Phase("balance", ()),
         Phase("logprobs", ("train",)),
         Phase("train", ("train",)),
         Phase("sync", ("train", "rollout")),
@@ -52,6 +54,8 @@ def partial_colocation() -> PlacementPlan:
     training takes every device."""
     return PlacementPlan("partial", (
         Phase("rollout_reward", ("rollout", "judge"), devices="split"),
+        Phase("prepare", ()),
+        Phase("balance", ()),
         Phase("logprobs", ("train",)),
         Phase("train", ("train",)),
         Phase("sync", ("train", "rollout")),

@@ -17,7 +17,7 @@ import torch
 
 from models.qwen2vl.model import VLMInputs
 from models.trainer import MicroBatch
-from yatt_mm.rollout.engine import Request, Response
+from yatt_mm.engines.engine import Request, Response
 
 
 @dataclass

@@ -10,6 +10,7 @@ same number of times with the same n.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -17,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from dataio.reader import DataReader, Sample
-from yatt_mm.balance import Move
-from yatt_mm.exchange import exchange
+from yatt_mm.rl.balance import Move
+from yatt_mm.rl.distributed import exchange
 from yatt_mm.rl.samples import Prompt
 
 
@@ -51,6 +52,12 @@ class ParallelSource:
     def drain_consumed(self) -> list[tuple[int, str]]:
         out, self.consumed = self.consumed, []
         return out
+
+    def write_lineage(self, path: Path, step: int) -> None:
+        """Append what this step consumed, a JSON line per sample: the exactly-once record."""
+        with open(path, "a") as f:
+            for epoch, key in self.drain_consumed():
+                f.write(json.dumps({"step": step, "epoch": epoch, "key": key}) + "\n")
 
     def state_dict(self) -> dict:
         return {"reader": self.reader.state_dict()}

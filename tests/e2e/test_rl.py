@@ -1,0 +1,253 @@
+"""The RL loop end to end: 2 ranks under torchrun (gloo), the tiny policy, real vLLM engines,
+real shards. The untrained policy never names a colour, so every group's rewards are equal:
+dynamic sampling starves, and the step must go on with masked groups instead of failing."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dataio.synth import write_shards
+
+ROOT = Path(__file__).resolve().parents[2]
+# The demo config's judge is a warm start trained on the run's data (minutes); the tests use the
+# untrained tiny judge instead: it answers nonsense, so most items get the counted fallback score.
+UNTRAINED_JUDGE = "reward.judges=[{judge: {name: genrm, model: 'tiny:judge', votes: 2, max_tokens: 4}, weight: 0.5}]"
+
+
+def _tiny_rl(run_dir, train_dir, *settings: str) -> list[str]:
+    """`yatt-mm rl` on 2 ranks with the demo config cut down to seconds: the untrained tiny policy,
+    2 prompts x 4 responses of 4 tokens per rank, one wave, then `settings`."""
+    return [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+            f"run.run_dir={run_dir}", f"data.shards=[{train_dir}]", "policy.model=tiny:policy",
+            "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
+            "dynamic_sampling.max_waves=1", "data.workers=0", *settings]
+
+
+@pytest.fixture(scope="module")
+def rl_run(tmp_path_factory, tiny_policy):
+    base = tmp_path_factory.mktemp("rl")
+    write_shards(str(base / "train"), images=16, videos=0, samples_per_shard=7, seed=3, tasks=["colour"])
+    write_shards(str(base / "eval"), images=4, videos=0, samples_per_shard=4, seed=4, tasks=["colour"])
+    run_dir = base / "run"
+    cmd = _tiny_rl(run_dir, base / "train", "run.steps=2", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
+                   "eval.num_prompts=2", "eval.max_tokens=4", UNTRAINED_JUDGE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    return run_dir, proc.stdout
+
+
+def _metrics(run_dir):
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_rank_run_completes_with_metrics_and_final_policy(rl_run):
+    run_dir, stdout = rl_run
+    assert "step 2/2" in stdout and "DP 2 x TP 1" in stdout
+    records = _metrics(run_dir)
+    steps = [r for r in records if "rollout/reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["train/logprob_diff_vs_rollout"] < 1e-3  # invariant 3, measured every step
+        assert r["time/rollout"] > 0 and r["time/train"] > 0 and 0 <= r["time/idle_share"] < 1
+        assert r["memory/rss_gb"] > 0.1
+        assert r["balance/imbalance_after"] <= r["balance/imbalance_before"] + 1e-9
+    assert any("eval/reward_mean" in r for r in records)
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert (run_dir / "final" / "config.json").is_file()
+
+
+def test_judge_scores_every_response_and_its_agreement_with_the_rule_is_logged(rl_run):
+    run_dir, stdout = rl_run
+    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    # running counts over the run: 4 responses of every group generated (waves are over-sampled)
+    judged = [r["genrm/genrm/scored"] + r["genrm/genrm/fallback"] for r in steps]
+    generated = [r["rollout/groups_generated"] for r in steps]
+    assert judged == [4 * generated[0], 4 * (generated[0] + generated[1])] and generated[0] >= 4
+    assert steps[-1]["genrm/genrm/fallback"] > 0  # the untrained judge's nonsense, counted by reason
+    assert steps[-1]["genrm/genrm/fallback_unparseable"] == steps[-1]["genrm/genrm/fallback"]
+    for r in steps:
+        assert 0.0 <= r["genrm/genrm/agreement_exact_match"] <= 1.0
+        assert r["reward/exact_match"] == 0.0  # the untrained policy never names the colour
+        assert abs(r["rollout/reward_mean"] - 0.5 * r["reward/genrm"]) < 1e-9  # weights as configured
+    assert "genrm agrees with exact_match" in stdout
+
+
+def test_starved_dynamic_sampling_pads_instead_of_failing(rl_run):
+    run_dir, _ = rl_run
+    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    assert all(r["rollout/valid_group_rate"] == 0.0 for r in steps)
+    assert all(r["rollout/padded_groups"] == 4 for r in steps)  # 2 groups x 2 DP groups, all masked
+
+
+def test_every_sample_of_an_epoch_is_consumed_exactly_once_across_dp_groups(rl_run):
+    run_dir, _ = rl_run
+    consumed = [json.loads(ln) for f in sorted(run_dir.glob("consumed_rank*.jsonl"))
+                for ln in f.read_text().splitlines()]
+    epoch0 = Counter(c["key"] for c in consumed if c["epoch"] == 0)
+    assert len(epoch0) == 16 and set(epoch0.values()) == {1}  # 2 steps x 2 ranks x 5 > 16: a full epoch
+    per_rank = [{json.loads(ln)["key"] for ln in f.read_text().splitlines() if json.loads(ln)["epoch"] == 0}
+                for f in sorted(run_dir.glob("consumed_rank*.jsonl"))]
+    assert len(per_rank) == 2 and not (per_rank[0] & per_rank[1])
+
+
+def test_plot_writes_reward_curve_and_timeline(rl_run):
+    from yatt_mm.plot import plot_run
+
+    run_dir, _ = rl_run
+    written = plot_run(run_dir)
+    assert {p.name for p in written} == {"reward_curve.png", "phase_timeline.png"}
+    assert all(p.stat().st_size > 5000 for p in written)
+
+
+def test_mistyped_key_fails_at_start_naming_the_nearest_key():
+    proc = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml",
+                           "rollout.sampling.temprature=0.5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "unknown setting 'rollout.sampling.temprature'; did you mean 'temperature'?" in proc.stderr
+
+
+def test_video_training_samples_keep_qwen25_time_spacing_through_an_exchange():
+    import random
+
+    from transformers import AutoProcessor
+
+    from dataio.synth import moving_ball_video
+    from models.qwen2vl.config import Qwen2VLSpec
+    from models.tiny import tiny_model_dir
+    from yatt_mm.rl.distributed import pack_group, unpack_group
+    from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, micro_batches
+    from yatt_mm.engines.engine import Response
+
+    path = tiny_model_dir("policy25")
+    processor = AutoProcessor.from_pretrained(path)
+    spec = Qwen2VLSpec.from_hf_dir(path)
+    vid = moving_ball_video(random.Random(0))
+    group = Group(Prompt("k0", vid.question, vid.answer, videos=[vid.video]),
+                  [Response([5, 6], "up", [-0.1, -0.2], "length"), Response([7], "x", [-0.3], "length")], [1.0, 0.0])
+    text = lambda req: processor.apply_chat_template(req.messages, add_generation_prompt=True)  # noqa: E731
+    samples = SampleBuilder(processor, text).build(group, [1.0, -1.0], masked=False)
+    assert all(s.second_per_grid_ts is not None and s.second_per_grid_ts.numel() == 1 for s in samples)
+    moved = unpack_group(*pack_group(samples))  # as balancing sends it to another DP rank
+    assert torch_equal_all(moved, samples)
+    (mb,) = micro_batches(moved, 4096, spec, processor.tokenizer.pad_token_id)
+    assert mb.inputs.position_ids.shape == (3, 2, mb.inputs.input_ids.shape[1])
+    assert mb.extra["loss_mask"].sum() == 3  # two response tokens + one
+
+
+def torch_equal_all(a, b) -> bool:
+    import torch
+
+    return all(torch.equal(x.second_per_grid_ts, y.second_per_grid_ts) and torch.equal(x.input_ids, y.input_ids)
+               for x, y in zip(a, b))
+
+
+def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, tiny_policy):
+    """TP=2 on 2 ranks: one DP group, whose TP rank 0 is the controller and broadcasts the
+    training samples to its TP peer."""
+    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=1", "policy.trainer.tensor_parallel=2", "eval.every=0",
+                   "run.save_final=false", UNTRAINED_JUDGE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert "DP 1 x TP 2" in proc.stdout
+    (record,) = [r for r in _metrics(run_dir) if "train/grad_norm" in r]
+    assert record["train/logprob_diff_vs_rollout"] < 1e-3
+    assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: TP rank 0
+
+
+def _consumed(run_dir, step=None):
+    """Per controller rank: the (epoch, key) pairs its source drew, optionally of one step."""
+    return {f.name: [(r["epoch"], r["key"]) for r in map(json.loads, f.read_text().splitlines())
+                     if step is None or r["step"] == step]
+            for f in sorted(run_dir.glob("consumed_rank*.jsonl"))}
+
+
+def test_resume_after_a_crash_repeats_nothing_and_loses_nothing(tmp_path, tiny_policy):
+    """Run A checkpoints at step 2 and goes on to step 3. Run B, started in A's directory as
+    after a crash in step 3, resumes from the checkpoint: it must read exactly the data A's
+    step 3 read, and the run's logs must read as one run."""
+    write_shards(str(tmp_path / "train"), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "eval.every=0", "reward.judges=[]", "run.checkpoint_every=2",
+                   "run.save_final=false", "run.steps=3")
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-5000:])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2"]
+    step3 = _consumed(run_dir, step=3)
+    assert all(step3.values())
+
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-5000:])
+    assert "resumed from" in second.stdout and "(step 2)" in second.stdout and "step 3/3" in second.stdout
+    assert _consumed(run_dir, step=3) == step3  # the restored readers picked up where the checkpoint was
+    for drawn in _consumed(run_dir).values():
+        assert len(drawn) == len(set(drawn))  # the crashed step's draws were dropped, not doubled
+    steps = [r["step"] for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    assert steps == [1, 2, 3]
+    # the checksum written with the weights is checked on load: a damaged checkpoint is refused
+    done = run_dir / "checkpoints" / "step_2" / "done_rank0"
+    done.write_text(json.dumps({"checksum": json.loads(done.read_text())["checksum"] + 1.0}))
+    third = subprocess.run(cmd[:-1] + ["run.steps=4"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert third.returncode != 0 and "the checkpoint is damaged" in third.stderr
+
+
+def test_checkpoint_keeps_the_sampler_buffer_with_its_media():
+    from types import SimpleNamespace
+
+    import numpy as np
+    from PIL import Image
+
+    from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
+    from yatt_mm.rl.checkpoint import controller_state, load_controller_state
+    from yatt_mm.rl.samples import Group, Prompt
+    from yatt_mm.engines.engine import Response
+
+    class Source:  # the reader's own resume is tested in the dataio tests
+        def __init__(self, state):
+            self.state = state
+
+        def state_dict(self):
+            return self.state
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    image = Image.new("RGB", (28, 56), (200, 10, 30))
+    group = Group(Prompt("k1", "What colour?", "red", [image], [], {"task": "image/colour"}),
+                  [Response([5, 6], "red", [-0.1, -0.2], "stop"), Response([7], "blue", [-0.3], "length")],
+                  [1.0, 0.0], {"exact_match": [1.0, 0.0]})
+    saved = SimpleNamespace(source=Source({"position": 7}), sampler=DynamicSampler(DynamicSamplingConfig(), 0.3, [group]))
+    state, tensors = controller_state(saved)
+    json.dumps(state)  # JSON-able, media apart
+    restored = SimpleNamespace(source=Source({}), sampler=DynamicSampler(DynamicSamplingConfig()))
+    load_controller_state(restored, json.loads(json.dumps(state)), tensors)
+    (back,) = restored.sampler.buffer
+    assert restored.source.state == {"position": 7} and restored.sampler.valid_rate == 0.3
+    assert back.responses == group.responses and back.rewards == group.rewards
+    assert back.reward_parts == group.reward_parts and back.prompt.metadata == group.prompt.metadata
+    assert np.array_equal(np.asarray(back.prompt.images[0]), np.asarray(image))
+
+
+def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_policy):
+    """run.placement=partial: rollout and reward in one phase, each prompt's responses sent to
+    the rank's judge server (a real vLLM server process) as they finish."""
+    write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    server_judge = UNTRAINED_JUDGE.replace("votes: 2", "backend: server, votes: 2")
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "run.save_final=false",
+                   "run.placement=partial", server_judge)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert "placement partial: rollout_reward[rollout+judge]" in proc.stdout
+    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    generated = sum(r["rollout/groups_generated"] for r in steps)
+    assert steps[-1]["genrm/genrm/scored"] + steps[-1]["genrm/genrm/fallback"] == 4 * generated
+    assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 and r["time/reward"] == 0 for r in steps)
+    # an in-process judge cannot run beside the in-process rollout engine: refused at start
+    bad = subprocess.run(cmd[:-1] + [UNTRAINED_JUDGE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "set backend: server for judge(s) genrm" in bad.stderr

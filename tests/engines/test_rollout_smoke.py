@@ -1,0 +1,85 @@
+"""The tiny model in a real in-process vLLM engine: images, several images, a video."""
+
+import random
+
+from dataio.synth import colour_image, moving_ball_video
+from yatt_mm.engines.engine import Request, SamplingConfig
+
+
+def _ask(part, question, **media):
+    content = [{"type": part} for _ in range(max(len(media.get("images", [])), 1))] + [
+        {"type": "text", "text": question}
+    ]
+    return Request([{"role": "user", "content": content}], **media)
+
+
+def test_generates_from_image_video_and_two_images(rollout_engine):
+    rng = random.Random(0)
+    img, img2, vid = colour_image(rng), colour_image(rng), moving_ball_video(rng)
+    requests = [
+        _ask("image", img.question, images=[img.image]),
+        _ask("video", vid.question, videos=[vid.video]),
+        _ask("image", "Which is red?", images=[img.image, img2.image]),
+    ]
+    result = rollout_engine.generate(requests, SamplingConfig(n=3, max_tokens=12, seed=0))
+    assert [len(g) for g in result.responses] == [3, 3, 3]
+    for group in result.responses:
+        for r in group:
+            assert 0 < len(r.token_ids) <= 12
+            assert len(r.logprobs) == len(r.token_ids)  # one logprob per generated token
+            assert all(lp <= 0.0 for lp in r.logprobs)
+            assert r.finish_reason in ("length", "stop")
+    assert result.generated_tokens == sum(len(r.token_ids) for g in result.responses for r in g)
+    # the media reach the model: the same question about another image gives other outputs
+    other = rollout_engine.generate([_ask("image", img.question, images=[img2.image])],
+                                    SamplingConfig(n=3, max_tokens=12, seed=0))
+    assert other.responses[0][0].logprobs != result.responses[0][0].logprobs
+
+
+def test_seeded_sampling_reproduces(rollout_engine):
+    vid = moving_ball_video(random.Random(3))
+    request = _ask("video", vid.question, videos=[vid.video])
+    a = rollout_engine.generate([request], SamplingConfig(n=2, max_tokens=10, seed=7))
+    b = rollout_engine.generate([request], SamplingConfig(n=2, max_tokens=10, seed=7))
+    assert [r.token_ids for r in a.responses[0]] == [r.token_ids for r in b.responses[0]]
+    assert [r.logprobs for r in a.responses[0]] == [r.logprobs for r in b.responses[0]]
+
+
+def test_streaming_hands_over_each_prompt_once_with_the_same_responses(rollout_engine):
+    """Partial colocation's hand-over: every prompt's responses reach the callback once, as the
+    result has them, and greedy answers equal those of a plain (batch) generate."""
+    rng = random.Random(5)
+    samples = [colour_image(rng) for _ in range(3)]
+    vid = moving_ball_video(rng)
+    requests = [_ask("image", s.question, images=[s.image]) for s in samples]
+    requests.append(_ask("video", vid.question, videos=[vid.video]))
+    greedy = SamplingConfig(n=1, max_tokens=8, temperature=0.0)
+    handed: dict[int, list] = {}
+    streamed = rollout_engine.generate(requests, greedy, on_finished=lambda i, rs: handed.setdefault(i, []).append(rs))
+    assert sorted(handed) == [0, 1, 2, 3] and all(len(v) == 1 for v in handed.values())
+    assert [handed[i][0] for i in range(4)] == streamed.responses
+    batch = rollout_engine.generate(requests, greedy)
+    assert [[r.token_ids for r in g] for g in streamed.responses] == [[r.token_ids for r in g] for g in batch.responses]
+
+
+def test_weight_sync_changes_outputs_and_restoring_restores_exactly(rollout_engine, tiny_policy):
+    import torch
+    from safetensors.torch import load_file
+
+    img = colour_image(random.Random(5))
+    request = [_ask("image", img.question, images=[img.image])]
+    sampling = SamplingConfig(n=2, max_tokens=8, seed=11)
+    before = rollout_engine.generate(request, sampling).responses[0]
+    original = load_file(str(tiny_policy / "model.safetensors"))
+    torch.manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+    try:
+        info = rollout_engine.update_weights(perturbed.items())
+        assert info["bytes"] == sum(v.numel() * 4 for v in original.values())
+        changed = rollout_engine.generate(request, sampling).responses[0]
+        assert [r.logprobs for r in changed] != [r.logprobs for r in before]
+    finally:
+        rollout_engine.update_weights(original.items())
+    restored = rollout_engine.generate(request, sampling).responses[0]
+    assert [r.token_ids for r in restored] == [r.token_ids for r in before]
+    assert [r.logprobs for r in restored] == [r.logprobs for r in before]

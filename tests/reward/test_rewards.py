@@ -1,0 +1,112 @@
+import random
+
+import pytest
+
+from dataio.synth import colour_image, moving_ball_video
+from yatt_mm.reward.genrm import (
+    InProcessJudge,
+    JudgeConfig,
+    JudgeItem,
+    ServerJudge,
+    aggregate_votes,
+    parse_verdict,
+)
+from yatt_mm.engines.server import JudgeServer
+from yatt_mm.reward.rules import get_rule
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The response is right.\nScore: 1", 1.0),
+    ("score=0", 0.0),
+    ("Score: 1\nScore: 1", 1.0),  # restated, same verdict
+    ("Score: 1 ... on reflection Score: 0", None),  # two different scores: undecided
+    ("Score: 7", None),  # out of range
+    ("Score: -1", None),
+    ("", None),
+    ("   \n", None),
+    ("I think it is correct.", None),  # no score at all
+    ("Score: 0.5", 0.5),
+])
+def test_parse_score_adversarial(text, expected):
+    assert parse_verdict(text, "score", (0.0, 1.0)) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Reasoning... Is the answer correct (Yes/No)? Yes", 1.0),
+    ("No doubt. Is the answer correct (Yes/No)? no, it is not", 0.0),  # 'No' before the phrase ignored
+    ("yes", 1.0),
+    ("maybe", None),
+])
+def test_parse_yes_no(text, expected):
+    assert parse_verdict(text, "yes_no") == expected
+
+
+def test_votes_average_parsed_and_fallback_counts_unparseable():
+    cfg = JudgeConfig(votes=3, fallback_score=-1.0)
+    assert aggregate_votes(cfg, ["Score: 1", "Score: 0", "garbage"]).score == 0.5
+    out = aggregate_votes(cfg, ["garbage", ""])
+    assert out.score == -1.0 and out.failure == "unparseable" and out.parsed_votes == 0
+
+
+def test_rules():
+    assert get_rule("exact_match")("Answer: Red", "red", {}) == 1.0
+    assert get_rule("exact_match")("blue", "red", {}) == 0.0
+    assert get_rule("contains_answer")("the square is red.", "red", {}) == 1.0
+    assert get_rule("contains_answer")("reddish", "red", {}) == 0.0
+    assert get_rule("numeric_match")("there are 3 shapes\nAnswer: 3", "3", {}) == 1.0
+    assert get_rule("numeric_match")("Answer: 4", "3", {}) == 0.0
+    assert get_rule("format")("thinking\nAnswer: red", "red", {}) == 1.0
+    with pytest.raises(ValueError, match="unknown reward function 'exact'"):
+        get_rule("exact")
+
+
+def _items():
+    rng = random.Random(0)
+    img, vid = colour_image(rng), moving_ball_video(rng)
+    return [JudgeItem(img.question, "red", img.answer, images=[img.image]),
+            JudgeItem(vid.question, "up", vid.answer, videos=[vid.video])]
+
+
+def test_inprocess_judge_scores_image_and_video_items(rollout_engine):
+    judge = InProcessJudge(JudgeConfig(votes=2, max_tokens=8), engine=rollout_engine)
+    scores = judge.score(_items())
+    assert len(scores) == 2
+    for s in scores:
+        assert len(s.texts) == 2  # k votes
+        assert (s.failure is None) == (s.parsed_votes > 0)
+    stats = judge.stats.as_metrics("genrm")
+    assert stats["genrm/scored"] + stats["genrm/fallback"] == 2
+
+
+def test_server_judge_killed_mid_step_falls_back_and_counts(tiny_policy, tmp_path):
+    cfg = JudgeConfig(model=str(tiny_policy), backend="server", votes=2, max_tokens=8,
+                      timeout_s=5, retries=1, backoff_s=0.1)
+    with JudgeServer(cfg, log_path=tmp_path / "judge.log") as server:
+        judge = ServerJudge(cfg, server.base_url, server.model_name)
+        first = judge.score(_items())
+        assert all(len(s.texts) == 2 for s in first)  # the server answered with k votes each
+        server.kill()
+        after = judge.score(_items())  # the step goes on
+    assert [s.failure for s in after] == ["unreachable", "unreachable"]
+    assert all(s.score == cfg.fallback_score for s in after)
+    assert judge.stats.fallbacks["unreachable"] == 2
+
+
+def test_reward_parts_and_judge_rule_agreement_are_summed_per_step():
+    from types import SimpleNamespace
+
+    from yatt_mm.reward.genrm import JudgeStats
+    from yatt_mm.reward.judges import Judges
+    from yatt_mm.reward.rewarder import RewardConfig, RewardFunction, Rewarder, reward_metrics
+
+    judge = SimpleNamespace(stats=JudgeStats())  # only its counters are read here
+    rewarder = Rewarder(RewardConfig(functions=[RewardFunction("exact_match", 1.0)]), Judges([("genrm", judge, 0.5)]))
+    # two prompts' parts as score() builds them: the judge disagrees with the rule on 2 of 5
+    rewarder._count([{"exact_match": [1.0, 0.0, 1.0], "genrm": [1.0, 0.5, 0.0]},
+                     {"exact_match": [0.0, 0.0], "genrm": [0.0, 0.0]}])
+    counts = rewarder.take_counts()
+    assert counts["genrm/agree_exact_match"] == 3 and counts["exact_match/n"] == 5
+    m = reward_metrics(counts, ["exact_match"], ["genrm"])
+    assert m["reward/exact_match"] == pytest.approx(0.4) and m["reward/genrm"] == pytest.approx(0.3)
+    assert m["genrm/genrm/agreement_exact_match"] == pytest.approx(0.6)
+    assert rewarder.take_counts()["exact_match/n"] == 0  # per step: taking resets

@@ -1,0 +1,111 @@
+"""The checkpointer in-process: a real torch module and Adam state, a real dynamic sampler whose
+buffer holds a group with an image, written by the background thread and read back."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from yatt_mm.engines.engine import Response
+from yatt_mm.rl.checkpoint import Checkpointer, drop_lines_after, latest_complete, load_controller, load_trainer
+from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
+from yatt_mm.rl.samples import Group, Prompt
+
+
+def _trainer(seed: int):
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.randn(3, 4)).sum().backward()
+    opt.step()  # optimizer state that must come back exactly
+    return SimpleNamespace(module=module, optimizer=opt, cfg=SimpleNamespace(tensor_parallel=1))
+
+
+class _Source:
+    def __init__(self, position=0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def _controller(position: int, buffered: bool):
+    sampler = DynamicSampler(DynamicSamplingConfig())
+    if buffered:
+        prompt = Prompt("k1", "What colour?", "red", images=[Image.new("RGB", (28, 28), "red")], metadata={"t": 1})
+        sampler.buffer = [Group(prompt, [Response([5, 6], "red", [-0.1, -0.2], "stop")], [1.0], {"exact_match": [1.0]})]
+        sampler.valid_rate = 0.3
+    return SimpleNamespace(source=_Source(position), sampler=sampler)
+
+
+def test_round_trip_is_bitwise_and_restores_the_controller(tmp_path):
+    saved, ctrl = _trainer(0), _controller(17, buffered=True)
+    ckpt = Checkpointer(tmp_path, rank=0, world=1, keep=2)
+    ckpt.save(3, saved, ctrl)
+    ckpt.wait()
+    found = latest_complete(tmp_path, world=1)
+    assert found is not None and found.name == "step_3"
+    fresh, restored = _trainer(1), _controller(0, buffered=False)
+    assert not torch.equal(fresh.module[0].weight, saved.module[0].weight)
+    assert load_trainer(found, fresh, rank=0, world=1) == 3
+    for a, b in zip(saved.module.parameters(), fresh.module.parameters()):
+        assert torch.equal(a, b)
+    for sa, sb in zip(saved.optimizer.state.values(), fresh.optimizer.state.values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    load_controller(found, restored, dp_rank=0)
+    assert restored.source.position == 17 and restored.sampler.valid_rate == 0.3
+    group = restored.sampler.buffer[0]
+    assert group.prompt.key == "k1" and group.prompt.metadata == {"t": 1} and group.rewards == [1.0]
+    assert group.prompt.images[0].getpixel((0, 0)) == (255, 0, 0) and group.responses[0].token_ids == [5, 6]
+
+
+def test_incomplete_or_damaged_checkpoints_are_never_used(tmp_path):
+    trainer = _trainer(0)
+    ckpt = Checkpointer(tmp_path, rank=0, world=2, keep=2)  # rank 1 never writes: incomplete
+    ckpt.save(1, trainer)
+    ckpt.wait()
+    with pytest.raises(RuntimeError, match="world size"):
+        latest_complete(tmp_path, world=2)
+    solo = Checkpointer(tmp_path / "solo", rank=0, world=1, keep=2)
+    solo.save(1, trainer)
+    solo.wait()
+    done = tmp_path / "solo" / "step_1" / "done_rank0"
+    done.write_text(json.dumps({"checksum": 123.0}))  # the weights no longer match their marker
+    with pytest.raises(RuntimeError, match="damaged"):
+        load_trainer(tmp_path / "solo" / "step_1", _trainer(1), rank=0, world=1)
+
+
+def test_only_the_newest_complete_checkpoints_are_kept(tmp_path):
+    trainer = _trainer(0)
+    ckpt = Checkpointer(tmp_path, rank=0, world=1, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, trainer)
+        ckpt.wait()
+    assert sorted(d.name for d in tmp_path.glob("step_*")) == ["step_2", "step_3"]
+
+
+def test_resume_restores_and_drops_log_lines_of_lost_steps(tmp_path):
+    saved = _trainer(0)
+    ckpt = Checkpointer(tmp_path / "checkpoints", rank=0, world=1, keep=2)
+    ckpt.save(2, saved, _controller(5, buffered=False))
+    ckpt.wait()
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    fresh, ctrl, synced = _trainer(1), _controller(0, buffered=False), []
+    assert ckpt.resume(fresh, ctrl, 0, lambda: synced.append(True), [log]) == 2
+    assert synced == [True] and ctrl.source.position == 5
+    assert torch.equal(fresh.module[1].bias, saved.module[1].bias)
+    assert [json.loads(ln)["step"] for ln in log.read_text().splitlines()] == [0, 1, 2]
+    drop_lines_after(tmp_path / "missing.jsonl", 1)  # no file: nothing to do
+
+
+def test_no_checkpoint_means_a_fresh_start(tmp_path):
+    ckpt = Checkpointer(tmp_path / "checkpoints", rank=0, world=1, keep=2)
+    assert ckpt.resume(_trainer(0), None, 0, lambda: pytest.fail("no sync without a checkpoint"), []) == 0

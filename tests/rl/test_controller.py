@@ -1,0 +1,110 @@
+"""The controller on in-process fakes of nothing but the rollout engine's outputs: real prompts
+and images, the real rewarder, dynamic sampler, sample builder (the tiny policy's processor) and
+placement runner."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from yatt_mm.engines.engine import GenerationResult, Response, SamplingConfig
+from yatt_mm.metrics import Timeline
+from yatt_mm.reward.judges import Judges
+from yatt_mm.reward.rewarder import RewardConfig, Rewarder
+from yatt_mm.reward.rules import exact_match
+from yatt_mm.rl.algorithms import AlgorithmConfig
+from yatt_mm.rl.controller import Controller
+from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
+from yatt_mm.rl.placement import PhaseRunner, full_colocation
+from yatt_mm.rl.samples import Prompt, SampleBuilder
+
+
+class ScriptedEngine:
+    """Answers each prompt with the texts its script gives for that prompt's key."""
+
+    def __init__(self, tokenizer, script: dict[str, list[str]]):
+        self.tokenizer, self.script, self.calls = tokenizer, script, []
+
+    def prompt_text(self, request) -> str:
+        return self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+
+    def generate(self, requests, sampling: SamplingConfig, on_finished=None) -> GenerationResult:
+        self.calls.append(len(requests))
+        keys = [r.messages[0]["content"][-1]["text"].split("#")[-1] for r in requests]
+        responses = []
+        for key in keys:
+            texts = self.script[key][: sampling.n]
+            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            responses.append([Response(i, t, [-0.5] * len(i), "stop") for i, t in zip(ids, texts)])
+        return GenerationResult(responses, 0.01, 0, sum(len(r.token_ids) for g in responses for r in g))
+
+
+class ListSource:
+    def __init__(self, prompts):
+        self.prompts = list(prompts)
+
+    def take(self, n):
+        out, self.prompts = self.prompts[:n], self.prompts[n:]
+        return out
+
+
+def _prompt(key: str, answer: str) -> Prompt:
+    return Prompt(key, f"What colour is it? #{key}", answer, images=[Image.new("RGB", (56, 56), answer)])
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_policy):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(tiny_policy))
+
+
+def _controller(processor, prompts, script, **sampling):
+    engine = ScriptedEngine(processor.tokenizer, script)
+    timeline = Timeline(0)
+    phases = PhaseRunner(full_colocation(), {}, timeline)
+    ctrl = Controller(ListSource(prompts), engine, Rewarder(RewardConfig(), Judges()),
+                      DynamicSampler(DynamicSamplingConfig(max_waves=3, initial_valid_rate=1.0, oversample=1.0)),
+                      SamplingConfig(n=4, max_tokens=4), SampleBuilder(processor, engine.prompt_text),
+                      AlgorithmConfig(), phases)
+    return ctrl, engine, timeline
+
+
+def test_step_keeps_groups_with_spread_and_draws_another_wave_for_the_rest(processor):
+    prompts = [_prompt("a", "red"), _prompt("b", "blue"), _prompt("c", "green"), _prompt("d", "red")]
+    script = {"a": ["red", "blue", "red", "red"],     # rewards 1 0 1 1: valid
+              "b": ["blue", "blue", "blue", "blue"],  # all right: no spread, dropped
+              "c": ["green", "red", "red", "red"],    # valid
+              "d": ["red", "red", "blue", "blue"]}    # valid
+    ctrl, engine, timeline = _controller(processor, prompts, script)
+    groups, stats = ctrl.step(step=0, target=3)
+    assert engine.calls[0] == 3 and len(engine.calls) == 2  # one group dropped: a second wave
+    assert [g[0].group_id for g in groups] == ["a", "c", "d"]
+    assert stats.responses == 16 and stats.reward_sum == 3 + 4 + 1 + 2 and stats.waves == 2
+    assert stats.valid_generated == 3 and stats.padded == 0
+    assert stats.reward_counts["exact_match/n"] == 16 and stats.reward_counts["exact_match/sum"] == 10
+    # GRPO advantages within group a: (r - mean) / std, the wrong answer strongly negative
+    adv = [s.advantage for s in groups[0]]
+    assert adv[1] < 0 < adv[0] and sum(adv) == pytest.approx(0, abs=1e-5)
+    assert adv[0] == pytest.approx(0.5, abs=1e-4) and adv[1] == pytest.approx(-1.5, abs=1e-4)
+    # each sample: the loss mask covers exactly the response tokens, with vLLM's logprobs there
+    s = groups[0][1]
+    n_resp = len(processor.tokenizer.encode("blue", add_special_tokens=False))
+    assert int(s.loss_mask.sum()) == n_resp and float(s.rollout_logprobs.sum()) == pytest.approx(-0.5 * n_resp)
+    assert {p["phase"] for p in timeline.spans} >= {"rollout", "reward", "prepare"}
+
+
+def test_starved_step_pads_with_masked_groups(processor):
+    prompts = [_prompt(k, "red") for k in "abcdef"]
+    script = {k: ["red"] * 4 for k in "abcdef"}  # always right: nothing to learn
+    ctrl, _, _ = _controller(processor, prompts, script)
+    groups, stats = ctrl.step(step=0, target=2)
+    assert len(groups) == 2 and stats.padded == 2
+    assert all(s.masked and s.advantage == 0 for g in groups for s in g)
+
+
+def test_evaluate_scores_greedy_answers_with_the_rule(processor):
+    prompts = [_prompt("a", "red"), _prompt("b", "blue")]
+    ctrl, _, timeline = _controller(processor, [], {"a": ["red"], "b": ["green"]})
+    assert ctrl.evaluate(prompts, exact_match, max_tokens=4, step=0) == (1.0, 2)
+    assert any(p["phase"] == "eval" for p in timeline.spans)

@@ -1,0 +1,55 @@
+"""The step's maths without processes: the loss normaliser makes micro-batching and DP
+invisible, and the typed per-step stats sum across DP groups into the plotted metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yatt_mm.rl import stats as stats_mod
+from yatt_mm.rl.algorithms import AlgorithmConfig, aggregate, loss_normalizer, policy_loss
+from yatt_mm.rl.stats import RolloutStats
+
+
+@pytest.mark.parametrize("how", ["token", "sequence", "group"])
+def test_micro_batches_and_dp_ranks_sum_to_the_full_batch_loss(how):
+    torch.manual_seed(0)
+    rows, t = 8, 7
+    lengths = torch.tensor([3, 7, 1, 5, 0, 2, 6, 4])  # row 4 is a masked (padding) group's row
+    mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    lp, old = torch.randn(rows, t) * 0.1 - 1, torch.randn(rows, t) * 0.1 - 1
+    adv = torch.randn(rows)
+    groups = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    cfg = AlgorithmConfig(loss_agg=how, is_correction=False)
+    full = policy_loss(cfg, lp, old, adv, mask, group_ids=groups).loss
+
+    # 2 DP ranks of 2 micro-batches each; whole groups stay on one rank (as balancing keeps them)
+    ranks = [[slice(0, 2), slice(2, 4)], [slice(4, 5), slice(5, 8)]]
+    counts = [loss_normalizer([mask[s] for s in mbs], [groups[s] for s in mbs], how) for mbs in ranks]
+    normalizer = sum(counts) / len(ranks)  # what Actor.update passes: the DP sum over the DP size
+    per_rank = [sum(policy_loss(cfg, lp[s], old[s], adv[s], mask[s], group_ids=groups[s],
+                                normalizer=normalizer).loss for s in mbs) for mbs in ranks]
+    assert sum(per_rank) / len(ranks) == pytest.approx(float(full), abs=1e-6)  # DDP averages over DP
+
+
+def test_normaliser_counts():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert loss_normalizer([mask], [["a", "b", "a"]], "token") == 3
+    assert loss_normalizer([mask], [["a", "b", "a"]], "sequence") == 2
+    assert loss_normalizer([mask[:1], mask[1:]], [["a"], ["b", "a"]], "group") == 1  # a spans micro-batches
+    assert float(aggregate(torch.ones(3, 3), mask, "token")) == pytest.approx(1.0)
+
+
+def test_rollout_stats_sum_across_groups_into_metrics(monkeypatch):
+    a = RolloutStats(groups=4, responses=16, reward_sum=8, reward_sq_sum=8, response_tokens=64, gen_seconds=2,
+                     valid_generated=3, waves=1, reward_counts={"exact_match/sum": 8, "exact_match/n": 16})
+    # two DP groups that happen to report the same: the sum doubles every count, keys intact
+    monkeypatch.setattr(stats_mod, "sum_across", lambda values, group: {k: 2 * v for k, v in values.items()})
+    total = a.summed(group=None)
+    assert total.responses == 32 and total.reward_counts == {"exact_match/sum": 16, "exact_match/n": 32}
+    m = total.metrics(["exact_match"], [])
+    assert m["rollout/reward_mean"] == 0.5 and m["rollout/reward_std"] == pytest.approx(0.5)
+    assert m["rollout/valid_group_rate"] == pytest.approx(6 / 8) and m["rollout/tokens_per_s"] == 32
+    assert m["reward/exact_match"] == 0.5
+    from_buffer = RolloutStats(from_buffer=4).metrics([], [])
+    assert "rollout/reward_mean" not in from_buffer and from_buffer["rollout/from_buffer"] == 4

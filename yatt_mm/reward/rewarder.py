@@ -1,0 +1,159 @@
+"""All of a run's rewards in one place: rule functions and GenRM judges, combined by weight."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections import Counter
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from yatt_mm.engines.engine import Response
+from yatt_mm.reward.genrm import JudgeItem, ServerJudge
+from yatt_mm.reward.judges import Judges, WeightedJudge
+from yatt_mm.reward.rules import get_rule
+
+if TYPE_CHECKING:
+    from yatt_mm.rl.samples import Prompt
+
+
+@dataclass
+class RewardFunction:
+    name: str = "exact_match"  # a registered rule (yatt_mm/reward/rules.py) or module:function
+    weight: float = 1.0  # its share of the total reward
+
+    def validate(self) -> None:
+        get_rule(self.name)
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFunction] = field(default_factory=lambda: [RewardFunction()])  # rule rewards
+    judges: list[WeightedJudge] = field(default_factory=list)  # GenRM judges
+
+    def validate(self) -> None:
+        if not self.functions and not self.judges:
+            raise ValueError("configure at least one of functions and judges")
+
+
+class Rewarder:
+    def __init__(self, cfg: RewardConfig, judges: Judges):
+        self.rules = [(f.name, get_rule(f.name), f.weight) for f in cfg.functions]  # fails early on a bad name
+        self.judges = judges.entries
+        if not self.rules and not self.judges:
+            raise ValueError("reward: configure at least one function or judge")
+        self._counts: Counter[str] = Counter()  # additive, so DP groups can sum them
+
+    def score(self, prompts: list[Prompt], responses: list[list[Response]]) -> list[tuple[list[float], dict]]:
+        """Per prompt: the total reward of each response, and each part by name."""
+        judged = {}
+        for name, judge, _ in self.judges:
+            items = [_item(p, r) for p, group in zip(prompts, responses) for r in group]
+            scores = iter(judge.score(items)) if items else iter(())
+            judged[name] = [[next(scores).score for _ in group] for group in responses]
+        return self._combine(prompts, responses, judged)
+
+    def stream(self, prompts: list[Prompt]) -> "RewardStream":
+        """Scoring that starts while the rollout still runs: hand each prompt's responses to
+        `add` as they finish (partial colocation)."""
+        return RewardStream(self, prompts)
+
+    def _combine(self, prompts, responses, judged: dict[str, list[list[float]]]) -> list[tuple[list[float], dict]]:
+        parts: list[dict[str, list[float]]] = [{} for _ in prompts]
+        for name, fn, _ in self.rules:
+            for i, (p, group) in enumerate(zip(prompts, responses)):
+                parts[i][name] = [fn(r.text, p.answer, p.metadata) for r in group]
+        for name, scores in judged.items():
+            for i, group_scores in enumerate(scores):
+                parts[i][name] = group_scores
+        weights = {name: w for name, _, w in self.rules} | {name: w for name, _, w in self.judges}
+        totals = [[sum(weights[k] * v[j] for k, v in part.items()) for j in range(len(group))]
+                  for part, group in zip(parts, responses)]
+        self._count(parts)
+        return list(zip(totals, parts))
+
+    def _count(self, parts: list[dict[str, list[float]]]) -> None:
+        """Each part's sum, and how often each judge's verdict (score >= 0.5) matches each rule's:
+        a judge that drifts from the verifiable rewards shows up in the metrics."""
+        for part in parts:
+            for name, values in part.items():
+                self._counts[f"{name}/sum"] += sum(values)
+                self._counts[f"{name}/n"] += len(values)
+            for judge, _, _ in self.judges:
+                for rule, _, _ in self.rules:
+                    self._counts[f"{judge}/agree_{rule}"] += sum(
+                        (j >= 0.5) == (r >= 0.5) for j, r in zip(part[judge], part[rule]))
+
+    def take_counts(self) -> dict[str, float]:
+        """This step's additive counts (then reset) and the judges' running counts of scored and
+        fallback items; the same keys on every DP group, so they can be summed across groups."""
+        names = [n for n, _, _ in self.rules + self.judges]
+        keys = [f"{n}/{s}" for n in names for s in ("sum", "n")]
+        keys += [f"{j}/agree_{r}" for j, _, _ in self.judges for r, _, _ in self.rules]
+        out = {k: float(self._counts[k]) for k in keys}
+        self._counts.clear()
+        for name, judge, _ in self.judges:
+            out.update(judge.stats.as_metrics(f"genrm/{name}"))
+        return out
+
+
+def _item(p: Prompt, r: Response) -> JudgeItem:
+    return JudgeItem(p.question, r.text, p.answer, p.images, p.videos)
+
+
+class RewardStream:
+    """The judges' requests for a prompt's responses go out the moment the rollout hands them
+    over, from an event loop in a background thread, so the judge servers work while the rollout
+    engine is still generating; `results()` waits for the last verdicts and combines as `score`."""
+
+    def __init__(self, rewarder: Rewarder, prompts: list[Prompt]):
+        if any(not isinstance(judge, ServerJudge) for _, judge, _ in rewarder.judges):
+            raise ValueError("streaming rewards need judges served by vLLM servers (judge.backend: server): "
+                             "an in-process judge engine cannot run beside the in-process rollout engine")
+        self.rewarder, self.prompts = rewarder, prompts
+        self.responses: list[list[Response] | None] = [None] * len(prompts)
+        self.pending: dict[tuple[str, int], concurrent.futures.Future] = {}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="reward-stream", daemon=True)
+        self.thread.start()
+
+    def add(self, i: int, responses: list[Response]) -> None:
+        self.responses[i] = responses
+        items = [_item(self.prompts[i], r) for r in responses]
+        for name, judge, _ in self.rewarder.judges:
+            self.pending[(name, i)] = asyncio.run_coroutine_threadsafe(_judge_all(judge, items), self.loop)
+
+    def results(self) -> list[tuple[list[float], dict]]:
+        try:
+            if any(r is None for r in self.responses):
+                raise RuntimeError("the rollout finished without handing over every prompt's responses")
+            judged = {name: [[s.score for s in self.pending[(name, i)].result()] for i in range(len(self.prompts))]
+                      for name, _, _ in self.rewarder.judges}
+        finally:
+            for _, judge, _ in self.rewarder.judges:  # the HTTP clients belong to this loop
+                asyncio.run_coroutine_threadsafe(judge.aclose(), self.loop).result()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()
+        return self.rewarder._combine(self.prompts, self.responses, judged)
+
+
+async def _judge_all(judge: ServerJudge, items: list[JudgeItem]):
+    return await asyncio.gather(*(judge.score_one(it) for it in items))
+
+
+def reward_metrics(counts: dict[str, float], rule_names: list[str], judge_names: list[str]) -> dict[str, float]:
+    """Summed counts -> per-part reward means and judge/rule agreement rates."""
+    out = {k: v for k, v in counts.items() if k.startswith("genrm/")}
+    for name in rule_names + judge_names:
+        n = counts.get(f"{name}/n", 0.0)
+        if n:
+            out[f"reward/{name}"] = counts[f"{name}/sum"] / n
+    for judge in judge_names:
+        n = counts.get(f"{judge}/n", 0.0)
+        for rule in rule_names:
+            if n:
+                out[f"genrm/{judge}/agreement_{rule}"] = counts[f"{judge}/agree_{rule}"] / n
+    return out

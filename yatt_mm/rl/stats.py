@@ -1,0 +1,104 @@
+"""What an RL step reports: typed, additive counts each DP group fills in, summed across groups
+once per step, then turned into the metrics a person plots."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import psutil
+import torch.distributed as dist
+
+from yatt_mm.metrics import Timeline
+from yatt_mm.reward.rewarder import reward_metrics
+from yatt_mm.rl.distributed import sum_across
+
+
+@dataclass
+class RolloutStats:
+    """Everything one DP group generated and chose this step. Reward statistics cover every
+    generated response, before filtering (filtered rewards are biased)."""
+
+    groups: float = 0.0
+    responses: float = 0.0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    response_tokens: float = 0.0
+    gen_seconds: float = 0.0
+    valid_generated: float = 0.0
+    padded: float = 0.0
+    waves: float = 0.0
+    from_buffer: float = 0.0
+    reward_counts: dict[str, float] = field(default_factory=dict)  # the rewarder's; same keys on every group
+
+    def add_wave(self, groups, seconds: float) -> None:
+        self.gen_seconds += seconds
+        for g in groups:
+            self.groups += 1
+            self.responses += len(g.rewards)
+            self.reward_sum += sum(g.rewards)
+            self.reward_sq_sum += sum(r * r for r in g.rewards)
+            self.response_tokens += sum(len(r.token_ids) for r in g.responses)
+
+    def add_choice(self, chosen) -> None:
+        """The dynamic sampler's outcome (a StepGroups)."""
+        self.valid_generated += chosen.valid_generated
+        self.padded += chosen.padded
+        self.waves += chosen.waves
+        self.from_buffer += chosen.from_buffer
+
+    def summed(self, group) -> "RolloutStats":
+        """The sum over every DP group (a collective over `group`, the groups' leaders)."""
+        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "reward_counts"}
+        total = sum_across({**numbers, **{f"reward_counts/{k}": v for k, v in self.reward_counts.items()}}, group)
+        counts = {k.split("/", 1)[1]: v for k, v in total.items() if k.startswith("reward_counts/")}
+        return RolloutStats(**{k: total[k] for k in numbers}, reward_counts=counts)
+
+    def metrics(self, rule_names: list[str], judge_names: list[str]) -> dict[str, float]:
+        out = {"rollout/groups_generated": self.groups, "rollout/padded_groups": self.padded,
+               "rollout/waves": self.waves, "rollout/from_buffer": self.from_buffer}
+        out.update(reward_metrics(self.reward_counts, rule_names, judge_names))
+        if not self.responses:  # the whole step came from dynamic sampling's buffer
+            return out
+        n = self.responses
+        mean = self.reward_sum / n
+        return {
+            **out,
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": math.sqrt(max(self.reward_sq_sum / n - mean * mean, 0.0)),
+            "rollout/valid_group_rate": self.valid_generated / max(self.groups, 1),
+            "rollout/response_length": self.response_tokens / n,
+            "rollout/tokens_per_s": self.response_tokens / max(self.gen_seconds, 1e-9),
+        }
+
+
+TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "sync", "eval")
+
+
+def time_metrics(timeline: Timeline, step: int, seconds: float, group=None) -> dict[str, float]:
+    """Each phase's seconds, the step's idle share and memory: the slowest rank's (a collective)."""
+    phases = timeline.seconds(step)
+    busy = sum(v for k, v in phases.items() if not k.startswith("switch:"))
+    # the same keys on every rank: a rank may skip a phase (all groups from the buffer, no eval)
+    local = {f"time/{k}": phases.get(k, 0.0) for k in TIMED_PHASES}
+    local["time/step"] = seconds
+    local["time/idle"] = max(seconds - busy, 0.0)
+    local["memory/rss_gb"] = psutil.Process().memory_info().rss / 2**30
+    peak = sum_across(local, group, op=dist.ReduceOp.MAX)
+    return {**peak, "time/idle_share": peak["time/idle"] / max(peak["time/step"], 1e-9)}
+
+
+def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
+    if "rollout/reward_mean" in m:
+        parts = [f"step {step + 1}/{steps}", f"reward {m['rollout/reward_mean']:.3f}",
+                 f"valid {m['rollout/valid_group_rate']:.2f}"]
+    else:
+        parts = [f"step {step + 1}/{steps}", f"all {m['rollout/from_buffer']:.0f} groups from the buffer"]
+    if "eval/reward_mean" in m:
+        parts.append(f"eval {m['eval/reward_mean']:.3f}")
+    parts += [f"{k.split('/')[1]} agrees with {k.split('/agreement_', 1)[1]} {v:.2f}" for k, v in m.items()
+              if k.startswith("genrm/") and "/agreement_" in k]
+    times = " ".join(f"{k[5:]} {v:.1f}" for k, v in m.items()
+                     if k.startswith("time/") and k not in ("time/step", "time/idle_share", "time/idle") and v >= 0.05)
+    parts += [f"{m['time/step']:.1f}s ({times})", f"lp-diff {m.get('train/logprob_diff_vs_rollout', 0):.1e}"]
+    return " | ".join(parts)

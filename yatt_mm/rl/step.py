@@ -1,0 +1,62 @@
+"""One RL step, a call per phase, in the order of the diagram in the README:
+
+    controller: rollout + reward + dynamic sampling + advantages   (rl/controller.py)
+ -> balance whole groups across DP groups, then to the TP peers     (rl/distributed.py)
+ -> actor: old logprobs, loss, update                               (rl/actor.py)
+ -> weight sync -> eval -> checkpoint -> metrics
+"""
+
+from __future__ import annotations
+
+import time
+
+from yatt_mm.rl.distributed import balance_groups, broadcast_samples, sum_across
+from yatt_mm.rl.stats import time_metrics
+
+
+def rl_step(run, step: int) -> dict[str, float]:
+    cfg, ranks, phases = run.cfg, run.ranks, run.phases
+    start = time.time()
+    metrics: dict[str, float] = {}
+    groups = []
+    if ranks.leader:  # each DP group on its own, then only metadata and moved groups cross
+        groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
+        metrics |= rollout.summed(ranks.leaders).metrics(run.rule_names, run.judges.names)
+        if cfg.run.balance and ranks.dp_size > 1:
+            with phases.phase("balance", step):
+                groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders)
+            metrics |= moved
+    samples = broadcast_samples([s for g in groups for s in g], ranks.tp_src, ranks.tp_group)
+    with phases.phase("logprobs", step):
+        mbs = run.actor.micro_batches(samples)
+        metrics |= run.actor.old_logprobs(mbs)
+    with phases.phase("train", step):
+        metrics |= run.actor.update(mbs)
+    with phases.phase("sync", step):
+        metrics |= sync_weights(run)
+    if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+        metrics |= evaluate(run, step)
+    if ranks.leader:
+        run.controller.source.write_lineage(run.run_dir / f"consumed_rank{ranks.rank}.jsonl", step + 1)
+    if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+        # after the weight sync nothing is in flight: snapshot now, write during the next rollout
+        metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank)
+    return metrics | time_metrics(run.timeline, step, time.time() - start)
+
+
+def sync_weights(run) -> dict[str, float]:
+    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP)."""
+    weights = run.trainer.export_hf()
+    if not run.ranks.leader:
+        return {}
+    info = run.engine.update_weights(weights.items())
+    return {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
+
+
+def evaluate(run, step: int) -> dict[str, float]:
+    """Greedy held-out reward, over every DP group (a collective over the leaders)."""
+    if not run.ranks.leader or run.eval_prompts is None or not run.cfg.eval.every:
+        return {}
+    score, n = run.controller.evaluate(run.eval_prompts, run.eval_rule, run.cfg.eval.max_tokens, step)
+    total = sum_across({"s": score, "n": n}, run.ranks.leaders)
+    return {"eval/reward_mean": total["s"] / max(total["n"], 1)}

@@ -1,1 +1,0 @@
-"""Rollout on vLLM: multimodal generation with per-token logprobs."""

@@ -1,0 +1,64 @@
+"""The SFT run's settings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dataio.reader import DataConfig
+from models.trainer import TrainerConfig
+
+
+@dataclass
+class HeldOutConfig:
+    every: int = 0  # evaluate every N steps (0: only before and after training)
+    samples: int = 32  # held-out examples per DP rank
+    holdout_fraction: float = 0.1  # share of keys (by hash) held out of training; used when shards is empty
+    shards: list[str] = field(default_factory=list)  # separate held-out shards (then nothing is held out)
+
+    def validate(self) -> None:
+        if self.every < 0 or self.samples < 0:
+            raise ValueError("every and samples must be >= 0")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+
+
+@dataclass
+class SFTConfig:
+    model: str = "tiny:policy"  # HF directory, or tiny:policy / tiny:judge (built offline by the launcher)
+    data: DataConfig = field(default_factory=DataConfig)  # the training shards and how to read them
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-3))  # Megatron trainer settings
+    examples: str = "answer"  # example builder: a registered name (answer) or module:function (yatt_mm/sft/examples.py)
+    tasks: list[str] = field(default_factory=list)  # keep only these sample tasks (e.g. image/colour); empty: all
+    steps: int = 50  # optimizer steps
+    batch_size: int = 16  # samples per DP rank per step
+    micro_batch_size: int = 8  # samples per forward/backward
+    warmup_steps: int = 0  # linear learning-rate warmup from 0 to trainer.lr
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)  # held-out loss and teacher-forced accuracy
+    seed: int = 0  # random answers / judge responses
+    run_dir: str | None = None  # metrics and the summary; default runs/sft-TIME
+    output_dir: str | None = None  # the exported HF directory; default RUN_DIR/hf
+    log_every: int = 1  # steps between progress lines
+
+    def validate(self) -> None:
+        from yatt_mm.sft.examples import get_builder
+
+        for name in ("steps", "batch_size", "micro_batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must be <= batch_size ({self.batch_size})")
+        get_builder(self.examples)  # a clear error for an unknown name, at load time
+
+    def check_world(self, world_size: int) -> None:
+        if world_size < 1 or world_size % self.trainer.tensor_parallel:
+            raise ValueError(f"{world_size} ranks: must be a positive multiple of trainer.tensor_parallel="
+                             f"{self.trainer.tensor_parallel}")
+
+    def resolve_models(self, resolve) -> None:
+        self.model = resolve(self.model, self.data.shards)
+
+    def fix_run_dir(self) -> Path:
+        self.run_dir = self.run_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}"
+        return Path(self.run_dir)
