@@ -182,81 +182,17 @@ def _text_config(spec, vocab: int, ids: dict[str, int]) -> dict:
 
 
 def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -> Path:
-    """Build a tiny Qwen2-VL into `out_dir` (created; must not exist or be empty)."""
-    import torch
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
-
-    if kind in QWEN25_KINDS:
-        return _build_tiny_qwen25(out_dir, kind, seed)
-    spec = _spec_for(kind, seed)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = build_tokenizer()
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab = len(tokenizer)
-    config = Qwen2VLConfig(
-        text_config=_text_config(spec, vocab, ids),
-        vision_config=dict(
-            depth=spec.vision_depth,
-            embed_dim=spec.vision_embed_dim,
-            hidden_size=spec.hidden_size,
-            num_heads=spec.vision_heads,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        **_token_ids(ids),
-    )
-
-    torch.manual_seed(spec.seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, spec.lm_head_std)
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
-
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=spec.min_pixels, max_pixels=spec.max_pixels, patch_size=14, merge_size=2
-    )
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=spec.min_pixels,
-        max_pixels=spec.video_max_pixels,
-        patch_size=14,
-        merge_size=2,
-        cap_pixels_per_frame=True,  # qwen-vl-utils' per-frame cap; transformers' future default
-    )
-    processor = Qwen2VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
-    (out / "yatt_tiny.json").write_text(
-        json.dumps({"factory_version": FACTORY_VERSION, **asdict(spec)}, indent=1)
-    )
-    return out
-
-
-def _build_tiny_qwen25(out_dir: str | Path, kind: str, seed: int) -> Path:
-    """A tiny Qwen2.5-VL: the Qwen2-VL policy's tokenizer, text sizes and processors, with
-    Qwen2.5-VL's vision tower (QWEN25_VISION)."""
+    """Build a tiny Qwen2-VL (or, for the Qwen2.5-VL kinds, a tiny Qwen2.5-VL: the same
+    tokenizer, text sizes and processors with Qwen2.5-VL's vision tower, QWEN25_VISION) into
+    `out_dir` (created; must not exist or be empty)."""
     import torch
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLProcessor,
     )
 
     spec = _spec_for(kind, seed)
@@ -264,46 +200,54 @@ def _build_tiny_qwen25(out_dir: str | Path, kind: str, seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen2_5_VLConfig(
-        text_config=_text_config(spec, len(tokenizer), ids),
-        vision_config=dict(
-            depth=spec.vision_depth,
-            hidden_size=spec.vision_embed_dim,
-            out_hidden_size=spec.hidden_size,
-            num_heads=spec.vision_heads,
-            hidden_act="silu",
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            **QWEN25_VISION,
-        ),
-        **_token_ids(ids),
-    )
-    torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    vision = dict(depth=spec.vision_depth, num_heads=spec.vision_heads, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    if kind in QWEN25_KINDS:
+        vision.update(hidden_size=spec.vision_embed_dim, out_hidden_size=spec.hidden_size, hidden_act="silu",
+                      **QWEN25_VISION)
+        config_cls, model_cls, processor_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+        stamp = {"qwen25_version": QWEN25_VERSION, **asdict(spec), "arch": "qwen2_5_vl", "vision": QWEN25_VISION}
+    else:
+        vision.update(embed_dim=spec.vision_embed_dim, hidden_size=spec.hidden_size, mlp_ratio=2)
+        config_cls, model_cls, processor_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+        stamp = asdict(spec)
+    config = config_cls(text_config=_text_config(spec, len(tokenizer), ids), vision_config=vision, **_token_ids(ids))
+    torch.manual_seed(spec.seed)  # the initial weights follow from the seed alone
+    _save_model(out, spec, model_cls(config), ids, perturb_norms=kind in QWEN25_KINDS)
+    _save_processor(out, spec, tokenizer, processor_cls)
+    (out / "yatt_tiny.json").write_text(json.dumps({"factory_version": FACTORY_VERSION, **stamp}, indent=1))
+    return out
+
+
+def _save_model(out: Path, spec: "TinySpec", model, ids: dict[str, int], perturb_norms: bool) -> None:
+    import torch
+
+    model = model.to(torch.float32)
     with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, spec.lm_head_std)
-        # RMSNorm weights start at 1: perturb them (and the zero biases) so that conversion
-        # mistakes that swap or drop them show up in parity
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_q" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+        model.lm_head.weight.normal_(0.0, spec.lm_head_std)  # a larger init makes sampled outputs vary
+        if perturb_norms:
+            # RMSNorm weights start at 1: perturb them (and the zero biases) so that conversion
+            # mistakes that swap or drop them show up in parity
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or "norm" in name or "ln_q" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out, safe_serialization=True)
-    processor = Qwen2_5_VLProcessor(
+
+
+def _save_processor(out: Path, spec: "TinySpec", tokenizer, processor_cls) -> None:
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    processor_cls(
         image_processor=Qwen2VLImageProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
                                               patch_size=14, merge_size=2),
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.video_max_pixels,
-                                              patch_size=14, merge_size=2, cap_pixels_per_frame=True),
+                                              patch_size=14, merge_size=2,
+                                              cap_pixels_per_frame=True),  # qwen-vl-utils' per-frame cap
         chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
-    (out / "yatt_tiny.json").write_text(json.dumps(
-        {"factory_version": FACTORY_VERSION, "qwen25_version": QWEN25_VERSION, **asdict(spec),
-         "arch": "qwen2_5_vl", "vision": QWEN25_VISION}, indent=1))
-    return out
+    ).save_pretrained(out)
 
 
 _ESSENTIAL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json")

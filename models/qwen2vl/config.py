@@ -147,33 +147,20 @@ def vision_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int
     from megatron.core.transformer import TransformerConfig
 
     if spec.is_qwen25:
-        return TransformerConfig(
-            num_layers=spec.vision_depth,
-            hidden_size=spec.vision_embed_dim,
-            ffn_hidden_size=spec.vision_intermediate_size,
-            num_attention_heads=spec.vision_heads,
-            num_query_groups=spec.vision_heads,
-            kv_channels=spec.vision_embed_dim // spec.vision_heads,
-            normalization="RMSNorm",
-            layernorm_epsilon=1e-6,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=True,
-            add_qkv_bias=True,
-            **_common(dtype, tp),
-        )
+        arch = dict(ffn_hidden_size=spec.vision_intermediate_size, normalization="RMSNorm", gated_linear_unit=True,
+                    activation_func=F.silu)
+    else:
+        arch = dict(ffn_hidden_size=int(spec.vision_embed_dim * spec.vision_mlp_ratio), normalization="LayerNorm",
+                    gated_linear_unit=False, activation_func=quick_gelu)
     return TransformerConfig(
         num_layers=spec.vision_depth,
         hidden_size=spec.vision_embed_dim,
-        ffn_hidden_size=int(spec.vision_embed_dim * spec.vision_mlp_ratio),
         num_attention_heads=spec.vision_heads,
         num_query_groups=spec.vision_heads,
         kv_channels=spec.vision_embed_dim // spec.vision_heads,
-        normalization="LayerNorm",
         layernorm_epsilon=1e-6,
-        gated_linear_unit=False,
-        activation_func=quick_gelu,
         add_bias_linear=True,
         add_qkv_bias=True,
+        **arch,
         **_common(dtype, tp),
     )

@@ -35,32 +35,28 @@ class PlacementPlan:
         return f"placement {self.mode}: " + " -> ".join(f"{p.name}[{'+'.join(p.roles) or '-'}]" for p in self.phases)
 
 
+# After rollout and reward, both placements run the same phases: building and balancing the
+# training samples (no devices), then the trainer, the weight sync, and eval on the engine.
+AFTER_GENERATION = (
+    Phase("prepare", ()),
+    Phase("balance", ()),
+    Phase("logprobs", ("train",)),
+    Phase("train", ("train",)),
+    Phase("sync", ("train", "rollout")),
+    Phase("eval", ("rollout",)),
+)
+
+
 def full_colocation() -> PlacementPlan:
-    return PlacementPlan("full", (
-        Phase("rollout", ("rollout",)),
-        Phase("reward", ("judge",)),
-        Phase("prepare", ()),
-        Phase("balance", ()),
-        Phase("logprobs", ("train",)),
-        Phase("train", ("train",)),
-        Phase("sync", ("train", "rollout")),
-        Phase("eval", ("rollout",)),
-    ))
+    return PlacementPlan("full", (Phase("rollout", ("rollout",)), Phase("reward", ("judge",))) + AFTER_GENERATION)
 
 
 def partial_colocation() -> PlacementPlan:
     """Rollout and the GenRM judges side by side (the judges as vLLM servers on their own share
     of the devices), each prompt's responses going to the judges the moment they finish; then
     training takes every device."""
-    return PlacementPlan("partial", (
-        Phase("rollout_reward", ("rollout", "judge"), devices="split"),
-        Phase("prepare", ()),
-        Phase("balance", ()),
-        Phase("logprobs", ("train",)),
-        Phase("train", ("train",)),
-        Phase("sync", ("train", "rollout")),
-        Phase("eval", ("rollout",)),
-    ))
+    return PlacementPlan("partial", (Phase("rollout_reward", ("rollout", "judge"), devices="split"),)
+                         + AFTER_GENERATION)
 
 
 PLANS = {"full": full_colocation, "partial": partial_colocation}
