@@ -39,7 +39,7 @@ def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | 
     print(f"[demo] RL of a tiny Qwen2-VL on CPU; everything goes to {run}", flush=True)
     make_data()
     # the launcher builds the warm starts before the ranks start (they find them cached): the
-    # policy's about 10-30 s the first time, the judge's about 4 min
+    # policy's about 10-30 s the first time, the judge's about 4-7 min
     rc = rl_main(["--config", CONFIG, "--nproc", str(nproc), f"run.run_dir={run}", *(overrides or [])])
     if rc != 0:
         print(f"[demo] the RL run failed (exit code {rc}); see the output above", flush=True)

@@ -33,7 +33,7 @@ from yatt_mm.rl.placement import PLANS, PhaseRunner
 from yatt_mm.rl.samples import SampleBuilder
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource
 from yatt_mm.rl.stats import progress_line
-from yatt_mm.rl.step import rl_step, sync_weights
+from yatt_mm.rl.step import evaluate, rl_step, sync_weights
 
 
 class Run:
@@ -100,8 +100,6 @@ class Run:
 
 
 def train(cfg: RLConfig) -> int:
-    from yatt_mm.rl.step import evaluate
-
     run = Run(cfg)
     if run.ranks.rank == 0:
         print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP "

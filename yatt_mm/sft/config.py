@@ -16,10 +16,13 @@ class HeldOutConfig:
     samples: int = 32  # held-out examples per DP rank
     holdout_fraction: float = 0.1  # share of keys (by hash) held out of training; used when shards is empty
     shards: list[str] = field(default_factory=list)  # separate held-out shards (then nothing is held out)
+    stop_at: float = 0.0  # end training early once held-out accuracy reaches this (0: never; needs every > 0)
 
     def validate(self) -> None:
         if self.every < 0 or self.samples < 0:
             raise ValueError("every and samples must be >= 0")
+        if self.stop_at and not (self.every and self.samples):
+            raise ValueError("stop_at needs every > 0 and samples > 0 (it acts on the periodic held-out accuracy)")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise ValueError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
 

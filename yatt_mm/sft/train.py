@@ -134,7 +134,7 @@ def train(cfg: SFTConfig) -> dict:
     run.say(f"sft: model {run.source}, dp {run.dp_size} x tp {cfg.trainer.tensor_parallel}, {cfg.steps} steps of "
             f"{cfg.batch_size} samples/rank, examples={cfg.examples}, run dir {run.run_dir}")
     first_eval = run.evaluate(0)
-    losses = []
+    losses, reached = [], {}
     start = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         m = sft_step(run, step)
@@ -144,12 +144,16 @@ def train(cfg: SFTConfig) -> dict:
             run.say(f"step {step}/{cfg.steps}: loss {m['train/loss']:.4f}, {m['train/tokens_per_s']:.0f} tokens/s, "
                     f"{m['train/samples_per_s']:.1f} samples/s, grad norm {m['train/grad_norm']:.3f}")
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.steps:
-            run.evaluate(step)
+            held = run.evaluate(step)
+            if cfg.eval.stop_at and held["eval/accuracy"] >= cfg.eval.stop_at:
+                run.say(f"held-out accuracy {held['eval/accuracy']:.3f} >= eval.stop_at: stopping after step {step}")
+                reached = held
+                break
     train_seconds = time.perf_counter() - start
-    last_eval = run.evaluate(cfg.steps)
+    last_eval = reached or run.evaluate(len(losses))
     run.reader.close()
     return finish(run, {
-        "steps": cfg.steps, "dp": run.dp_size, "tp": cfg.trainer.tensor_parallel, "examples": cfg.examples,
+        "steps": len(losses), "dp": run.dp_size, "tp": cfg.trainer.tensor_parallel, "examples": cfg.examples,
         "first_loss": losses[0], "last_loss": losses[-1], "losses": losses,
         "eval_before": first_eval, "eval_after": last_eval, "eval_history": run.history,
         "train_seconds": train_seconds, "skipped": dict(run.examples.skipped), "reader_skipped": dict(run.reader.skips),
