@@ -29,14 +29,7 @@ from multiprocessing import reduction
 import numpy as np
 from PIL import Image, ImageOps
 
-
-class DecodeError(Exception):
-    """A sample that cannot be decoded; `reason` is the skip counter it goes to."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+from dataio.errors import MediaError
 
 
 @dataclass(frozen=True)
@@ -77,9 +70,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """(height, width) rounded to multiples of `factor`, scaled (keeping the aspect ratio as
     closely as the rounding allows) into [min_pixels, max_pixels]."""
     if height < 1 or width < 1:
-        raise DecodeError("corrupt_image", f"empty image {width}x{height}")
+        raise MediaError("corrupt_image", f"empty image {width}x{height}")
     if max(height, width) / min(height, width) > 200:
-        raise DecodeError("bad_aspect_ratio", f"{width}x{height} has an aspect ratio over 200")
+        raise MediaError("bad_aspect_ratio", f"{width}x{height} has an aspect ratio over 200")
     h = max(factor, round(height / factor) * factor)
     w = max(factor, round(width / factor) * factor)
     if h * w > max_pixels:
@@ -132,10 +125,10 @@ def decode_image(data: bytes, cfg: MediaConfig, min_pixels: int | None = None, m
         if orientation != 1:
             im = ImageOps.exif_transpose(im)
         im = to_rgb(im)
-    except DecodeError:
+    except MediaError:
         raise
     except Exception as e:  # PIL raises many types for bad data (OSError, SyntaxError, ValueError, ...)
-        raise DecodeError("corrupt_image", f"{type(e).__name__}: {e}") from None
+        raise MediaError("corrupt_image", f"{type(e).__name__}: {e}") from None
     if im.size != (tw, th):
         im = im.resize((tw, th), Image.Resampling.BICUBIC)
     return im
@@ -199,27 +192,27 @@ def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None
     try:
         vr = decord.VideoReader(io.BytesIO(data), num_threads=cfg.video_threads)
     except Exception as e:
-        raise DecodeError("corrupt_video", f"decord cannot open: {type(e).__name__}: {str(e)[:200]}") from None
+        raise MediaError("corrupt_video", f"decord cannot open: {type(e).__name__}: {str(e)[:200]}") from None
     try:
         n = len(vr)
         if not 0 < n <= cfg.video_max_reported_frames:
-            raise DecodeError("bad_frame_count", f"container reports {n} frames")
+            raise MediaError("bad_frame_count", f"container reports {n} frames")
         if expected_frames is not None and int(expected_frames) != n:
-            raise DecodeError("bad_frame_count", f"container reports {n} frames, metadata says {expected_frames}")
+            raise MediaError("bad_frame_count", f"container reports {n} frames, metadata says {expected_frames}")
         try:
             vr.get_frame_timestamp(n - 1)  # raises if fewer frames were indexed than reported
         except IndexError:
-            raise DecodeError("bad_frame_count", f"container reports {n} frames but fewer are indexed") from None
+            raise MediaError("bad_frame_count", f"container reports {n} frames but fewer are indexed") from None
         fps = float(vr.get_avg_fps())
         if not (math.isfinite(fps) and fps > 0):
-            raise DecodeError("corrupt_video", f"frame rate {fps}")
+            raise MediaError("corrupt_video", f"frame rate {fps}")
         idx = sample_frame_indices(n, fps, cfg, *window)
         try:
             frames = vr.get_batch(idx).asnumpy()
         except Exception as e:
-            raise DecodeError("corrupt_video", f"get_batch: {type(e).__name__}: {str(e)[:200]}") from None
+            raise MediaError("corrupt_video", f"get_batch: {type(e).__name__}: {str(e)[:200]}") from None
         if frames.ndim != 4 or frames.shape[0] != len(idx) or frames.shape[-1] != 3:
-            raise DecodeError("bad_frame_count", f"asked {len(idx)} frames, got shape {frames.shape}")
+            raise MediaError("bad_frame_count", f"asked {len(idx)} frames, got shape {frames.shape}")
         vr.seek(0)  # decord's get_batch leak workaround (dmlc/decord#208)
     finally:
         del vr
@@ -232,11 +225,11 @@ def decode_frame_sequence(datas: list[bytes], cfg: MediaConfig, fps: float | Non
     idx = sample_frame_indices(len(datas), fps or cfg.frames_fps, cfg, *window)
     first = Image.open(io.BytesIO(datas[idx[0]])) if datas else None
     if first is None:
-        raise DecodeError("missing_media", "empty frame sequence")
+        raise MediaError("missing_media", "empty frame sequence")
     try:
         w, h = first.size
     except Exception as e:
-        raise DecodeError("corrupt_image", str(e)) from None
+        raise MediaError("corrupt_image", str(e)) from None
     size = smart_resize(h, w, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
     out = [np.asarray(decode_image(datas[i], cfg, size=size)) for i in idx]
     return np.stack(out)
@@ -307,7 +300,7 @@ def _worker_main(conn, decoder: str, shared: bool = False) -> None:
                                    and arr.ctypes.data == np.frombuffer(mm, np.uint8, 1).ctypes.data):
                 np.copyto(shm_view(arr.shape), arr)  # not resized into the buffer already
             conn.send_bytes(json.dumps({"shape": list(arr.shape), "shm": True}).encode())
-        except DecodeError as e:
+        except MediaError as e:
             conn.send_bytes(json.dumps({"reason": e.reason, "detail": e.detail}).encode())
         except Exception as e:
             conn.send_bytes(json.dumps({"reason": "corrupt_video", "detail": f"{type(e).__name__}: {e}"[:300]}).encode())
@@ -354,7 +347,7 @@ class _Worker:
 class VideoDecodePool:
     """Up to `size` child processes that decode videos; a decode that takes longer than
     `timeout_s` gets its process killed (and replaced on next use) and raises
-    DecodeError("video_timeout"). Usable from several threads at once.
+    MediaError("video_timeout"). Usable from several threads at once.
 
     Frames come back through a shared-memory buffer per child (`shared_memory`, default where
     the OS has memfd, i.e. Linux), else through the pipe."""
@@ -390,10 +383,10 @@ class VideoDecodePool:
                 w = None
                 with self._lock:
                     self.killed += 1
-                raise DecodeError("video_timeout", f"no result within {self.timeout_s}s; decoder process killed")
+                raise MediaError("video_timeout", f"no result within {self.timeout_s}s; decoder process killed")
             reply = json.loads(w.conn.recv_bytes())
             if "reason" in reply:
-                raise DecodeError(reply["reason"], reply.get("detail", ""))
+                raise MediaError(reply["reason"], reply.get("detail", ""))
             if reply.get("shm"):
                 return w.frames(reply["shape"])
             arr = np.empty(reply["shape"], dtype=np.uint8)
@@ -403,7 +396,7 @@ class VideoDecodePool:
             if w is not None:
                 w.kill()
                 w = None
-            raise DecodeError("corrupt_video", f"decoder process died: {type(e).__name__}") from None
+            raise MediaError("corrupt_video", f"decoder process died: {type(e).__name__}") from None
         finally:
             self._idle.put(w)
 

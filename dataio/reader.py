@@ -28,8 +28,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dataio.decode import DecodeError, MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
+from dataio.decode import MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
     decode_video_bytes, VIDEO_DECODER
+from dataio.errors import MediaError
 from dataio.index import Index, open_dataset
 from dataio.shards import TAR_ERROR_KIND, MemberReader
 from dataio.split import check_split, rank_order
@@ -100,9 +101,9 @@ def _parse_json(data: bytes) -> dict:
     try:
         obj = json.loads(data.decode("utf-8"))
     except Exception as e:
-        raise DecodeError("corrupt_json", f"{type(e).__name__}: {e}"[:200]) from None
+        raise MediaError("corrupt_json", f"{type(e).__name__}: {e}"[:200]) from None
     if not isinstance(obj, dict):
-        raise DecodeError("corrupt_json", f"top level is {type(obj).__name__}, not an object")
+        raise MediaError("corrupt_json", f"top level is {type(obj).__name__}, not an object")
     return obj
 
 
@@ -144,7 +145,7 @@ class SampleDecoder:
         shard, key = idx.shard_of(i), idx.sample_key[i]
         try:
             return self._decode(i, shard, key)
-        except DecodeError as e:
+        except MediaError as e:
             return Skip(key, shard, i, e.reason, e.detail)
         except Exception as e:  # never let one sample end the stream
             return Skip(key, shard, i, "decode_error", f"{type(e).__name__}: {e}"[:300])
@@ -154,21 +155,21 @@ class SampleDecoder:
         kinds = [k for _, k, _, _ in members]
         if TAR_ERROR_KIND in kinds:
             j = int(self.index.member_start[i])
-            raise DecodeError("corrupt_tar", self.index.member_error[j] or "")
+            raise MediaError("corrupt_tar", self.index.member_error[j] or "")
         if "truncated" in kinds:
-            raise DecodeError("truncated_tar", "a member's data runs past the end of the shard")
+            raise MediaError("truncated_tar", "a member's data runs past the end of the shard")
         unknown = [ext for ext, k, _, _ in members if k == "unknown"]
         if unknown:
-            raise DecodeError("unknown_extension", ",".join(unknown))
+            raise MediaError("unknown_extension", ",".join(unknown))
         media = [m for m in members if m[1] in ("image", "video", "frame")]
         if not media:
-            raise DecodeError("missing_media", "no image, video or frame member")
+            raise MediaError("missing_media", "no image, video or frame member")
 
         def read(offset: int, size: int) -> bytes:
             try:
                 return self.files.read(shard, offset, size)
             except (OSError, EOFError) as e:
-                raise DecodeError("read_error", f"{type(e).__name__}: {e}"[:200]) from None
+                raise MediaError("read_error", f"{type(e).__name__}: {e}"[:200]) from None
 
         meta: dict[str, Any] = {}
         prompt = answer = None
@@ -184,7 +185,7 @@ class SampleDecoder:
                 try:
                     text = read(off, size).decode("utf-8").strip()
                 except UnicodeDecodeError as e:
-                    raise DecodeError("corrupt_text", str(e)[:200]) from None
+                    raise MediaError("corrupt_text", str(e)[:200]) from None
                 if kind == "txt" and prompt is None:
                     prompt = text
                 elif kind == "cls" and answer is None:

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from dataio.prep.errors import PrepError
+from dataio.errors import MediaError
 from dataio.prep.probe import VideoInfo, open_container, probe
 
 
@@ -67,12 +67,12 @@ def decode_clips(path: str, clip_times: list[list[float]], max_side: int | None,
                 prev, last_t = frame, tf
         except av.FFmpegError as e:
             if prev is None or last_t < info.duration - 2.0 / info.fps:
-                raise PrepError("decode_error", f"at {last_t:.2f}s: {type(e).__name__}: {e}"[:300]) from None
+                raise MediaError("decode_error", f"at {last_t:.2f}s: {type(e).__name__}: {e}"[:300]) from None
         if p < len(targets):
             if prev is None:
-                raise PrepError("decode_error", "no frame decoded")
+                raise MediaError("decode_error", "no frame decoded")
             if targets[-1][0] > last_t + 2.0 / info.fps:
-                raise PrepError("truncated", f"frames end at {last_t:.2f}s, the container says {info.duration:.2f}s")
+                raise MediaError("truncated", f"frames end at {last_t:.2f}s, the container says {info.duration:.2f}s")
             while p < len(targets):  # the tail of the last clip: the last frame is still on screen
                 _, c, j = targets[p]
                 out[c][j] = _upright(prev, info.rotation, size)
@@ -98,5 +98,5 @@ def scene_signatures(path: str, threads: int = 1) -> tuple[VideoInfo, list[float
                 sigs.append(frame.reformat(width=32, height=18, format="gray", interpolation="AREA").to_ndarray())
         except av.FFmpegError as e:
             if not times:
-                raise PrepError("decode_error", f"{type(e).__name__}: {e}"[:300]) from None
+                raise MediaError("decode_error", f"{type(e).__name__}: {e}"[:300]) from None
     return info, times, sigs

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from dataio.prep.errors import PrepError
+from dataio.errors import MediaError
 
 
 @dataclass(frozen=True)
@@ -36,19 +36,19 @@ def open_container(path: str):
     try:
         size = os.path.getsize(path)
     except OSError as e:
-        raise PrepError("unreadable", f"{type(e).__name__}: {e.strerror or e}") from None
+        raise MediaError("unreadable", f"{type(e).__name__}: {e.strerror or e}") from None
     if size == 0:
-        raise PrepError("empty_file", "0 bytes")
+        raise MediaError("empty_file", "0 bytes")
     if not os.access(path, os.R_OK):
-        raise PrepError("unreadable", "permission denied")
+        raise MediaError("unreadable", "permission denied")
     try:
         return av.open(path, metadata_errors="ignore")
     except PermissionError as e:
-        raise PrepError("unreadable", str(e)) from None
+        raise MediaError("unreadable", str(e)) from None
     except av.FFmpegError as e:
-        raise PrepError("invalid_data", f"{type(e).__name__}: {e}"[:300]) from None
+        raise MediaError("invalid_data", f"{type(e).__name__}: {e}"[:300]) from None
     except Exception as e:
-        raise PrepError("invalid_data", f"{type(e).__name__}: {e}"[:300]) from None
+        raise MediaError("invalid_data", f"{type(e).__name__}: {e}"[:300]) from None
 
 
 def normal_rotation(deg: float) -> int:
@@ -60,12 +60,12 @@ def probe_container(c, path: str = "") -> VideoInfo:
 
     if not c.streams.video:
         kinds = sorted({s.type for s in c.streams}) or ["none"]
-        raise PrepError("no_video_stream", f"streams: {', '.join(kinds)}")
+        raise MediaError("no_video_stream", f"streams: {', '.join(kinds)}")
     s = c.streams.video[0]
     ctx = s.codec_context
     name = getattr(ctx, "name", None) if ctx is not None else None
     if not name or name == "none":
-        raise PrepError("unsupported_codec", f"no decoder for codec tag {getattr(ctx, 'codec_tag', '?')!r}")
+        raise MediaError("unsupported_codec", f"no decoder for codec tag {getattr(ctx, 'codec_tag', '?')!r}")
     rate = s.average_rate or s.guessed_rate or s.base_rate
     fps = float(rate) if rate else 0.0
     duration = 0.0
@@ -80,14 +80,14 @@ def probe_container(c, path: str = "") -> VideoInfo:
         s.thread_type = "AUTO"
         frame = next(c.decode(s), None)
     except av.FFmpegError as e:
-        raise PrepError("decode_error", f"first frame: {type(e).__name__}: {e}"[:300]) from None
+        raise MediaError("decode_error", f"first frame: {type(e).__name__}: {e}"[:300]) from None
     if frame is None:
-        raise PrepError("decode_error", "no frame could be decoded")
+        raise MediaError("decode_error", "no frame could be decoded")
     rotation = normal_rotation(getattr(frame, "rotation", 0))
     if not (fps > 0):
-        raise PrepError("no_duration", "frame rate unknown")
+        raise MediaError("no_duration", "frame rate unknown")
     if not (duration > 0):
-        raise PrepError("no_duration", "duration unknown or zero")
+        raise MediaError("no_duration", "duration unknown or zero")
     return VideoInfo(duration=duration, fps=fps, codec=name, width=frame.width, height=frame.height,
                      rotation=rotation, frames=int(s.frames or 0), container=c.format.name)
 

@@ -11,7 +11,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
-from dataio.prep.errors import PrepError
+from dataio.errors import MediaError
 from dataio.prep.inputs import Item
 
 
@@ -131,7 +131,7 @@ def process_video(index: int, item: Item, opts: PrepOptions) -> WorkResult:
         spans = stride_clips(info.duration, opts.max_clip_len, opts.min_clip_len, opts.stride)
     res.seconds["probe"] = time.perf_counter() - t0
     if not spans:
-        raise PrepError("no_clips", f"{info.duration:.2f}s is shorter than --min-clip-len {opts.min_clip_len}")
+        raise MediaError("no_clips", f"{info.duration:.2f}s is shorter than --min-clip-len {opts.min_clip_len}")
     rate = min(opts.fps, info.fps)  # never sample faster than the source has frames
     times = [sample_times(s, e, rate, opts.max_frames) for s, e in spans]
     t1 = time.perf_counter()
@@ -180,18 +180,18 @@ def process_image(index: int, item: Item, opts: PrepOptions) -> WorkResult:
     try:
         size = os.path.getsize(item.path)
         if size == 0:
-            raise PrepError("empty_file", "0 bytes")
+            raise MediaError("empty_file", "0 bytes")
         with open(item.path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise PrepError("unreadable", f"{type(e).__name__}: {e.strerror or e}") from None
+        raise MediaError("unreadable", f"{type(e).__name__}: {e.strerror or e}") from None
     try:
         im = Image.open(io.BytesIO(data))
         fmt = im.format
         im.load()
         im = to_rgb(ImageOps.exif_transpose(im))
     except Exception as e:
-        raise PrepError("not_an_image", f"{type(e).__name__}: {e}"[:300]) from None
+        raise MediaError("not_an_image", f"{type(e).__name__}: {e}"[:300]) from None
     w0, h0 = im.size
     w, h = target_size(w0, h0, opts.max_side, opts.max_pixels)
     if w < w0 - 1 or h < h0 - 1:  # only to shrink (target_size also evens the sides, not needed here)
@@ -216,7 +216,7 @@ def process(index: int, item: Item, opts: PrepOptions) -> WorkResult:
     fn = process_video if opts.kind == "video" else process_image
     try:
         return fn(index, item, opts)
-    except PrepError as e:
+    except MediaError as e:
         return WorkResult(index, item.path, reason=e.reason, detail=e.detail)
     except MemoryError:
         raise

@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from dataio.decode import DecodeError, MediaConfig, VideoDecodePool
+from dataio.decode import MediaConfig, VideoDecodePool
+from dataio.errors import MediaError
 from dataio.index import build_index, expand_shards, open_dataset
 from dataio.reader import DataConfig, DataReader
 
@@ -77,7 +78,7 @@ def _hang_holding_gil(data, cfg, window, expected):
 
 def test_hanging_video_decode_is_cut_off_and_the_stream_goes_on(tmp_path):
     pool = VideoDecodePool(1, timeout_s=1.5, decoder=f"{__name__}:_hang_holding_gil")
-    with pytest.raises(DecodeError) as e:
+    with pytest.raises(MediaError) as e:
         pool.decode(good_video_bytes(1), MediaConfig())
     assert e.value.reason == "video_timeout" and pool.killed == 1
     pool.decoder = "dataio.decode:decode_video_bytes"  # the replacement child decodes normally
@@ -129,12 +130,12 @@ def test_shared_memory_frames_match_and_are_released_after_kill_crash_and_close(
     direct.close()
     assert _memfds()  # the buffer (and the dup mmap keeps of it) while its child lives
     pool.timeout_s = 1.5  # only for the hang: a fresh child's start-up (imports) counts too
-    with pytest.raises(DecodeError) as e:
+    with pytest.raises(MediaError) as e:
         pool.decode(b"hang", small)
     assert e.value.reason == "video_timeout" and pool.killed == 1 and _memfds() == []
     pool.timeout_s = 60
     assert pool.decode(clip, big).shape[0] == 40  # a new child, a new buffer
-    with pytest.raises(DecodeError) as e:
+    with pytest.raises(MediaError) as e:
         pool.decode(b"die", small)
     assert e.value.reason == "corrupt_video" and "died" in e.value.detail and _memfds() == []
     assert pool.decode(clip, big).shape[0] == 40
@@ -165,9 +166,9 @@ def test_real_file_whose_metadata_frame_count_is_wrong(tmp_path):
 
     data = good_video_bytes(3, frames=8)
     assert decode_video_bytes(data, MediaConfig(video_frames=4), expected_frames=8).shape[0] == 4
-    with pytest.raises(DecodeError, match="bad_frame_count"):
+    with pytest.raises(MediaError, match="bad_frame_count"):
         decode_video_bytes(data, MediaConfig(video_frames=4), expected_frames=9)
-    with pytest.raises(DecodeError, match="bad_frame_count"):
+    with pytest.raises(MediaError, match="bad_frame_count"):
         decode_video_bytes(data, MediaConfig(video_frames=4, video_max_reported_frames=5))
 
 
