@@ -69,14 +69,15 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
     launching = args.nproc is not None and not under_torchrun()
     try:
         cfg = load(config_cls, args.config, args.overrides)
-        if launching:
-            cfg.check_world(args.nproc)
-        elif not under_torchrun():
-            cfg.check_world(1)
-    except (ConfigError, ValueError) as e:
-        hint = "" if launching or under_torchrun() else " (run several ranks with --nproc N)"
-        print(f"{prog}: config error: {e}{hint}", file=sys.stderr)
+    except ConfigError as e:
+        print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
+    if not under_torchrun():
+        try:
+            cfg.check_world(args.nproc if launching else 1)
+        except ValueError as e:
+            print(f"{prog}: {e}" + ("" if launching else " (start several ranks with --nproc N)"), file=sys.stderr)
+            return 2
     try:
         cfg.resolve_models(resolve_model)  # under torchrun without the launcher, every rank (cached, locked)
     except (ConfigError, FileNotFoundError) as e:
