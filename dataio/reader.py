@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np

@@ -139,18 +139,16 @@ def live_vllm() -> None:
 def live_megatron() -> None:
     """Build a tiny Megatron-Core GPT on one gloo rank; forward, backward, finite loss."""
     import torch
+    import torch.distributed as dist
 
     import models  # noqa: F401 - installs the CPU shims' hooks
-    from models.parallel import init_distributed
+    from models.parallel import init_parallel
 
-    init_distributed()
-    from megatron.core import parallel_state, tensor_parallel
+    init_parallel(1, seed=0)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                             use_cpu_initialization=True, pipeline_dtype=torch.float32)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)

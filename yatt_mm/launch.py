@@ -15,7 +15,6 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Callable
 
 from yatt_mm.config import ConfigError, describe, load, save

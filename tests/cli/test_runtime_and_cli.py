@@ -37,3 +37,11 @@ def test_doctor_static_checks_pass(capsys):
     assert run_doctor(live=False) == 0
     out = capsys.readouterr().out
     assert "[PASS] torch==2.13.0" in out and "FAIL" not in out
+
+
+def test_doctor_live_megatron_check_passes():
+    """The live Megatron check in its own process (a one-rank gloo group, forward and backward)."""
+    proc = subprocess.run([sys.executable, "-m", "yatt_mm.doctor", "megatron"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT Megatron-Core GPT forward/backward on CPU" in proc.stdout
