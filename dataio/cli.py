@@ -138,11 +138,15 @@ def cmd_inspect(args) -> int:
     print(f"samples {total}, decoded {decoded} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}), "
           f"skipped {skipped}" + (f" ({', '.join(f'{k} {v}' for k, v in sorted(reader.skips.items()))})" if skipped else "")
           + f", {time.time() - t0:.1f}s")
+    if reader.ignored_members:
+        print("ignored members (not decoded, never unpickled): "
+              + ", ".join(f"{k} {v}" for k, v in sorted(reader.ignored_members.items())))
     print(f"contact sheet: {sheet if picked else '(none: nothing decoded)'}")
     if skipped:
         print(f"quarantine log: {qlog}")
     if args.json:
         print(json.dumps({"samples": total, "decoded": decoded, "skipped": skipped, "skipped_by_reason": dict(reader.skips),
+                          "ignored_members": dict(reader.ignored_members),
                           "contact_sheet": sheet if picked else None, "quarantine_log": qlog if skipped else None}))
     return 0
 

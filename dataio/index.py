@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataio.shards import TAR_ERROR_KIND, MemberReader, scan_tar
+from dataio.shards import COMPRESSED_SUFFIXES, TAR_ERROR_KIND, MemberReader, plain_tar, scan_tar
 
 INDEX_NAME = "index.parquet"
 SCHEMA = pa.schema(
@@ -43,12 +43,15 @@ SCHEMA = pa.schema(
 
 
 def expand_shards(specs: list[str] | tuple[str, ...]) -> list[str]:
-    """Files, directories (their *.tar) and glob patterns -> sorted, de-duplicated tar paths."""
+    """Files, directories (their *.tar, and compressed *.tar.gz, *.tgz, *.tar.bz2, *.tar.xz) and
+    glob patterns -> sorted, de-duplicated tar paths; a compressed shard becomes its
+    decompressed copy in the cache (`dataio.shards.plain_tar`)."""
     out: list[str] = []
     for spec in specs:
         spec = os.path.expanduser(str(spec))
         if os.path.isdir(spec):
-            out += sorted(glob.glob(os.path.join(spec, "*.tar")))
+            out += sorted(p for suffix in (".tar",) + COMPRESSED_SUFFIXES
+                          for p in glob.glob(os.path.join(spec, "*" + suffix)))
         elif any(c in spec for c in "*?["):
             out += sorted(glob.glob(spec))
         elif os.path.exists(spec):
@@ -57,12 +60,12 @@ def expand_shards(specs: list[str] | tuple[str, ...]) -> list[str]:
             raise FileNotFoundError(f"data shards: {spec!r} does not exist (give tar files, a directory or a glob)")
     seen, result = set(), []
     for p in out:
-        a = os.path.abspath(p)
+        a = os.path.abspath(plain_tar(p))
         if a not in seen:
             seen.add(a)
             result.append(a)
     if not result:
-        raise FileNotFoundError(f"data shards: no .tar files found in {list(specs)!r}")
+        raise FileNotFoundError(f"data shards: no .tar (or .tar.gz, .tgz, .tar.bz2, .tar.xz) files found in {list(specs)!r}")
     return result
 
 

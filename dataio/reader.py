@@ -86,6 +86,7 @@ class Sample:
     metadata: dict[str, Any]
     images: list  # PIL RGB images at their Qwen2-VL size
     videos: list  # uint8 numpy arrays [T, H, W, 3] at their Qwen2-VL size
+    ignored: list[str] = field(default_factory=list)  # extensions of members not decoded (never unpickled)
 
 
 @dataclass
@@ -158,9 +159,9 @@ class SampleDecoder:
             raise MediaError("corrupt_tar", self.index.member_error[j] or "")
         if "truncated" in kinds:
             raise MediaError("truncated_tar", "a member's data runs past the end of the shard")
-        unknown = [ext for ext, k, _, _ in members if k == "unknown"]
-        if unknown:
-            raise MediaError("unknown_extension", ",".join(unknown))
+        # members of extensions we do not decode (features, a tool's own files, pickles) are
+        # left unread and counted; the sample is what the known ones make of it
+        ignored = [ext.rsplit(".", 1)[-1] for ext, k, _, _ in members if k == "unknown"]
         media = [m for m in members if m[1] in ("image", "video", "frame")]
         if not media:
             raise MediaError("missing_media", "no image, video or frame member")
@@ -202,7 +203,7 @@ class SampleDecoder:
             datas = [read(off, size) for _, off, size in frames]
             videos.append(decode_frame_sequence(datas, self.media, meta.get("fps"), window))
         return Sample(key, shard, i, None if prompt is None else str(prompt),
-                      None if answer is None else str(answer), meta, images, videos)
+                      None if answer is None else str(answer), meta, images, videos, ignored)
 
 
 class DataReader:
@@ -220,6 +221,7 @@ class DataReader:
         self.epoch = 0
         self.position = 0  # entries of this epoch's rank order consumed (samples and skips)
         self.skips: Counter[str] = Counter()
+        self.ignored_members: Counter[str] = Counter()  # by extension, in samples that were decoded
         self.samples_yielded = 0
         self._order_cache: tuple[int, np.ndarray] | None = None
 
@@ -273,6 +275,7 @@ class DataReader:
                 self._record_skip(res)
                 continue
             self.samples_yielded += 1
+            self.ignored_members.update(res.ignored)
             yield res
         if self.epoch == epoch and self.position >= len(order):
             self.epoch += 1
@@ -320,6 +323,7 @@ class DataReader:
             "epoch": self.epoch,
             "position": self.position,
             "skips": dict(self.skips),
+            "ignored_members": dict(self.ignored_members),
             "samples_yielded": self.samples_yielded,
         }
 
@@ -337,6 +341,7 @@ class DataReader:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.skips = Counter(state.get("skips", {}))
+        self.ignored_members = Counter(state.get("ignored_members", {}))
         self.samples_yielded = int(state.get("samples_yielded", 0))
 
 

@@ -7,8 +7,15 @@ sizes. Decoding is `dataio.decode`'s job, and only for the extensions it knows.
 
 from __future__ import annotations
 
+import bz2
+import fcntl
+import gzip
+import hashlib
+import lzma
 import os
 import re
+import shutil
+import sys
 import tarfile
 import threading
 from collections import OrderedDict
@@ -21,6 +28,57 @@ _FRAME_RE = re.compile(r"^(\d+)\.([a-z0-9]+)$")
 
 # Index rows that are not sample members: a shard whose tar structure broke part way.
 TAR_ERROR_KIND = "tar_error"
+
+
+# Shards compressed as a whole (webdataset reads .tar.gz / .tgz): a member cannot be read by
+# byte offset, so each is decompressed once, streaming, into the cache and read from there.
+_DECOMPRESSORS = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ\x00": lzma.open}
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+
+
+def _decompressor(path: str):
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head.startswith(_ZSTD_MAGIC):
+        raise ValueError(f"data shards: {path} is zstd-compressed, which this Python cannot stream: decompress it "
+                         "(`zstd -d FILE -o FILE.tar`) or rewrite the data with `yatt-mm prep`")
+    return next((opener for magic, opener in _DECOMPRESSORS.items() if head.startswith(magic)), None)
+
+
+def plain_tar(path: str) -> str:
+    """`path` for a plain tar shard; for a compressed one (gzip, bzip2, xz: by content, not name),
+    its decompressed copy under $YATT_MM_CACHE/shards, made once with bounded memory (the key
+    covers the path, size and modification time; concurrent callers wait on a lock)."""
+    opener = _decompressor(path)
+    if opener is None:
+        return path
+    st = os.stat(path)
+    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("YATT_MM_CACHE") or os.path.expanduser("~/.cache/yatt-mm"), "shards", key)
+    name = os.path.basename(path)
+    for suffix in COMPRESSED_SUFFIXES + (".gz", ".bz2", ".xz"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    out = os.path.join(cache, name if name.endswith(".tar") else name + ".tar")
+    if os.path.exists(out):
+        return out
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be decompressing it: wait, then reuse
+        if not os.path.exists(out):
+            print(f"data: decompressing {path} once into {out}", file=sys.stderr, flush=True)
+            tmp = f"{out}.tmp{os.getpid()}"
+            try:
+                with opener(path, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except (OSError, EOFError, lzma.LZMAError) as e:
+                os.unlink(tmp)
+                raise ValueError(f"data shards: {path} is compressed but cannot be decompressed "
+                                 f"({type(e).__name__}: {e})") from None
+            os.replace(tmp, out)
+    return out
 
 
 @dataclass(frozen=True)

@@ -59,12 +59,10 @@ def make_bad_dataset(root: str) -> dict:
         "wrong_frames": [("wrong_frames.mp4", mp4), ("wrong_frames.json", js(frames=80))],
         "corrupt_json": [("corrupt_json.jpg", jpg), ("corrupt_json.json", b'{"prompt": "unterminated')],
         "missing_media": [("missing_media.json", js())],
-        "unknown_ext": [("unknown_ext.jpg", jpg), ("unknown_ext.pyd", pickle.dumps(PickleBomb(bomb_target))),
-                        ("unknown_ext.json", js())],
     }
     expected = {"corrupt_jpg": "corrupt_image", "truncated_jpg": "corrupt_image", "corrupt_mp4": "corrupt_video",
                 "truncated_mp4": "corrupt_video", "wrong_frames": "bad_frame_count", "corrupt_json": "corrupt_json",
-                "missing_media": "missing_media", "unknown_ext": "unknown_extension"}
+                "missing_media": "missing_media"}
     members: list[tuple[str, bytes]] = []
     good = []
     for n, (key, mems) in enumerate(bad.items()):
@@ -73,6 +71,12 @@ def make_bad_dataset(root: str) -> dict:
         members += mems
     members += [("goodvid.mp4", mp4), ("goodvid.json", js(frames=8))]
     good.append("goodvid")
+    # extra members the reader does not decode: a feature array and two pickles, one of them a
+    # bomb; the image decodes, the others are counted as ignored and never read
+    members += [("extra.jpg", jpg), ("extra.npy", b"\x93NUMPY" + bytes(100)),
+                ("extra.pyd", pickle.dumps(PickleBomb(bomb_target))), ("extra.pickle", pickle.dumps(PickleBomb(bomb_target))),
+                ("extra.json", js())]
+    good.append("extra")
     write_tar(os.path.join(root, "a-bad-samples.tar"), members)
 
     # a shard truncated in the middle of its last member's data

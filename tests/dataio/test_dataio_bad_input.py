@@ -45,6 +45,7 @@ def test_every_bad_input_is_skipped_counted_and_quarantined(bad_ds, tmp_path, wo
     # skipped + decoded = every sample of the epoch, exactly once
     assert len(got) + sum(reader.skips.values()) == len(reader.index)
     assert not os.path.exists(info["bomb_target"]), "shard content was unpickled"
+    assert reader.ignored_members == {"npy": 1, "pyd": 1, "pickle": 1}
 
 
 def test_index_records_tar_damage(bad_ds):
