@@ -20,8 +20,11 @@ def _size(text: str) -> int:
 
 def _common(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="folders (recursive), globs, files, or .jsonl/.csv lists with path and optional "
-                        "caption, question (or prompt), answer columns")
+                   help="folders (recursive), globs, files, .jsonl/.csv lists with path and optional "
+                        "caption, question (or prompt), answer columns, LLaVA-style .json/.jsonl, or "
+                        "Hugging Face datasets .parquet")
+    p.add_argument("--format", choices=["auto", "llava", "hf-parquet"], default="auto",
+                   help="how .json/.jsonl/.parquet inputs are read (auto: by extension and a look at the content)")
     p.add_argument("--out", required=True, help="output directory: shards, index.parquet, failures.parquet, stats.json")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="worker processes (0: in this process)")
     p.add_argument("--engine", choices=["local", "ray"], default="local")
@@ -78,7 +81,8 @@ def cmd_prep(args) -> int:
     t0 = time.time()
     try:
         stats = run_prep(args.inputs, args.out, opts, workers=args.workers, engine=args.engine,
-                         progress=not args.no_progress, overwrite=args.overwrite, ray_address=args.ray_address)
+                         progress=not args.no_progress, overwrite=args.overwrite, ray_address=args.ray_address,
+                         input_format=args.format)
     except ValueError as e:
         raise SystemExit(f"prep {args.prep_kind}: {e}") from None
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
-"""Inputs of a prep run: folders (recursive), globs, files, and list files (.jsonl / .csv with a
-`path` column and optional `caption`, `question` (or `prompt`) and `answer` columns) -> one
-sorted list of `Item`s. Sorting makes the output independent of the order inputs were given in
-and of directory listing order."""
+"""Inputs of a prep run: folders (recursive), globs, files, list files (.jsonl / .csv with a
+`path` column and optional `caption`, `question` (or `prompt`) and `answer` columns), and dataset
+files (LLaVA-style JSON/JSONL, Hugging Face parquet: `dataio/prep/datasets.py`) -> one sorted
+list of `Item`s. Sorting makes the output independent of the order inputs were given in and of
+directory listing order."""
 
 from __future__ import annotations
 
@@ -19,11 +20,18 @@ TEXT_FIELDS = ("caption", "question", "answer")
 
 @dataclass(frozen=True)
 class Item:
-    path: str  # absolute
+    path: str  # absolute: the media file, or FILE#ROW for a row of a dataset file
     caption: str | None = None
     question: str | None = None
     answer: str | None = None
     extra: tuple = field(default_factory=tuple)  # other list-file columns, as sorted (name, value) pairs
+    media: tuple[str, ...] = ()  # a dataset row's media files, in prompt order (empty: `path` is the media)
+    conversation: str = ""  # a dataset row's multi-turn conversation, as JSON, kept in the metadata
+    problem: tuple[str, str] | None = None  # (reason, detail) when the row cannot become a sample
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.media or (self.path,)
 
 
 def _row_item(row: dict, base: str, where: str) -> Item:
@@ -87,13 +95,24 @@ def sidecar_text(path: str) -> dict:
     return out
 
 
-def expand_inputs(specs: list[str], suffixes: set[str]) -> list[Item]:
-    """Folders (recursive, files with `suffixes`), globs, single files and list files -> Items
-    sorted by path, de-duplicated (the first mention of a path keeps its text)."""
+def expand_inputs(specs: list[str], suffixes: set[str], kind: str = "images", staging: str = "",
+                  fmt: str = "auto") -> list[Item]:
+    """Folders (recursive, files with `suffixes`), globs, single files, list files and dataset
+    files -> Items sorted by path, de-duplicated (the first mention of a path keeps its text).
+    `fmt` forces how .json/.jsonl/.parquet inputs are read (auto: by a look at them); `staging`
+    is where a parquet file's image bytes are written."""
+    from dataio.prep.datasets import detect_format, read_hf_parquet, read_llava
+
     items: list[Item] = []
     for spec in specs:
         spec = os.path.expanduser(str(spec))
-        if os.path.isdir(spec):
+        dataset = (fmt if fmt != "auto" else detect_format(spec)) if os.path.isfile(spec) else None
+        if dataset == "llava":
+            items += read_llava(spec, kind)
+        elif dataset == "hf-parquet":
+            items += read_hf_parquet(spec, kind, staging or os.path.join(os.path.dirname(os.path.abspath(spec)),
+                                                                         ".prep-media"))
+        elif os.path.isdir(spec):
             found = [os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs
                      if os.path.splitext(f)[1].lower() in suffixes]
             items += [Item(os.path.abspath(p), **sidecar_text(p)) for p in found]
@@ -106,7 +125,7 @@ def expand_inputs(specs: list[str], suffixes: set[str]) -> list[Item]:
             items.append(Item(os.path.abspath(spec), **sidecar_text(spec)))
         else:
             raise FileNotFoundError(f"prep: input {spec!r} does not exist (give folders, globs, files, "
-                                    f"or a .jsonl/.csv list with a 'path' column)")
+                                    f"a .jsonl/.csv list with a 'path' column, LLaVA JSON or HF parquet)")
     seen: dict[str, Item] = {}
     for it in items:
         seen.setdefault(it.path, it)

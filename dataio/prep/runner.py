@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from typing import Iterator
 
 from dataio.prep.inputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, Item, expand_inputs
-from dataio.prep.state import RunState
+from dataio.prep.state import STATE_DIR, RunState
 from dataio.prep.work import PrepOptions, WorkResult, process
 from dataio.prep.writer import ShardWriter, remove_temp_shards
 
@@ -132,7 +132,8 @@ def write_outputs(out: str, state: RunState, started: float, seconds: Counter, o
 
 
 def run_prep(inputs: list[str], out: str, opts: PrepOptions, workers: int = 2, engine: str = "local",
-             progress: bool = True, overwrite: bool = False, ray_address: str | None = None) -> dict:
+             progress: bool = True, overwrite: bool = False, ray_address: str | None = None,
+             input_format: str = "auto") -> dict:
     """Run (or resume) a prep job; returns the stats dict. Raises SystemExit when no input
     produced a sample."""
     started = time.time()
@@ -141,7 +142,8 @@ def run_prep(inputs: list[str], out: str, opts: PrepOptions, workers: int = 2, e
         raise ValueError(f"--workers must be >= 0, got {workers}")
     if engine not in ("local", "ray"):
         raise ValueError(f"--engine must be 'local' or 'ray', got {engine!r}")
-    items = expand_inputs(inputs, VIDEO_SUFFIXES if opts.kind == "video" else IMAGE_SUFFIXES)
+    items = expand_inputs(inputs, VIDEO_SUFFIXES if opts.kind == "video" else IMAGE_SUFFIXES, opts.kind,
+                          staging=os.path.join(out, STATE_DIR, "media"), fmt=input_format)
     if not items:
         raise SystemExit(f"prep {opts.kind}: no {'videos' if opts.kind == 'video' else 'images'} found in {inputs}")
     base = os.path.commonpath([os.path.dirname(it.path) for it in items])

@@ -26,7 +26,10 @@ VERSION = 1
 def inputs_fingerprint(items: list[Item]) -> str:
     h = hashlib.sha1()
     for it in items:
-        h.update(json.dumps([it.path, it.caption, it.question, it.answer, list(it.extra)]).encode() + b"\n")
+        row = [it.path, it.caption, it.question, it.answer, list(it.extra)]
+        if it.media or it.conversation or it.problem:  # dataset rows; other inputs keep their old fingerprint
+            row += [list(it.media), it.conversation, it.problem]
+        h.update(json.dumps(row).encode() + b"\n")
     return h.hexdigest()
 
 

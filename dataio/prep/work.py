@@ -4,12 +4,15 @@ pool or Ray); everything it needs travels in `PrepOptions` and `Item`, both plai
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from dataio.errors import MediaError
 from dataio.prep.inputs import Item
@@ -121,13 +124,14 @@ def process_video(index: int, item: Item, opts: PrepOptions) -> WorkResult:
     from dataio.prep.probe import probe
 
     res = WorkResult(index, item.path)
+    video = item.files[0]
     t0 = time.perf_counter()
     if opts.clips == "scenes":
-        info, times, sigs = scene_signatures(item.path, opts.decode_threads)
+        info, times, sigs = scene_signatures(video, opts.decode_threads)
         cuts = scene_cuts(times, sigs, opts.scene_threshold, opts.min_clip_len)
         spans = scene_clips(info.duration, cuts, opts.max_clip_len, opts.min_clip_len)
     else:
-        info = probe(item.path)
+        info = probe(video)
         spans = stride_clips(info.duration, opts.max_clip_len, opts.min_clip_len, opts.stride)
     res.seconds["probe"] = time.perf_counter() - t0
     if not spans:
@@ -135,12 +139,12 @@ def process_video(index: int, item: Item, opts: PrepOptions) -> WorkResult:
     rate = min(opts.fps, info.fps)  # never sample faster than the source has frames
     times = [sample_times(s, e, rate, opts.max_frames) for s, e in spans]
     t1 = time.perf_counter()
-    info, clips = decode_clips(item.path, times, opts.max_side, opts.max_pixels, opts.decode_threads, info)
+    info, clips = decode_clips(video, times, opts.max_side, opts.max_pixels, opts.decode_threads, info)
     t2 = time.perf_counter()
     res.seconds["decode"] = t2 - t1
     key0 = item_key(item.path, opts.base_dir)
     text = _text_fields(item, opts)
-    src = {"path": source_name(item.path, opts.base_dir), **info.as_dict()}
+    src = {**_source(item, opts), **info.as_dict()}
     for c, ((s, e), ts, frames) in enumerate(zip(spans, times, clips)):
         key = f"{key0}-{c:04d}"
         t, h, w, _ = frames.shape
@@ -155,9 +159,7 @@ def process_video(index: int, item: Item, opts: PrepOptions) -> WorkResult:
             digits = max(3, len(str(t - 1)))
             members = [(f"{key}.{i:0{digits}d}.jpg", jpeg_bytes(f, opts.jpeg_quality)) for i, f in enumerate(frames)]
             meta["num_frames"] = t
-        if item.extra:
-            meta["extra"] = dict(item.extra)
-        rec = {**text, "metadata": meta}
+        rec = {**text, "metadata": _with_row_fields(meta, item)}
         members.append((f"{key}.json", json.dumps(rec, sort_keys=True).encode()))
         res.samples.append(Sample(key, members))
     res.seconds["encode"] = time.perf_counter() - t2
@@ -165,23 +167,39 @@ def process_video(index: int, item: Item, opts: PrepOptions) -> WorkResult:
 
 
 def process_image(index: int, item: Item, opts: PrepOptions) -> WorkResult:
-    from PIL import Image, ImageOps
-
-    from dataio.decode import to_rgb
+    """An image file, or a dataset row's images (several: KEY.image0.jpg, KEY.image1.jpg, ...)."""
     from dataio.prep.encode import jpeg_bytes
-    from dataio.prep.frames import target_size
-
-    import io
-
-    import numpy as np
 
     res = WorkResult(index, item.path)
     t0 = time.perf_counter()
+    loaded = [_load_image(path, opts) for path in item.files]
+    t1 = time.perf_counter()
+    res.seconds["decode"] = t1 - t0
+    key = item_key(item.path, opts.base_dir)
+    names = [f"{key}.jpg"] if len(loaded) == 1 else [f"{key}.image{i}.jpg" for i in range(len(loaded))]
+    sizes = [{"width": w0, "height": h0, "format": fmt} for _, (w0, h0, fmt) in loaded]
+    meta = {"width": loaded[0][0].width, "height": loaded[0][0].height,
+            "source": {**_source(item, opts), **(sizes[0] if len(loaded) == 1 else {"images": sizes})}}
+    if len(loaded) > 1:
+        meta["images"] = [{"width": im.width, "height": im.height} for im, _ in loaded]
+    rec = {**_text_fields(item, opts), "metadata": _with_row_fields(meta, item)}
+    members = [(name, jpeg_bytes(np.asarray(im), opts.jpeg_quality)) for name, (im, _) in zip(names, loaded)]
+    res.samples.append(Sample(key, members + [(f"{key}.json", json.dumps(rec, sort_keys=True).encode())]))
+    res.seconds["encode"] = time.perf_counter() - t1
+    return res
+
+
+def _load_image(path: str, opts: PrepOptions):
+    """(RGB image shrunk to the size limits, (source width, height, format))."""
+    from PIL import Image, ImageOps
+
+    from dataio.decode import to_rgb
+    from dataio.prep.frames import target_size
+
     try:
-        size = os.path.getsize(item.path)
-        if size == 0:
+        if os.path.getsize(path) == 0:
             raise MediaError("empty_file", "0 bytes")
-        with open(item.path, "rb") as f:
+        with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise MediaError("unreadable", f"{type(e).__name__}: {e.strerror or e}") from None
@@ -196,23 +214,32 @@ def process_image(index: int, item: Item, opts: PrepOptions) -> WorkResult:
     w, h = target_size(w0, h0, opts.max_side, opts.max_pixels)
     if w < w0 - 1 or h < h0 - 1:  # only to shrink (target_size also evens the sides, not needed here)
         im = im.resize((w, h), Image.Resampling.BICUBIC)
-    t1 = time.perf_counter()
-    res.seconds["decode"] = t1 - t0
-    key = item_key(item.path, opts.base_dir)
-    meta = {"width": im.width, "height": im.height,
-            "source": {"path": source_name(item.path, opts.base_dir), "width": w0, "height": h0, "format": fmt}}
+    return im, (w0, h0, fmt)
+
+
+def _source(item: Item, opts: PrepOptions) -> dict:
+    """Where a sample came from: its media file, or its dataset file and row."""
+    if not item.media:
+        return {"path": source_name(item.path, opts.base_dir)}
+    file, _, row = item.path.rpartition("#")
+    out = {"file": source_name(file, opts.base_dir), "row": int(row)}
+    if not file.endswith(".parquet"):  # a parquet row's images came as bytes: only a staged copy exists
+        out["media"] = [source_name(m, opts.base_dir) for m in item.media]
+    return out
+
+
+def _with_row_fields(meta: dict, item: Item) -> dict:
     if item.extra:
         meta["extra"] = dict(item.extra)
-    text = _text_fields(item, opts)
-    rec = {**text, "metadata": meta}
-    res.samples.append(Sample(key, [(f"{key}.jpg", jpeg_bytes(np.asarray(im), opts.jpeg_quality)),
-                                    (f"{key}.json", json.dumps(rec, sort_keys=True).encode())]))
-    res.seconds["encode"] = time.perf_counter() - t1
-    return res
+    if item.conversation:
+        meta["conversations"] = json.loads(item.conversation)
+    return meta
 
 
 def process(index: int, item: Item, opts: PrepOptions) -> WorkResult:
     """Never raises: a bad input becomes a WorkResult with a reason."""
+    if item.problem is not None:  # a dataset row that cannot become a sample
+        return WorkResult(index, item.path, reason=item.problem[0], detail=item.problem[1][:300])
     fn = process_video if opts.kind == "video" else process_image
     try:
         return fn(index, item, opts)
