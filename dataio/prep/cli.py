@@ -25,6 +25,8 @@ def _common(p: argparse.ArgumentParser, kind: str) -> None:
                         "Hugging Face datasets .parquet")
     p.add_argument("--format", choices=["auto", "llava", "hf-parquet"], default="auto",
                    help="how .json/.jsonl/.parquet inputs are read (auto: by extension and a look at the content)")
+    p.add_argument("--media-root", default="", help="folder that a dataset file's relative media paths start from "
+                                                     "(default: the dataset file's folder)")
     p.add_argument("--out", required=True, help="output directory: shards, index.parquet, failures.parquet, stats.json")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="worker processes (0: in this process)")
     p.add_argument("--engine", choices=["local", "ray"], default="local")
@@ -82,7 +84,7 @@ def cmd_prep(args) -> int:
     try:
         stats = run_prep(args.inputs, args.out, opts, workers=args.workers, engine=args.engine,
                          progress=not args.no_progress, overwrite=args.overwrite, ray_address=args.ray_address,
-                         input_format=args.format)
+                         input_format=args.format, media_root=args.media_root)
     except ValueError as e:
         raise SystemExit(f"prep {args.prep_kind}: {e}") from None
     except KeyboardInterrupt:

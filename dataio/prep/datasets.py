@@ -3,11 +3,12 @@
 Two shapes, told apart by extension and a quick look at the content (`--format` forces one):
 - LLaVA-style JSON (a list) or JSONL: `{"id", "image": "a.jpg" | ["a.jpg", "b.jpg"], "video":
   "clip.mp4", "conversations": [{"from": "human", "value": "<image>\\nWhat is ...?"},
-  {"from": "gpt", "value": "..."}, ...]}`, media paths relative to the file's folder;
+  {"from": "gpt", "value": "..."}, ...]}`;
 - Hugging Face `datasets` parquet: an `image` column of struct {bytes, path} or an `images` list
   of them, the prompt in `problem` / `question` / `prompt` (a string, or a list of chat messages
   whose first user message counts), the answer in `answer` / `solution` /
   `reward_model.ground_truth`; other columns are kept in the sample's metadata.
+Media paths are relative to the dataset file's folder, or to `--media-root` when given.
 
 The prompt is the first human/user turn with its `<image>` / `<video>` placeholders taken out
 (the media go before the text, in placeholder order); the answer is the last assistant turn; a
@@ -103,8 +104,8 @@ def _llava_rows(path: str) -> Iterator[tuple[int, object]]:
     yield from enumerate(rows)
 
 
-def read_llava(path: str, kind: str) -> list[Item]:
-    base = os.path.dirname(os.path.abspath(path))
+def read_llava(path: str, kind: str, media_root: str = "") -> list[Item]:
+    base = media_root or os.path.dirname(os.path.abspath(path))
     source = os.path.abspath(path)
     items = []
     for n, row in _llava_rows(path):
@@ -156,13 +157,13 @@ def _answer(row: dict):
     return rm.get("ground_truth") if isinstance(rm, dict) else None
 
 
-def read_hf_parquet(path: str, kind: str, staging: str) -> list[Item]:
+def read_hf_parquet(path: str, kind: str, staging: str, media_root: str = "") -> list[Item]:
     """Rows of a `datasets` parquet file, read one row group at a time; the images' bytes go to
     files under `staging` (written once: a rerun finds them)."""
     import pyarrow.parquet as pq
 
     source = os.path.abspath(path)
-    base = os.path.dirname(source)
+    base = media_root or os.path.dirname(source)
     st = os.stat(source)  # a rewritten file gets a fresh folder, never stale bytes
     media_dir = os.path.join(staging, hashlib.sha1(f"{source}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12])
     os.makedirs(media_dir, exist_ok=True)

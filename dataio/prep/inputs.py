@@ -96,11 +96,12 @@ def sidecar_text(path: str) -> dict:
 
 
 def expand_inputs(specs: list[str], suffixes: set[str], kind: str = "images", staging: str = "",
-                  fmt: str = "auto") -> list[Item]:
+                  fmt: str = "auto", media_root: str = "") -> list[Item]:
     """Folders (recursive, files with `suffixes`), globs, single files, list files and dataset
     files -> Items sorted by path, de-duplicated (the first mention of a path keeps its text).
     `fmt` forces how .json/.jsonl/.parquet inputs are read (auto: by a look at them); `staging`
-    is where a parquet file's image bytes are written."""
+    is where a parquet file's image bytes are written; `media_root` is what a dataset file's
+    relative media paths start from (default: the file's folder)."""
     from dataio.prep.datasets import detect_format, read_hf_parquet, read_llava
 
     items: list[Item] = []
@@ -108,10 +109,10 @@ def expand_inputs(specs: list[str], suffixes: set[str], kind: str = "images", st
         spec = os.path.expanduser(str(spec))
         dataset = (fmt if fmt != "auto" else detect_format(spec)) if os.path.isfile(spec) else None
         if dataset == "llava":
-            items += read_llava(spec, kind)
+            items += read_llava(spec, kind, media_root)
         elif dataset == "hf-parquet":
             items += read_hf_parquet(spec, kind, staging or os.path.join(os.path.dirname(os.path.abspath(spec)),
-                                                                         ".prep-media"))
+                                                                         ".prep-media"), media_root)
         elif os.path.isdir(spec):
             found = [os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs
                      if os.path.splitext(f)[1].lower() in suffixes]

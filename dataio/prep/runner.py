@@ -133,7 +133,7 @@ def write_outputs(out: str, state: RunState, started: float, seconds: Counter, o
 
 def run_prep(inputs: list[str], out: str, opts: PrepOptions, workers: int = 2, engine: str = "local",
              progress: bool = True, overwrite: bool = False, ray_address: str | None = None,
-             input_format: str = "auto") -> dict:
+             input_format: str = "auto", media_root: str = "") -> dict:
     """Run (or resume) a prep job; returns the stats dict. Raises SystemExit when no input
     produced a sample."""
     started = time.time()
@@ -143,7 +143,8 @@ def run_prep(inputs: list[str], out: str, opts: PrepOptions, workers: int = 2, e
     if engine not in ("local", "ray"):
         raise ValueError(f"--engine must be 'local' or 'ray', got {engine!r}")
     items = expand_inputs(inputs, VIDEO_SUFFIXES if opts.kind == "video" else IMAGE_SUFFIXES, opts.kind,
-                          staging=os.path.join(out, STATE_DIR, "media"), fmt=input_format)
+                          staging=os.path.join(out, STATE_DIR, "media"), fmt=input_format,
+                          media_root=os.path.abspath(os.path.expanduser(media_root)) if media_root else "")
     if not items:
         raise SystemExit(f"prep {opts.kind}: no {'videos' if opts.kind == 'video' else 'images'} found in {inputs}")
     base = os.path.commonpath([os.path.dirname(it.path) for it in items])

@@ -106,6 +106,12 @@ def test_llava_video_row_and_jsonl_with_a_bad_line(llava, tmp_path):
     _prep("images", [str(llava / "train.jsonl")], out2)
     got2, fails2 = _read_back(out2)
     assert len(got2) == 2 and fails2 == {"000000002": "bad_row"}
+    # a dataset file kept apart from its media: --media-root names where the paths start
+    (llava / "elsewhere").mkdir(exist_ok=True)
+    (llava / "elsewhere" / "rows.json").write_text((llava / "train.json").read_text())
+    out3 = str(tmp_path / "root")
+    _prep("images", [str(llava / "elsewhere" / "rows.json")], out3, "--media-root", str(llava))
+    assert len(_read_back(out3)[0]) == 3
 
 
 def _hf_parquet(path, rows_per_group=3):
