@@ -88,7 +88,7 @@ def cmd_prep(args) -> int:
     except ValueError as e:
         raise SystemExit(f"prep {args.prep_kind}: {e}") from None
     except KeyboardInterrupt:
-        print(f"\nprep: interrupted; finished shards are kept. Rerun the same command to resume.", file=sys.stderr)
+        print("\nprep: interrupted; finished shards are kept. Rerun the same command to resume.", file=sys.stderr)
         return 130
     unit = "clips" if args.prep_kind == "video" else "images"
     what = "videos" if args.prep_kind == "video" else "images"
