@@ -53,3 +53,29 @@ def test_rollout_stats_sum_across_groups_into_metrics(monkeypatch):
     assert m["reward/exact_match"] == 0.5
     from_buffer = RolloutStats(from_buffer=4).metrics([], [])
     assert "rollout/reward_mean" not in from_buffer and from_buffer["rollout/from_buffer"] == 4
+
+
+def test_sync_guard_stops_when_vllm_sampled_with_other_weights(monkeypatch):
+    from types import SimpleNamespace
+
+    from models.trainer import MicroBatch
+    from yatt_mm.rl import actor as actor_mod
+    from yatt_mm.rl.actor import Actor
+
+    monkeypatch.setattr(actor_mod, "sum_across", lambda values, group: values)  # one DP rank
+    fresh = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
+    rollout = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
+
+    def actor_seeing(trainer_lp, dtype="fp32", limit=0.0):
+        trainer = SimpleNamespace(cfg=SimpleNamespace(dtype=dtype), dp_group=None,
+                                  logprobs=lambda mbs, with_entropy: [(trainer_lp, torch.zeros_like(trainer_lp))])
+        return Actor(trainer, AlgorithmConfig(), 4096, 0, limit)
+
+    mb = lambda: MicroBatch(None, {"fresh_mask": fresh, "rollout_logprobs": rollout})  # noqa: E731
+    same = actor_seeing(rollout + 1e-6).old_logprobs([mb()])
+    assert same["train/logprob_diff_vs_rollout"] == pytest.approx(1e-6, rel=0.05)  # float32 sums
+    with pytest.raises(RuntimeError, match="weight sync that did not take effect"):
+        actor_seeing(rollout + 0.5).old_logprobs([mb()])  # the gap of stale weights
+    assert actor_seeing(rollout + 0.05, dtype="bf16").old_logprobs([mb()])  # bf16's own, looser default
+    with pytest.raises(RuntimeError, match="run.max_logprob_diff=1e-07"):
+        actor_seeing(rollout + 1e-6, limit=1e-7).old_logprobs([mb()])

@@ -16,12 +16,19 @@ from yatt_mm.rl.distributed import sum_across
 from yatt_mm.rl.samples import TrainSample, micro_batches
 
 
+# The measured trainer/vLLM gap is ~1e-7..1e-6 in fp32 (README); bf16 training against vLLM's own
+# precision is far noisier. A gap above these means vLLM sampled with other weights.
+DEFAULT_MAX_LOGPROB_DIFF = {"fp32": 1e-3, "bf16": 0.1}
+
+
 class Actor:
-    def __init__(self, trainer: VLMTrainer, algorithm: AlgorithmConfig, micro_batch_tokens: int, pad_id: int):
+    def __init__(self, trainer: VLMTrainer, algorithm: AlgorithmConfig, micro_batch_tokens: int, pad_id: int,
+                 max_logprob_diff: float = 0.0):
         self.trainer = trainer
         self.algorithm = algorithm
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
+        self.max_logprob_diff = max_logprob_diff or DEFAULT_MAX_LOGPROB_DIFF[trainer.cfg.dtype]
 
     def micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         if not samples:
@@ -40,8 +47,15 @@ class Actor:
             sums["entropy"] += float((ent * fresh).sum())
             sums["tokens"] += float(fresh.sum())
         sums = sum_across(sums, self.trainer.dp_group)
-        return {"train/logprob_diff_vs_rollout": sums["diff"] / max(sums["tokens"], 1),
-                "train/entropy": sums["entropy"] / max(sums["tokens"], 1)}
+        gap = sums["diff"] / max(sums["tokens"], 1)
+        if gap > self.max_logprob_diff:  # the same sum on every rank: all stop together
+            raise RuntimeError(
+                f"the trainer's logprobs of vLLM's samples differ from vLLM's by {gap:.2e} per token on average, "
+                f"above run.max_logprob_diff={self.max_logprob_diff:g}: vLLM sampled with other weights than the "
+                "trainer holds. Likely: a weight sync that did not take effect (an engine asleep or re-created "
+                "without the new weights, names that did not match), a resume that did not reload the engine, or "
+                "a precision mismatch (policy.trainer.dtype; raise run.max_logprob_diff if that is expected)")
+        return {"train/logprob_diff_vs_rollout": gap, "train/entropy": sums["entropy"] / max(sums["tokens"], 1)}
 
     def update(self, mbs: list[MicroBatch]) -> dict[str, float]:
         """One optimizer step over the step's micro-batches."""

@@ -31,13 +31,14 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between asynchronous checkpoints (0: none); see rl/checkpoint.py
     keep_checkpoints: int = 2  # complete checkpoints kept on disk
     resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one
+    max_logprob_diff: float = 0.0  # stop when the trainer/vLLM logprob gap exceeds it (0: 1e-3 fp32, 0.1 bf16)
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch_tokens", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every < 0 or self.max_logprob_diff < 0:
+            raise ValueError("checkpoint_every and max_logprob_diff must be >= 0")
 
 
 @dataclass

@@ -56,7 +56,8 @@ class Run:
         self.policy_dir = str(check_hf_dir(cfg.policy.model))
         self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer)
         processor = AutoProcessor.from_pretrained(self.policy_dir)
-        self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id)
+        self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id,
+                           cfg.run.max_logprob_diff)
         # Every rank starts its engines, TP peers included (theirs stay idle): an in-process vLLM
         # engine creates its process groups with collectives over all ranks, so a rank that
         # skipped it would leave the others waiting forever.
