@@ -15,6 +15,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Callable
 
 from yatt_mm.config import ConfigError, describe, load, save
@@ -27,12 +28,55 @@ def under_torchrun() -> bool:
 def relaunch(module: str, nproc: int, args: list[str]) -> int:
     """Run `python -m module args` as `nproc` ranks (torchrun --standalone: a free port of its
     own, so several runs can share a machine). Several machines: call torchrun yourself with
-    --nnodes/--rdzv-endpoint and the same module."""
+    --nnodes/--rdzv-endpoint and the same module. torchrun is told to stop when this process
+    dies, however it dies (an OOM killer or a scheduler that kills the parent), and it stops
+    its ranks: no orphaned run goes on writing into the run directory."""
     if nproc < 1:
         raise SystemExit(f"--nproc must be >= 1, got {nproc}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", module, *args]
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, preexec_fn=_stop_with_parent)
+
+
+def _stop_with_parent() -> None:
+    """In the child before it starts: SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the child outlives a killed launcher, as without this
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold RUN_DIR/.lock for as long as this process lives (the kernel drops it when the process
+    dies, however it dies); a second run on the same directory is refused, naming the live one.
+    Returns the open lock file (keep it referenced)."""
+    import fcntl
+    import json
+    import time
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "{}"
+        f.close()
+        raise RunDirBusy(f"run dir {run_dir} is in use by another run: {owner}; wait for it or stop it, "
+                         "or give another run directory") from None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "command": " ".join(sys.argv)[:300]}))
+    f.flush()
+    return f
+
+
+class RunDirBusy(RuntimeError):
+    pass
 
 
 def resolve_model(name: str, data_shards: list[str] | None = None) -> str:
@@ -84,5 +128,11 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
         return 2
     if not launching:
         return run(cfg)
-    path = save(cfg, cfg.fix_run_dir() / "config.yaml")
-    return relaunch(module, args.nproc, ["--config", str(path)])
+    run_dir = cfg.fix_run_dir()
+    try:
+        lock = lock_run_dir(run_dir)
+    except RunDirBusy as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    with lock:  # held while the ranks run
+        return relaunch(module, args.nproc, ["--config", str(save(cfg, run_dir / "config.yaml"))])

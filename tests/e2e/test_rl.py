@@ -251,3 +251,43 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
     # an in-process judge cannot run beside the in-process rollout engine: refused at start
     bad = subprocess.run(cmd[:-1] + [UNTRAINED_JUDGE], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "set backend: server for judge(s) genrm" in bad.stderr
+
+
+def test_a_live_run_dir_is_refused_and_killing_the_launcher_stops_the_run(tmp_path, tiny_policy):
+    """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) must not
+    leave torchrun and the ranks writing into the run directory; while the run lives, a second
+    run on the same directory is refused, naming it."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=3, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=200", "eval.every=0", "reward.judges=[]",
+                   "run.save_final=false")
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert launcher.poll() is None and time.time() < deadline, "the run did not start"
+            time.sleep(1)
+        second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and f'"pid": {launcher.pid}' in second.stderr, second.stderr[-2000:]
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 30
+        while True:
+            alive = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+            if not alive or time.time() > deadline:
+                break
+            time.sleep(1)
+        assert not alive, [" ".join(p.info["cmdline"])[:200] for p in alive]
+        steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
+        time.sleep(5)
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps  # nobody writes any more
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if str(run_dir) in " ".join(p.info["cmdline"] or []):
+                p.kill()
