@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
 import random
 import tarfile
 
-import numpy as np
-from PIL import Image
 
 from dataio.synth import colour_image, encode_image, encode_mp4, moving_ball_video, tar_add
 

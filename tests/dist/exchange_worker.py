@@ -1,7 +1,6 @@
 """Two gloo ranks balance a long-tail batch and exchange samples point to point."""
 
 import json
-import os
 import random
 import sys
 

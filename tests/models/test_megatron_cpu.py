@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "dist" / "megatron_gpt_step.py"
