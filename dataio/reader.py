@@ -285,11 +285,11 @@ class DataReader:
         """Endless: epoch after epoch. Raises if a whole epoch yields nothing (all skipped or
         this rank has no samples), rather than spinning forever."""
         while True:
-            got = False
+            got, whole_epoch = False, self.position == 0  # a resumed reader may start at the epoch's very end
             for s in self.iter_epoch():
                 got = True
                 yield s
-            if not got:
+            if not got and whole_epoch:
                 raise RuntimeError(
                     f"data: rank {self.dp_rank}/{self.dp_size} got no usable sample in epoch {self.epoch - 1} "
                     f"({len(self.order(self.epoch - 1))} in its range, skips {dict(self.skips)}); "

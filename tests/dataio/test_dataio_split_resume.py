@@ -122,6 +122,21 @@ def test_resume_at_epoch_end_starts_next_epoch(small_ds):
     assert [s.key for s in r2.iter_epoch()] == r.keys(1)
 
 
+def test_endless_reader_checkpointed_right_after_an_epochs_last_sample_resumes(small_ds):
+    """The endless iterator stops right after yielding the epoch's last sample, before it moves
+    on: the state is (epoch 0, position = end). A reader resumed there goes on to epoch 1 (it
+    once took the empty rest of epoch 0 for an epoch without usable samples and raised)."""
+    r = DataReader(cfg(small_ds), 1, 2)
+    it = iter(r)
+    for _ in r.keys(0):
+        next(it)
+    state = r.state_dict()
+    assert (state["epoch"], state["position"]) == (0, len(r.keys(0)))
+    r2 = DataReader(cfg(small_ds), 1, 2)
+    r2.load_state_dict(state)
+    assert next(iter(r2)).key == r.keys(1)[0]
+
+
 def test_endless_iteration_crosses_epochs(small_ds):
     r = DataReader(cfg(small_ds), 0, 2)
     it = iter(r)
