@@ -52,9 +52,6 @@ class VLMTrainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from models.qwen2vl.convert import load_hf_into
-        from models.qwen2vl.model import Qwen2VLModel
-
         self.cfg = cfg
         self.hf_dir = hf_dir
         self.spec = Qwen2VLSpec.from_hf_dir(hf_dir)
@@ -63,10 +60,7 @@ class VLMTrainer:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        module = Qwen2VLModel(self.spec, dtype, cfg.tensor_parallel)
-        if torch.cuda.is_available():
-            module = module.cuda()
-        load_hf_into(module, hf_dir, self.tp_rank, cfg.tensor_parallel)
+        module = build_module(hf_dir, self.spec, cfg)
         self.module = module
         self.config = module.config
         self.model = DistributedDataParallel(
@@ -77,7 +71,7 @@ class VLMTrainer:
                             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad,
                             bf16=dtype == torch.bfloat16, params_dtype=dtype),
             [self.model])
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.device = _device()
 
     # -- placement ---------------------------------------------------------------------------
     # The trainer is a resource of the RL loop's PhaseRunner like the engines: released while
@@ -91,17 +85,16 @@ class VLMTrainer:
         return 0.0
 
     # -- inference ---------------------------------------------------------------------------
-    @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch], with_entropy: bool = False):
         """Per-token logprobs [b, s] of each micro-batch's next tokens (and entropy)."""
         self.model.eval()
-        out = []
-        for mb in micro_batches:
-            logits = self.model(mb.inputs.to(self.device))
-            lp = token_logprobs(logits, mb.labels.to(self.device)).cpu()
-            out.append((lp, token_entropy(logits).cpu()) if with_entropy else lp)
+        out = _logprobs(self.model, micro_batches, self.device, with_entropy)
         self.model.train()
         return out
+
+    def checksum(self) -> float:
+        """Sum of this rank's parameters in float64: cheap, and changed by any update or load."""
+        return float(sum(p.detach().double().sum() for p in self.module.parameters()))
 
     # -- training ----------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
@@ -142,3 +135,53 @@ class VLMTrainer:
         from models.qwen2vl.convert import export_hf
 
         return export_hf(self.module, self.tp_group, dtype)
+
+
+class ReferencePolicy:
+    """The frozen starting weights, for the KL penalty: the same Megatron model and parallel
+    layout as the trainer's, no gradients, no optimizer. On GPUs it waits in host memory between
+    uses, so it costs device memory only while the step's reference logprobs are computed."""
+
+    def __init__(self, hf_dir: str, cfg: TrainerConfig):
+        self.device = _device()
+        self.module = build_module(hf_dir, Qwen2VLSpec.from_hf_dir(hf_dir), cfg).eval().requires_grad_(False)
+        self._offload()
+
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        self.module.to(self.device)
+        try:
+            return _logprobs(self.module, micro_batches, self.device, with_entropy=False)
+        finally:
+            self._offload()
+
+    def _offload(self) -> None:
+        if self.device.type == "cuda":
+            self.module.to("cpu")
+            torch.cuda.empty_cache()
+
+
+def build_module(hf_dir: str, spec: Qwen2VLSpec, cfg: TrainerConfig) -> torch.nn.Module:
+    """The Megatron Qwen2-VL of `hf_dir`, this rank's TP shard, on the training device."""
+    from megatron.core import parallel_state
+
+    from models.qwen2vl.convert import load_hf_into
+    from models.qwen2vl.model import Qwen2VLModel
+
+    module = Qwen2VLModel(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel)
+    module = module.to(_device())
+    load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
+    return module
+
+
+@torch.no_grad()
+def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with_entropy: bool):
+    out = []
+    for mb in micro_batches:
+        logits = model(mb.inputs.to(device))
+        lp = token_logprobs(logits, mb.labels.to(device)).cpu()
+        out.append((lp, token_entropy(logits).cpu()) if with_entropy else lp)
+    return out
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

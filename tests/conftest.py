@@ -28,3 +28,15 @@ def rollout_engine(tiny_policy):
     from yatt_mm.engines.engine import EngineConfig, RolloutEngine
 
     return RolloutEngine(EngineConfig(model=str(tiny_policy)))
+
+
+@pytest.fixture(scope="session")
+def warm_policy(tmp_path_factory):
+    """The tiny policy after its short SFT warm start (about 15 s once, then cached): its groups
+    get different rewards, so RL tests have real advantages, gradients and weight changes."""
+    from dataio.synth import write_shards
+    from yatt_mm.demo.warmstart import warm_start
+
+    data = tmp_path_factory.mktemp("warm-data") / "train"
+    write_shards(str(data), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
+    return warm_start("policy", data, quiet=True)

@@ -1,10 +1,17 @@
 """The RL loop end to end: 2 ranks under torchrun (gloo), the tiny policy, real vLLM engines,
-real shards. The untrained policy never names a colour, so every group's rewards are equal:
-dynamic sampling starves, and the step must go on with masked groups instead of failing."""
+real shards. Most runs start from the warm-started policy, whose groups get different rewards:
+the advantages, gradients and weight changes are real, and the tests check each step changed
+the weights, each weight sync reached vLLM (a probe scored by both), a resume restored the
+weights bit for bit, and that the policy learns. The untrained policy never names a colour, so
+all its groups' rewards are equal: the partial-colocation run checks that a starved step goes on
+with masked groups instead of failing."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,23 +25,26 @@ ROOT = Path(__file__).resolve().parents[2]
 UNTRAINED_JUDGE = "reward.judges=[{judge: {name: genrm, model: 'tiny:judge', votes: 2, max_tokens: 4}, weight: 0.5}]"
 
 
-def _tiny_rl(run_dir, train_dir, *settings: str) -> list[str]:
-    """`yatt-mm rl` on 2 ranks with the demo config cut down to seconds: the untrained tiny policy,
+def _tiny_rl(run_dir, train_dir, *settings: str, policy="tiny:policy") -> list[str]:
+    """`yatt-mm rl` on 2 ranks with the demo config cut down to seconds: the tiny `policy`,
     2 prompts x 4 responses of 4 tokens per rank, one wave, then `settings`."""
     return [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-            f"run.run_dir={run_dir}", f"data.shards=[{train_dir}]", "policy.model=tiny:policy",
+            f"run.run_dir={run_dir}", f"data.shards=[{train_dir}]", f"policy.model={policy}",
             "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
             "dynamic_sampling.max_waves=1", "data.workers=0", *settings]
 
 
 @pytest.fixture(scope="module")
-def rl_run(tmp_path_factory, tiny_policy):
+def rl_run(tmp_path_factory, warm_policy):
+    """3 steps from the warm start with everything on: the untrained judge beside the rule, a KL
+    penalty to the reference, 4 PPO mini-batches per step, eval after every step."""
     base = tmp_path_factory.mktemp("rl")
     write_shards(str(base / "train"), images=16, videos=0, samples_per_shard=7, seed=3, tasks=["colour"])
     write_shards(str(base / "eval"), images=4, videos=0, samples_per_shard=4, seed=4, tasks=["colour"])
     run_dir = base / "run"
-    cmd = _tiny_rl(run_dir, base / "train", "run.steps=2", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
-                   "eval.num_prompts=2", "eval.max_tokens=4", UNTRAINED_JUDGE)
+    cmd = _tiny_rl(run_dir, base / "train", "run.steps=3", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
+                   "eval.num_prompts=2", "eval.max_tokens=4", "rollout.prompts_per_step=4", "algorithm.kl_coef=0.05",
+                   "algorithm.mini_batches=4", UNTRAINED_JUDGE, policy=warm_policy)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     return run_dir, proc.stdout
@@ -44,43 +54,75 @@ def _metrics(run_dir):
     return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_rank_run_completes_with_metrics_and_final_policy(rl_run):
-    run_dir, stdout = rl_run
-    assert "step 2/2" in stdout and "DP 2 x TP 1" in stdout
-    records = _metrics(run_dir)
-    steps = [r for r in records if "rollout/reward_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
+def _steps(run_dir):
+    return [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+
+
+def _steps_logged(run_dir) -> int:
+    """Steps in the metrics log of a live run (its last line may be half written)."""
+    try:
+        return sum('"rollout/reward_mean"' in ln for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+                   if ln.endswith("}"))
+    except FileNotFoundError:
+        return 0
+
+
+def _assert_real_updates_reach_vllm(steps):
+    """Every step changed the weights, nothing else touched them between steps, and after every
+    sync vLLM's logprobs of the probe equal the trainer's (fp32)."""
     for r in steps:
-        assert r["train/logprob_diff_vs_rollout"] < 1e-3  # invariant 3, measured every step
+        assert r["train/weights_checksum_after"] != r["train/weights_checksum_before"], r["step"]
+        assert r["sync/probe_logprob_diff"] < 1e-4 and r["train/logprob_diff_vs_rollout"] < 1e-4, r["step"]
+    for prev, cur in zip(steps, steps[1:]):
+        assert cur["train/weights_checksum_before"] == prev["train/weights_checksum_after"]
+
+
+def test_two_rank_run_completes_with_metrics_and_final_policy(rl_run, warm_policy):
+    from safetensors.torch import load_file
+
+    run_dir, stdout = rl_run
+    assert "step 3/3" in stdout and "DP 2 x TP 1" in stdout
+    records = _metrics(run_dir)
+    steps = _steps(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    _assert_real_updates_reach_vllm(steps)
+    for r in steps:
+        assert r["rollout/valid_group_rate"] > 0 and r["train/grad_norm"] > 0  # real advantages, real gradients
         assert r["time/rollout"] > 0 and r["time/train"] > 0 and 0 <= r["time/idle_share"] < 1
         assert r["memory/rss_gb"] > 0.1
         assert r["balance/imbalance_after"] <= r["balance/imbalance_before"] + 1e-9
-    assert any("eval/reward_mean" in r for r in records)
-    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert sum("eval/reward_mean" in r for r in records) == 4  # before the first step, then after each
+    final, start = load_file(run_dir / "final" / "model.safetensors"), load_file(warm_policy / "model.safetensors")
+    assert final.keys() == start.keys() and any(not final[k].equal(start[k]) for k in start)
     assert (run_dir / "final" / "config.json").is_file()
+
+
+def test_kl_to_the_reference_starts_at_zero_and_grows(rl_run):
+    kl = [r["train/kl"] for r in _steps(rl_run[0])]
+    assert kl[0] == 0.0  # step 1 samples with the reference weights themselves
+    assert kl[1] > 1e-4 and kl[2] > 1e-4  # then the policy has moved away (the penalty holds it near)
+
+
+def test_ppo_mini_batches_move_the_ratio_so_the_clip_acts(rl_run):
+    steps = _steps(rl_run[0])
+    assert all(r["train/optimizer_steps"] == 4 for r in steps)
+    assert max(r["train/clip_fraction"] for r in steps) > 0
 
 
 def test_judge_scores_every_response_and_its_agreement_with_the_rule_is_logged(rl_run):
     run_dir, stdout = rl_run
-    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    steps = _steps(run_dir)
     # running counts over the run: 4 responses of every group generated (waves are over-sampled)
     judged = [r["genrm/genrm/scored"] + r["genrm/genrm/fallback"] for r in steps]
     generated = [r["rollout/groups_generated"] for r in steps]
-    assert judged == [4 * generated[0], 4 * (generated[0] + generated[1])] and generated[0] >= 4
+    assert judged == [4 * sum(generated[: i + 1]) for i in range(3)] and generated[0] >= 8
     assert steps[-1]["genrm/genrm/fallback"] > 0  # the untrained judge's nonsense, counted by reason
     assert steps[-1]["genrm/genrm/fallback_unparseable"] == steps[-1]["genrm/genrm/fallback"]
     for r in steps:
         assert 0.0 <= r["genrm/genrm/agreement_exact_match"] <= 1.0
-        assert r["reward/exact_match"] == 0.0  # the untrained policy never names the colour
-        assert abs(r["rollout/reward_mean"] - 0.5 * r["reward/genrm"]) < 1e-9  # weights as configured
+        # weights as configured: exact_match 1.0, the judge 0.5
+        assert abs(r["rollout/reward_mean"] - (r["reward/exact_match"] + 0.5 * r["reward/genrm"])) < 1e-9
     assert "genrm agrees with exact_match" in stdout
-
-
-def test_starved_dynamic_sampling_pads_instead_of_failing(rl_run):
-    run_dir, _ = rl_run
-    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
-    assert all(r["rollout/valid_group_rate"] == 0.0 for r in steps)
-    assert all(r["rollout/padded_groups"] == 4 for r in steps)  # 2 groups x 2 DP groups, all masked
 
 
 def test_every_sample_of_an_epoch_is_consumed_exactly_once_across_dp_groups(rl_run):
@@ -88,7 +130,7 @@ def test_every_sample_of_an_epoch_is_consumed_exactly_once_across_dp_groups(rl_r
     consumed = [json.loads(ln) for f in sorted(run_dir.glob("consumed_rank*.jsonl"))
                 for ln in f.read_text().splitlines()]
     epoch0 = Counter(c["key"] for c in consumed if c["epoch"] == 0)
-    assert len(epoch0) == 16 and set(epoch0.values()) == {1}  # 2 steps x 2 ranks x 5 > 16: a full epoch
+    assert len(epoch0) == 16 and set(epoch0.values()) == {1}  # 3 steps x 2 ranks x 4 > 16: a full epoch
     per_rank = [{json.loads(ln)["key"] for ln in f.read_text().splitlines() if json.loads(ln)["epoch"] == 0}
                 for f in sorted(run_dir.glob("consumed_rank*.jsonl"))]
     assert len(per_rank) == 2 and not (per_rank[0] & per_rank[1])
@@ -145,18 +187,17 @@ def torch_equal_all(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, tiny_policy):
+def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_policy):
     """TP=2 on 2 ranks: one DP group, whose TP rank 0 is the controller and broadcasts the
-    training samples to its TP peer."""
+    training samples (and the sync probe) to its TP peer."""
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=1", "policy.trainer.tensor_parallel=2", "eval.every=0",
-                   "run.save_final=false", UNTRAINED_JUDGE)
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.tensor_parallel=2", "eval.every=0",
+                   "run.save_final=false", "rollout.prompts_per_step=4", "reward.judges=[]", policy=warm_policy)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 2" in proc.stdout
-    (record,) = [r for r in _metrics(run_dir) if "train/grad_norm" in r]
-    assert record["train/logprob_diff_vs_rollout"] < 1e-3
+    _assert_real_updates_reach_vllm(_steps(run_dir))
     assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: TP rank 0
 
 
@@ -167,33 +208,114 @@ def _consumed(run_dir, step=None):
             for f in sorted(run_dir.glob("consumed_rank*.jsonl"))}
 
 
-def test_resume_after_a_crash_repeats_nothing_and_loses_nothing(tmp_path, tiny_policy):
-    """Run A checkpoints at step 2 and goes on to step 3. Run B, started in A's directory as
-    after a crash in step 3, resumes from the checkpoint: it must read exactly the data A's
-    step 3 read, and the run's logs must read as one run."""
-    write_shards(str(tmp_path / "train"), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
+def _assert_epoch_drawn_exactly_once(run_dir, keys: int):
+    """The lineage of the run (crashed attempts' lost steps dropped) reads as one clean run: the
+    first epoch's samples each drawn once, by one controller; nothing drawn twice anywhere."""
+    drawn = _consumed(run_dir)
+    for pairs in drawn.values():
+        assert len(pairs) == len(set(pairs))
+    epoch0 = Counter(key for pairs in drawn.values() for epoch, key in pairs if epoch == 0)
+    assert len(epoch0) == keys and set(epoch0.values()) == {1}
+
+
+def _rank_process(launcher: subprocess.Popen, rank: int):
+    """The torchrun worker process of global rank `rank` under `launcher`."""
+    import psutil
+
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == str(rank) and "torch.distributed.run" in " ".join(p.parent().cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no rank {rank} under the launcher")
+
+
+def _wait_for(condition, launcher: subprocess.Popen, what: str, timeout: float = 300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert launcher.poll() is None, f"the run ended before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _kill_rank_and_wait(launcher: subprocess.Popen, rank: int) -> None:
+    os.kill(_rank_process(launcher, rank).pid, signal.SIGKILL)
+    assert launcher.wait(timeout=180) != 0  # torchrun stops the other rank and reports the failure
+
+
+def test_kill_9_of_a_rank_mid_step_resumes_from_the_checkpoint_bitwise(tmp_path, warm_policy):
+    """Run A checkpoints at step 2; rank 1 is killed -9 in the middle of step 4. The same
+    command again resumes from step 2's checkpoint: the weights its step 3 starts from are bit
+    for bit those A had after step 2, vLLM serves them, and no sample is drawn twice or lost."""
+    write_shards(str(tmp_path / "train"), images=24, videos=0, samples_per_shard=8, seed=6, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "eval.every=0", "reward.judges=[]", "run.checkpoint_every=2",
-                   "run.save_final=false", "run.steps=3")
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-5000:])
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2"]
-    step3 = _consumed(run_dir, step=3)
-    assert all(step3.values())
+                   "run.save_final=false", "run.steps=6", policy=warm_policy)
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: _steps_logged(run_dir) >= 3, first, "step 3")
+        assert len(_steps(run_dir)) == 3  # step 4 is under way
+        _kill_rank_and_wait(first, rank=1)
+    finally:
+        first.kill()
+    after_step2 = _steps(run_dir)[1]["train/weights_checksum_after"]
+    assert (run_dir / "checkpoints" / "step_2" / "done_rank1").is_file()
 
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-5000:])
-    assert "resumed from" in second.stdout and "(step 2)" in second.stdout and "step 3/3" in second.stdout
-    assert _consumed(run_dir, step=3) == step3  # the restored readers picked up where the checkpoint was
-    for drawn in _consumed(run_dir).values():
-        assert len(drawn) == len(set(drawn))  # the crashed step's draws were dropped, not doubled
-    steps = [r["step"] for r in _metrics(run_dir) if "rollout/reward_mean" in r]
-    assert steps == [1, 2, 3]
-    # the checksum written with the weights is checked on load: a damaged checkpoint is refused
-    done = run_dir / "checkpoints" / "step_2" / "done_rank0"
-    done.write_text(json.dumps({"checksum": json.loads(done.read_text())["checksum"] + 1.0}))
-    third = subprocess.run(cmd[:-1] + ["run.steps=4"], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert third.returncode != 0 and "the checkpoint is damaged" in third.stderr
+    assert "(step 2; weights and optimizer state bitwise as written)" in second.stdout
+    steps = _steps(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert steps[2]["train/weights_checksum_before"] == after_step2  # resumed step 3 starts from them
+    _assert_real_updates_reach_vllm(steps)  # the engine sampled step 3 with the restored weights
+    _assert_epoch_drawn_exactly_once(run_dir, keys=24)  # 6 steps x 2 ranks x >= 2 prompts: an epoch
+
+
+def test_kill_9_while_the_first_checkpoint_is_written_restarts_cleanly(tmp_path, warm_policy):
+    """The ranks are killed while their first checkpoint is on its way to disk (the writer held
+    between its files by the fault-injection pause). The rerun skips it, saying so, starts from
+    step 0, and its logs and data lineage read as one run."""
+    write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "eval.every=0", "reward.judges=[]", "run.checkpoint_every=2",
+                   "run.save_final=false", "run.steps=4", policy=warm_policy)
+    ckpt = run_dir / "checkpoints" / "step_2"
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "YATT_MM_FAULT_CHECKPOINT_PAUSE": "60"})
+    try:
+        _wait_for(lambda: (ckpt / "trainer_rank0.pt").is_file() and (ckpt / "trainer_rank1.pt").is_file(), first,
+                  "the checkpoint's trainer files")
+        _kill_rank_and_wait(first, rank=0)
+    finally:
+        first.kill()
+    assert not list(ckpt.glob("done_rank*"))
+
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-5000:])
+    assert f"checkpoint {ckpt} is incomplete (0 of 2 ranks' markers): skipped" in second.stdout
+    assert "resumed from" not in second.stdout
+    assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4]
+    _assert_epoch_drawn_exactly_once(run_dir, keys=16)
+    assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_rl_from_the_warm_start_raises_held_out_reward(tmp_path, warm_policy):
+    """Learning, in CI: 10 steps of GRPO with the rule reward from the warm start (under two
+    minutes here) must lift greedy held-out accuracy on 32 unseen prompts by a clear margin
+    (measured: 0.69 -> 0.94 in 8 steps)."""
+    write_shards(str(tmp_path / "train"), images=64, videos=0, samples_per_shard=16, seed=8, tasks=["colour"])
+    write_shards(str(tmp_path / "eval"), images=32, videos=0, samples_per_shard=16, seed=9, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+           f"run.run_dir={run_dir}", f"data.shards=[{tmp_path / 'train'}]", f"policy.model={warm_policy}",
+           f"eval.shards=[{tmp_path / 'eval'}]", "eval.num_prompts=16", "rollout.prompts_per_step=4",
+           "reward.judges=[]", "data.workers=0", "run.steps=10", "run.save_final=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    evals = [r["eval/reward_mean"] for r in _metrics(run_dir) if "eval/reward_mean" in r]
+    assert len(evals) == 3  # before step 1, after 5 and 10
+    assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, evals
 
 
 def test_checkpoint_keeps_the_sampler_buffer_with_its_media():
@@ -248,6 +370,8 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
     generated = sum(r["rollout/groups_generated"] for r in steps)
     assert steps[-1]["genrm/genrm/scored"] + steps[-1]["genrm/genrm/fallback"] == 4 * generated
     assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 and r["time/reward"] == 0 for r in steps)
+    # the untrained policy never names the colour: dynamic sampling starves, the step goes on masked
+    assert all(r["rollout/valid_group_rate"] == 0.0 and r["rollout/padded_groups"] == 4 for r in steps)
     # an in-process judge cannot run beside the in-process rollout engine: refused at start
     bad = subprocess.run(cmd[:-1] + [UNTRAINED_JUDGE], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "set backend: server for judge(s) genrm" in bad.stderr

@@ -47,7 +47,7 @@ def _controller(position: int, buffered: bool):
 
 def test_round_trip_is_bitwise_and_restores_the_controller(tmp_path):
     saved, ctrl = _trainer(0), _controller(17, buffered=True)
-    ckpt = Checkpointer(tmp_path, rank=0, world=1, keep=2)
+    ckpt = Checkpointer(tmp_path, rank=0, world=1, keep=2, attempt="a")
     ckpt.save(3, saved, ctrl)
     ckpt.wait()
     found = latest_complete(tmp_path, world=1)
@@ -68,23 +68,51 @@ def test_round_trip_is_bitwise_and_restores_the_controller(tmp_path):
 
 def test_incomplete_or_damaged_checkpoints_are_never_used(tmp_path):
     trainer = _trainer(0)
-    ckpt = Checkpointer(tmp_path, rank=0, world=2, keep=2)  # rank 1 never writes: incomplete
+    ckpt = Checkpointer(tmp_path, rank=0, world=2, keep=2, attempt="a")  # rank 1 never writes: incomplete
     ckpt.save(1, trainer)
     ckpt.wait()
-    with pytest.raises(RuntimeError, match="world size"):
-        latest_complete(tmp_path, world=2)
-    solo = Checkpointer(tmp_path / "solo", rank=0, world=1, keep=2)
+    said = []
+    assert latest_complete(tmp_path, world=2, say=said.append) is None  # skipped, not a world-size error
+    assert said == [f"checkpoint {tmp_path / 'step_1'} is incomplete (1 of 2 ranks' markers): skipped"]
+    other = Checkpointer(tmp_path, rank=1, world=2, keep=2, attempt="a")
+    other.save(1, trainer)
+    other.wait()  # now complete for 2 ranks: resuming it with 1 is an error, not a fresh start
+    with pytest.raises(RuntimeError, match="written by a run of 2 ranks; this run has 1"):
+        latest_complete(tmp_path, world=1)
+    solo = Checkpointer(tmp_path / "solo", rank=0, world=1, keep=2, attempt="a")
     solo.save(1, trainer)
     solo.wait()
     done = tmp_path / "solo" / "step_1" / "done_rank0"
-    done.write_text(json.dumps({"checksum": 123.0}))  # the weights no longer match their marker
-    with pytest.raises(RuntimeError, match="damaged"):
+    with torch.no_grad():
+        trainer.module[0].weight[0, 0] = torch.nextafter(trainer.module[0].weight[0, 0], torch.tensor(9.0))
+    torch.save({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(), "step": 1,
+                "world": 1, "tensor_parallel": 1}, tmp_path / "solo" / "step_1" / "trainer_rank0.pt")
+    with pytest.raises(RuntimeError, match="damaged"):  # one float one ulp off: the hash says so
         load_trainer(tmp_path / "solo" / "step_1", _trainer(1), rank=0, world=1)
+    assert done.is_file()
+
+
+def test_markers_of_a_crashed_attempt_never_complete_a_rewritten_checkpoint(tmp_path):
+    """Attempt a: rank 0 finished step_4, rank 1 was killed. Attempt b rewrites step_4 and
+    rank 1 finishes first: two markers, from two attempts, must not look complete."""
+    trainer = _trainer(0)
+    for rank, attempt in ((0, "a"), (1, "b")):
+        ckpt = Checkpointer(tmp_path, rank=rank, world=2, keep=2, attempt=attempt)
+        ckpt.save(4, trainer)
+        ckpt.wait()
+    said = []
+    assert latest_complete(tmp_path, world=2, say=said.append) is None
+    assert "from 2 different attempts" in said[0]
+    ckpt = Checkpointer(tmp_path, rank=0, world=2, keep=2, attempt="b")  # attempt b's rank 0 catches up
+    ckpt.save(4, trainer)
+    ckpt.wait()
+    assert latest_complete(tmp_path, world=2).name == "step_4"
+    assert not list(tmp_path.glob("step_4/.*.tmp"))  # every file renamed into place
 
 
 def test_only_the_newest_complete_checkpoints_are_kept(tmp_path):
     trainer = _trainer(0)
-    ckpt = Checkpointer(tmp_path, rank=0, world=1, keep=2)
+    ckpt = Checkpointer(tmp_path, rank=0, world=1, keep=2, attempt="a")
     for step in (1, 2, 3):
         ckpt.save(step, trainer)
         ckpt.wait()
@@ -93,7 +121,7 @@ def test_only_the_newest_complete_checkpoints_are_kept(tmp_path):
 
 def test_resume_restores_and_drops_log_lines_of_lost_steps(tmp_path):
     saved = _trainer(0)
-    ckpt = Checkpointer(tmp_path / "checkpoints", rank=0, world=1, keep=2)
+    ckpt = Checkpointer(tmp_path / "checkpoints", rank=0, world=1, keep=2, attempt="a")
     ckpt.save(2, saved, _controller(5, buffered=False))
     ckpt.wait()
     log = tmp_path / "metrics.jsonl"
@@ -106,6 +134,21 @@ def test_resume_restores_and_drops_log_lines_of_lost_steps(tmp_path):
     drop_lines_after(tmp_path / "missing.jsonl", 1)  # no file: nothing to do
 
 
-def test_no_checkpoint_means_a_fresh_start(tmp_path):
-    ckpt = Checkpointer(tmp_path / "checkpoints", rank=0, world=1, keep=2)
-    assert ckpt.resume(_trainer(0), None, 0, lambda: pytest.fail("no sync without a checkpoint"), []) == 0
+def test_no_checkpoint_means_a_fresh_start_and_the_crashed_attempts_lines_go(tmp_path):
+    """A crash before the first checkpoint: the rerun starts at step 0, so every logged step of
+    the crashed attempt (metrics, data lineage) is dropped, or its samples would count twice."""
+    ckpt = Checkpointer(tmp_path / "checkpoints", rank=0, world=1, keep=2, attempt="a")
+    log = tmp_path / "consumed_rank0.jsonl"
+    log.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "ke')  # torn by a kill -9
+    assert ckpt.resume(_trainer(0), None, 0, lambda: pytest.fail("no sync without a checkpoint"), [log]) == 0
+    assert log.read_text() == ""
+
+
+def test_a_torn_last_log_line_is_dropped_and_a_torn_middle_line_is_an_error(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    drop_lines_after(log, 5)
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
+    log.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
+    with pytest.raises(RuntimeError, match="line 2 is not JSON"):
+        drop_lines_after(log, 5)

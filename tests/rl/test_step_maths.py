@@ -72,10 +72,10 @@ def test_sync_guard_stops_when_vllm_sampled_with_other_weights(monkeypatch):
         return Actor(trainer, AlgorithmConfig(), 4096, 0, limit)
 
     mb = lambda: MicroBatch(None, {"fresh_mask": fresh, "rollout_logprobs": rollout})  # noqa: E731
-    same = actor_seeing(rollout + 1e-6).old_logprobs([mb()])
+    same = actor_seeing(rollout + 1e-6).old_logprobs([[mb()]])
     assert same["train/logprob_diff_vs_rollout"] == pytest.approx(1e-6, rel=0.05)  # float32 sums
     with pytest.raises(RuntimeError, match="weight sync that did not take effect"):
-        actor_seeing(rollout + 0.5).old_logprobs([mb()])  # the gap of stale weights
-    assert actor_seeing(rollout + 0.05, dtype="bf16").old_logprobs([mb()])  # bf16's own, looser default
+        actor_seeing(rollout + 0.5).old_logprobs([[mb()]])  # the gap of stale weights
+    assert actor_seeing(rollout + 0.05, dtype="bf16").old_logprobs([[mb()]])  # bf16's own, looser default
     with pytest.raises(RuntimeError, match="run.max_logprob_diff=1e-07"):
-        actor_seeing(rollout + 1e-6, limit=1e-7).old_logprobs([mb()])
+        actor_seeing(rollout + 1e-6, limit=1e-7).old_logprobs([[mb()]])

@@ -1,5 +1,6 @@
-"""The policy side of an RL step: the step's samples as micro-batches, the trainer's logprobs of
-them under the weights that sampled them (the old policy), and the policy-gradient update.
+"""The policy side of an RL step: the step's samples as PPO mini-batches of micro-batches, the
+trainer's logprobs of them under the weights that sampled them (the old policy) and under the
+frozen reference, the policy-gradient update, and the check that a weight sync arrived.
 
 The loss of every micro-batch is its share of the step's mean (`algorithms.aggregate` with the
 normaliser summed over DP ranks), so micro-batching and data parallelism leave the gradient
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from models.trainer import MicroBatch, VLMTrainer
-from yatt_mm.rl.algorithms import AlgorithmConfig, loss_normalizer, policy_loss
+from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
+from yatt_mm.rl.algorithms import (AlgorithmConfig, advantages, kl_penalty, loss_normalizer, policy_loss,
+                                   sequence_kl)
 from yatt_mm.rl.distributed import sum_across
-from yatt_mm.rl.samples import TrainSample, micro_batches
+from yatt_mm.rl.samples import TrainSample, micro_batches, mini_batches
 
 
 # The measured trainer/vLLM gap is ~1e-7..1e-6 in fp32 (README); bf16 training against vLLM's own
@@ -23,22 +25,29 @@ DEFAULT_MAX_LOGPROB_DIFF = {"fp32": 1e-3, "bf16": 0.1}
 
 class Actor:
     def __init__(self, trainer: VLMTrainer, algorithm: AlgorithmConfig, micro_batch_tokens: int, pad_id: int,
-                 max_logprob_diff: float = 0.0):
+                 max_logprob_diff: float = 0.0, reference: ReferencePolicy | None = None):
         self.trainer = trainer
         self.algorithm = algorithm
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
         self.max_logprob_diff = max_logprob_diff or DEFAULT_MAX_LOGPROB_DIFF[trainer.cfg.dtype]
+        self.reference = reference  # frozen starting weights, when algorithm.kl_coef > 0
 
-    def micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
+    def prepare(self, samples: list[TrainSample]) -> list[list[MicroBatch]]:
+        """The step's samples as PPO mini-batches (whole groups), each a list of micro-batches."""
         if not samples:
             raise RuntimeError("a DP rank ended a step with no training samples: rollout.prompts_per_step must be "
                                ">= 1 and the data must not run dry (see the quarantine log)")
+        return [self.micro_batches(part) for part in mini_batches(samples, self.algorithm.mini_batches)]
+
+    def micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         return micro_batches(samples, self.micro_batch_tokens, self.trainer.spec, self.pad_id)
 
-    def old_logprobs(self, mbs: list[MicroBatch]) -> dict[str, float]:
+    def old_logprobs(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
         """Store the old policy's logprobs in each micro-batch; measure their gap to vLLM's
-        (invariant 3) and the policy's entropy on freshly sampled tokens."""
+        (invariant 3) and the policy's entropy on freshly sampled tokens. With a reference
+        policy, also its logprobs and the old policy's KL to it (`train/kl`)."""
+        mbs = [mb for mini in minis for mb in mini]
         sums = {"diff": 0.0, "entropy": 0.0, "tokens": 0.0}
         for mb, (lp, ent) in zip(mbs, self.trainer.logprobs(mbs, with_entropy=True)):
             mb.extra["old_logprobs"] = lp
@@ -48,25 +57,100 @@ class Actor:
             sums["tokens"] += float(fresh.sum())
         sums = sum_across(sums, self.trainer.dp_group)
         gap = sums["diff"] / max(sums["tokens"], 1)
-        if gap > self.max_logprob_diff:  # the same sum on every rank: all stop together
-            raise RuntimeError(
-                f"the trainer's logprobs of vLLM's samples differ from vLLM's by {gap:.2e} per token on average, "
-                f"above run.max_logprob_diff={self.max_logprob_diff:g}: vLLM sampled with other weights than the "
-                "trainer holds. Likely: a weight sync that did not take effect (an engine asleep or re-created "
-                "without the new weights, names that did not match), a resume that did not reload the engine, or "
-                "a precision mismatch (policy.trainer.dtype; raise run.max_logprob_diff if that is expected)")
-        return {"train/logprob_diff_vs_rollout": gap, "train/entropy": sums["entropy"] / max(sums["tokens"], 1)}
+        self._guard(gap, "the trainer's logprobs of vLLM's samples")
+        metrics = {"train/logprob_diff_vs_rollout": gap, "train/entropy": sums["entropy"] / max(sums["tokens"], 1)}
+        if self.reference is not None:
+            metrics |= self._reference_logprobs(mbs)
+        return metrics
 
-    def update(self, mbs: list[MicroBatch]) -> dict[str, float]:
-        """One optimizer step over the step's micro-batches."""
-        cfg, n = self.algorithm, len(mbs)
+    def _reference_logprobs(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        cfg = self.algorithm
+        sums = {"kl": 0.0, "tokens": 0.0}
+        for mb, ref in zip(mbs, self.reference.logprobs(mbs)):
+            mb.extra["ref_logprobs"] = ref
+            mask = mb.extra["loss_mask"]
+            sums["kl"] += float((kl_penalty(mb.extra["old_logprobs"], ref, cfg.kl_estimator) * mask).sum())
+            sums["tokens"] += float(mask.sum())
+        if cfg.kl_in == "reward":
+            self._kl_into_advantages(mbs)
+        sums = sum_across(sums, self.trainer.dp_group)
+        return {"train/kl": sums["kl"] / max(sums["tokens"], 1)}
+
+    def _kl_into_advantages(self, mbs: list[MicroBatch]) -> None:
+        """kl_in: reward. Each response's reward loses kl_coef x its summed KL to the reference,
+        and the group advantages are computed again from those rewards (whole groups are on this
+        rank). Rows out of the loss (padding groups, mini-batch fillers) keep theirs."""
+        cfg = self.algorithm
+        rows, rewards, groups = [], [], []
+        for i, mb in enumerate(mbs):
+            mask = mb.extra["loss_mask"]
+            kl = sequence_kl(mb.extra["old_logprobs"], mb.extra["ref_logprobs"], mask, cfg.kl_estimator)
+            for r in range(mask.shape[0]):
+                if mask[r].sum() > 0:
+                    rows.append((i, r))
+                    rewards.append(float(mb.extra["rewards"][r]) - cfg.kl_coef * float(kl[r]))
+                    groups.append(mb.group_ids[r])
+        if rows:
+            adv = advantages(cfg, torch.tensor(rewards), groups)
+            for (i, r), a in zip(rows, adv.tolist()):
+                mbs[i].extra["advantages"][r] = a
+
+    def update(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
+        """`epochs` passes over the mini-batches, one optimizer step each. The old logprobs stay
+        the rollout policy's, so from the second optimizer step on the ratios leave 1 and the
+        PPO clip acts. Metrics are means over the optimizer steps, plus the weights' checksum
+        before and after (a step that changed nothing shows)."""
+        before = self.trainer.checksum()
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(self.algorithm.epochs):
+            for mbs in minis:
+                for key, value in self._optimizer_step(mbs).items():
+                    totals[key] = totals.get(key, 0.0) + value
+                steps += 1
+        tokens = max(totals.pop("train/loss_tokens"), 1.0)
+        return {
+            "train/loss": totals["train/loss"] / steps, "train/grad_norm": totals["train/grad_norm"] / steps,
+            "train/update_skipped": totals["train/update_skipped"] / steps,
+            "train/clip_fraction": totals["train/clipped_tokens"] / tokens,  # over every optimizer step's tokens
+            "train/is_weight": totals["train/is_weighted_tokens"] / tokens, "train/optimizer_steps": float(steps),
+            "train/weights_checksum_before": before, "train/weights_checksum_after": self.trainer.checksum()}
+
+    def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        cfg = self.algorithm
         local = loss_normalizer([mb.extra["loss_mask"] for mb in mbs], [mb.group_ids for mb in mbs], cfg.loss_agg)
         normalizer = max(sum_across({"n": local}, self.trainer.dp_group)["n"], 1.0) / self.trainer.dp_size
 
         def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
             out = policy_loss(cfg, logprobs, mb.extra["old_logprobs"], mb.extra["advantages"], mb.extra["loss_mask"],
-                              rollout_logprobs=mb.extra["rollout_logprobs"], group_ids=mb.group_ids,
-                              normalizer=normalizer)
-            return out.loss, {"clip_fraction": out.clip_fraction / n, "is_weight": out.is_weight_mean / n}
+                              rollout_logprobs=mb.extra["rollout_logprobs"], ref_logprobs=mb.extra.get("ref_logprobs"),
+                              group_ids=mb.group_ids, normalizer=normalizer)
+            tokens = mb.extra["loss_mask"].sum()
+            return out.loss, {"clipped_tokens": out.clip_fraction * tokens,
+                              "is_weighted_tokens": out.is_weight_mean * tokens, "loss_tokens": tokens}
 
         return self.trainer.train_step(mbs, loss_fn)
+
+    def check_sync(self, probe: list[TrainSample]) -> dict[str, float]:
+        """Right after a weight sync: the trainer's logprobs of a greedy answer vLLM just gave
+        (`probe`, this DP group's) against vLLM's own. Any weight that did not arrive shows here,
+        before a single sample is drawn from it."""
+        sums = {"diff": 0.0, "tokens": 0.0}
+        mbs = self.micro_batches(probe)
+        for mb, lp in zip(mbs, self.trainer.logprobs(mbs)):
+            mask = mb.extra["loss_mask"]
+            sums["diff"] += float(((lp - mb.extra["rollout_logprobs"]).abs() * mask).sum())
+            sums["tokens"] += float(mask.sum())
+        sums = sum_across(sums, self.trainer.dp_group)
+        gap = sums["diff"] / max(sums["tokens"], 1)
+        self._guard(gap, "right after the weight sync, the trainer's logprobs of a greedy probe answer")
+        return {"sync/probe_logprob_diff": gap}
+
+    def _guard(self, gap: float, what: str) -> None:
+        if gap > self.max_logprob_diff:  # the same DP sum on every rank: all stop together
+            raise RuntimeError(
+                f"{what} differ from vLLM's by {gap:.2e} per token on average, above "
+                f"run.max_logprob_diff={self.max_logprob_diff:g}: vLLM sampled with other weights than the "
+                "trainer holds. Likely: a weight sync that did not take effect (an engine asleep or re-created "
+                "without the new weights, names that did not match), a resume that did not reload the engine, or "
+                "a precision mismatch (policy.trainer.dtype; raise run.max_logprob_diff if that is expected)")

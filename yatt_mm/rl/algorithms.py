@@ -1,7 +1,8 @@
-"""GRPO-family advantages and the PPO-clip policy loss, on padded [batch, tokens] tensors.
+"""GRPO-family advantages, the PPO-clip policy loss and the KL penalty to a frozen reference,
+on padded [batch, tokens] tensors.
 
 Chosen by name in config (`algorithm.advantage: grpo | dr_grpo`, `algorithm.loss_agg:
-token | sequence | group`). Everything here is plain torch on already-computed logprobs, so it
+token | sequence | group`, `algorithm.kl_estimator: k1 | k2 | k3`, `algorithm.kl_in: loss | reward`). Everything here is plain torch on already-computed logprobs, so it
 runs unchanged under tensor parallelism: the vocab-parallel logprob is computed upstream.
 """
 
@@ -22,9 +23,39 @@ class AlgorithmConfig:
     loss_agg: Literal["token", "sequence", "group"] = "token"  # loss mean over all tokens | per response | per group
     clip_low: float = 0.2  # PPO ratio clipped below at 1 - clip_low
     clip_high: float = 0.28  # DAPO's clip-higher: room for low-probability tokens to rise
-    kl_coef: float = 0.0  # > 0 needs a frozen reference model
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (the starting weights); 0: no reference
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1: log-ratio; k2: half its square; k3: verl's low_var_kl
+    kl_in: Literal["loss", "reward"] = "loss"  # loss: per-token penalty term; reward: subtracted from the reward
+    mini_batches: int = 1  # optimizer steps per pass over the step's samples (PPO mini-batches of whole groups)
+    epochs: int = 1  # passes over the step's samples; old logprobs stay the rollout policy's, so ratios move
     is_correction: bool = True  # reweight by trainer/rollout probability ratio (truncated)
     is_cap: float = 2.0  # upper clamp on the trainer/rollout IS weight
+
+    def validate(self) -> None:
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.mini_batches < 1 or self.epochs < 1:
+            raise ValueError(f"mini_batches and epochs must be >= 1, got {self.mini_batches} and {self.epochs}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs
+    (Schulman's k1, k2, k3). k3 = r - 1 - log r with r = p_ref / p: unbiased, never negative,
+    low variance; clamped like verl's low_var_kl so one wild token cannot dominate a step."""
+    log_ratio = logprobs - ref_logprobs  # log p / p_ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        neg = (-log_ratio).clamp(-20.0, 20.0)
+        return (torch.exp(neg) - neg - 1).clamp(max=10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+
+
+def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
+    """[B] summed per-token KL of each response: what `kl_in: reward` subtracts (times kl_coef)."""
+    return (kl_penalty(logprobs, ref_logprobs, estimator) * mask).sum(1)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list, normalize_std: bool = True) -> torch.Tensor:
@@ -83,11 +114,10 @@ def policy_loss(
         per_token = per_token * is_weight
 
     kl = torch.zeros((), dtype=per_token.dtype)
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and cfg.kl_in == "loss":
         if ref_logprobs is None:
             raise ValueError("algorithm.kl_coef > 0 needs reference logprobs (a frozen reference model)")
-        log_ratio = ref_logprobs - logprobs
-        kl_tok = torch.exp(log_ratio) - log_ratio - 1  # k3: unbiased, always >= 0
+        kl_tok = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl_tok
         kl = _masked_mean(kl_tok, mask)
 

@@ -10,18 +10,28 @@ while the next step's rollout runs:
         controller_dp{d}.json           the DP group's data position (reader state) and the
                                         dynamic sampler's valid-rate estimate and buffer
         controller_dp{d}.safetensors    media of the groups waiting in that buffer
-        done_rank{r}                    written last, with the rank's weights checksum
+        done_rank{r}                    written last: the attempt's id, the world size, and a
+                                        SHA-256 of the rank's weights and optimizer state
 
-A checkpoint is complete when every rank's `done_rank*` exists; `latest_complete` picks the
-newest complete one, so a crash during a write leaves the previous checkpoint in charge. The
-trainer files are our own, still read back with `torch.load(weights_only=True)`: nothing in
-a checkpoint is unpickled as code.
+Every file is written under a temporary name, fsynced and renamed, and the directory fsynced,
+before the marker is (itself the same way): a marker on disk means its files are. A checkpoint
+is complete when every rank's marker exists and all carry the same attempt id (one launch of the
+run), so markers left by a crashed attempt never complete a checkpoint that a later attempt
+rewrites. `latest_complete` picks the newest complete one and says which partial ones it skips;
+resume loads it and checks the live weights and optimizer state hash bit for bit to what was
+written. The trainer files are our own, still read back with `torch.load(weights_only=True)`:
+nothing in a checkpoint is unpickled as code.
+
+For crash tests only, YATT_MM_FAULT_CHECKPOINT_PAUSE=SECONDS holds each rank's write between its
+trainer file and its marker, so a test can kill a rank mid-write at a known point.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import os
 import shutil
 import threading
 import time
@@ -35,9 +45,29 @@ from yatt_mm.rl.sources import pack_prompt, unpack_prompt
 from yatt_mm.engines.engine import Response
 
 
-def weights_checksum(module: torch.nn.Module) -> float:
-    """Sum of every parameter in float64: cheap, and any lost or partial load changes it."""
-    return float(sum(p.detach().double().sum() for p in module.parameters()))
+def state_digest(state: dict) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of every tensor in a (nested) state dict:
+    equal digests mean bitwise equal tensors."""
+    h = hashlib.sha256()
+
+    def visit(prefix: str, obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"{prefix}:{t.dtype}:{tuple(obj.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                visit(f"{prefix}.{k}", obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(f"{prefix}.{i}", v)
+
+    visit("", state)
+    return h.hexdigest()
+
+
+def trainer_digest(trainer) -> str:
+    return state_digest({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict()})
 
 
 def _clone(obj):
@@ -83,8 +113,9 @@ class Checkpointer:
     """Takes a rank's snapshot at once and writes it in a background thread; one write at a time.
     Also resumes a run from the newest complete checkpoint."""
 
-    def __init__(self, root: Path, rank: int, world: int, keep: int):
+    def __init__(self, root: Path, rank: int, world: int, keep: int, attempt: str):
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
+        self.attempt = attempt  # this launch's id, the same on every rank
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_write_seconds = 0.0
@@ -94,8 +125,7 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         snapshot = {"model": _clone(trainer.module.state_dict()), "optimizer": _clone(trainer.optimizer.state_dict()),
-                    "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel,
-                    "checksum": weights_checksum(trainer.module)}
+                    "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel}
         ctrl = controller_state(controller) if controller is not None else None
         seconds = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._write_guarded, args=(step, snapshot, ctrl, dp_rank),
@@ -109,8 +139,10 @@ class Checkpointer:
         position and sampler buffer. Lines of `logs` after the checkpoint's step (a crashed
         run's last steps) are dropped, so metrics and data lineage read as one run. Returns the
         step to start from (0 without a checkpoint)."""
-        ckpt = latest_complete(self.root, self.world)
-        if ckpt is None:
+        ckpt = latest_complete(self.root, self.world, say=print if self.rank == 0 else lambda _: None)
+        if ckpt is None:  # a fresh start in a used run dir (a crash before the first checkpoint)
+            for path in logs:
+                drop_lines_after(path, -1)
             return 0
         step = load_trainer(ckpt, trainer, self.rank, self.world)
         sync_weights()
@@ -119,7 +151,7 @@ class Checkpointer:
         for path in logs:
             drop_lines_after(path, step)
         if self.rank == 0:
-            print(f"resumed from {ckpt} (step {step})", flush=True)
+            print(f"resumed from {ckpt} (step {step}; weights and optimizer state bitwise as written)", flush=True)
         return step
 
     def wait(self) -> None:
@@ -143,14 +175,21 @@ class Checkpointer:
         t0 = time.perf_counter()
         out = self.root / f"step_{step}"
         out.mkdir(parents=True, exist_ok=True)
-        checksum = snapshot.pop("checksum")
+        marker = out / f"done_rank{self.rank}"
+        marker.unlink(missing_ok=True)  # a crashed attempt's, about to be stale
+        digest = state_digest({"model": snapshot["model"], "optimizer": snapshot["optimizer"]})
         _atomic(out / f"trainer_rank{self.rank}.pt", lambda p: torch.save(snapshot, p))
+        if pause := float(os.environ.get("YATT_MM_FAULT_CHECKPOINT_PAUSE", 0)):
+            time.sleep(pause)  # crash tests: a window to kill the rank mid-write
         if ctrl is not None:
             state, tensors = ctrl
             _atomic(out / f"controller_dp{dp_rank}.safetensors",
                     lambda p: save_file(tensors or {"none": torch.zeros(1)}, str(p)))
             _atomic(out / f"controller_dp{dp_rank}.json", lambda p: p.write_text(json.dumps(state)))
-        _atomic(out / f"done_rank{self.rank}", lambda p: p.write_text(json.dumps({"checksum": checksum})))
+        _fsync(out)
+        _atomic(marker, lambda p: p.write_text(json.dumps(
+            {"attempt": self.attempt, "world": self.world, "step": step, "sha256": digest})))
+        _fsync(out)
         self.last_write_seconds = time.perf_counter() - t0
         if self.rank == 0:
             self._prune()
@@ -163,9 +202,19 @@ class Checkpointer:
 
 
 def _atomic(path: Path, write) -> None:
+    """Write under a temporary name, fsync, rename: the name never shows a partial file."""
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
+    _fsync(tmp)
     tmp.replace(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -173,32 +222,53 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: int(d.name[5:]))
 
 
+def _markers(d: Path) -> list[dict]:
+    out = []
+    for m in d.glob("done_rank*"):
+        try:
+            out.append(json.loads(m.read_text()))
+        except (OSError, ValueError):  # not ours to judge here: the checkpoint counts as partial
+            continue
+    return out
+
+
 def _is_complete(d: Path, world: int) -> bool:
-    return all((d / f"done_rank{r}").is_file() for r in range(world))
+    markers = _markers(d)
+    return (len(markers) == world and all(m.get("world") == world for m in markers)
+            and len({m.get("attempt") for m in markers}) == 1)
 
 
-def latest_complete(root: Path, world: int) -> Path | None:
-    done = [d for d in _step_dirs(root) if _is_complete(d, world)]
-    if not done and any(Path(root).glob("step_*/done_rank*")):
-        partial = sorted({len(list(d.glob("done_rank*"))) for d in _step_dirs(root)})
-        raise RuntimeError(f"{root}: no checkpoint has all {world} ranks' files (found {partial} per step): "
-                           "resume with the world size the run was started with")
-    return done[-1] if done else None
+def latest_complete(root: Path, world: int, say=print) -> Path | None:
+    """The newest checkpoint every rank of one attempt finished. Partial ones (a crash mid-write,
+    or markers of different attempts) are skipped, and `say` tells which; a complete checkpoint
+    of another world size is an error, not a silent fresh start."""
+    for d in reversed(_step_dirs(root)):
+        if _is_complete(d, world):
+            return d
+        markers = _markers(d)
+        worlds = {m.get("world") for m in markers}
+        if markers and worlds != {world} and len(markers) == next(iter(worlds)) and len(worlds) == 1:
+            raise RuntimeError(f"{d} was written by a run of {next(iter(worlds))} ranks; this run has {world}: "
+                               "resume with the world size the run was started with")
+        attempts = len({m.get("attempt") for m in markers})
+        say(f"checkpoint {d} is incomplete ({len(markers)} of {world} ranks' markers"
+            + (f", from {attempts} different attempts" if attempts > 1 else "") + "): skipped")
+    return None
 
 
 def load_trainer(ckpt: Path, trainer, rank: int, world: int) -> int:
-    """Restore this rank's model shard and optimizer state; checks the layout and the checksum."""
+    """Restore this rank's model shard and optimizer state; checks the layout, then that the
+    live state hashes to what was written (bit for bit)."""
     state = torch.load(ckpt / f"trainer_rank{rank}.pt", map_location="cpu", weights_only=True)
     if state["world"] != world or state["tensor_parallel"] != trainer.cfg.tensor_parallel:
         raise RuntimeError(f"{ckpt} was written by {state['world']} ranks at TP {state['tensor_parallel']}; "
                            f"this run has {world} ranks at TP {trainer.cfg.tensor_parallel}")
     trainer.module.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
-    want = json.loads((ckpt / f"done_rank{rank}").read_text())["checksum"]
-    got = weights_checksum(trainer.module)
-    if abs(got - want) > 1e-6 * max(1.0, abs(want)):
-        raise RuntimeError(f"{ckpt}: rank {rank}'s weights do not match the checksum written with them "
-                           f"({got} != {want}): the checkpoint is damaged")
+    want = json.loads((ckpt / f"done_rank{rank}").read_text())["sha256"]
+    if trainer_digest(trainer) != want:
+        raise RuntimeError(f"{ckpt}: rank {rank}'s restored weights and optimizer state do not hash to what was "
+                           "written with them: the checkpoint is damaged")
     return int(state["step"])
 
 
@@ -210,7 +280,19 @@ def load_controller(ckpt: Path, controller, dp_rank: int) -> None:
 
 
 def drop_lines_after(path: Path, step: int) -> None:
-    """Keep the JSON lines of `path` whose "step" is at most `step`."""
-    if path.is_file():
-        kept = [ln for ln in path.read_text().splitlines(keepends=True) if json.loads(ln)["step"] <= step]
-        path.write_text("".join(kept))  # the open append-mode writers go on at the new end
+    """Keep the JSON lines of `path` whose "step" is at most `step` (-1: none). A torn last line
+    (a process killed mid-write) is dropped too; a torn line elsewhere is an error."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise RuntimeError(f"{path}: line {i + 1} is not JSON; the log is damaged") from None
+        if record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    path.write_text("".join(kept))  # the open append-mode writers go on at the new end

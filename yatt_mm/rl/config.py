@@ -32,6 +32,7 @@ class RunConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept on disk
     resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one
     max_logprob_diff: float = 0.0  # stop when the trainer/vLLM logprob gap exceeds it (0: 1e-3 fp32, 0.1 bf16)
+    check_sync: bool = True  # after each weight sync, score vLLM's greedy answer to a probe prompt with the trainer
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch_tokens", "keep_checkpoints"):

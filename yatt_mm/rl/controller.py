@@ -29,6 +29,7 @@ class Controller:
         self.builder = builder
         self.algorithm = algorithm
         self.phases = phases
+        self.probe_prompt: Prompt | None = None  # checks each weight sync: an eval prompt, else the first trained
 
     def _wave(self, n: int, step: int, stats: RolloutStats) -> list[Group]:
         prompts = self.source.take(n)
@@ -53,6 +54,8 @@ class Controller:
         stats = RolloutStats()
         chosen = self.sampler.collect(target, lambda n: self._wave(n, step, stats))
         stats.add_choice(chosen)
+        if self.probe_prompt is None and chosen.groups:
+            self.probe_prompt = chosen.groups[0].prompt
         stats.reward_counts = self.rewarder.take_counts()
         with self.phases.phase("prepare", step):
             return self.train_samples(chosen), stats
@@ -65,6 +68,15 @@ class Controller:
             result = self.engine.generate([p.request() for p in prompts],
                                           SamplingConfig(n=1, max_tokens=max_tokens, temperature=0.0))
         return sum(rule(g[0].text, p.answer, p.metadata) for p, g in zip(prompts, result.responses)), len(prompts)
+
+    def probe(self) -> list[TrainSample]:
+        """The engine's greedy answer to the probe prompt, as a training sample carrying vLLM's
+        logprobs; none before the probe prompt is known (no eval prompts, nothing trained yet)."""
+        if self.probe_prompt is None:
+            return []
+        result = self.engine.generate([self.probe_prompt.request()],
+                                      SamplingConfig(n=1, max_tokens=self.sampling.max_tokens, temperature=0.0))
+        return self.builder.build(Group(self.probe_prompt, result.responses[0], [0.0]), [0.0], masked=False)
 
     def train_samples(self, chosen: StepGroups) -> list[list[TrainSample]]:
         """Per group, its responses as training samples with GRPO-family advantages."""

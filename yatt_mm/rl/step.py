@@ -2,8 +2,8 @@
 
     controller: rollout + reward + dynamic sampling + advantages   (rl/controller.py)
  -> balance whole groups across DP groups, then to the TP peers     (rl/distributed.py)
- -> actor: old logprobs, loss, update                               (rl/actor.py)
- -> weight sync -> eval -> checkpoint -> metrics
+ -> actor: old (and reference) logprobs, mini-batch updates         (rl/actor.py)
+ -> weight sync + probe check -> eval -> checkpoint -> metrics
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def rl_step(run, step: int) -> dict[str, float]:
             metrics |= moved
     samples = broadcast_samples([s for g in groups for s in g], ranks.tp_src, ranks.tp_group)
     with phases.phase("logprobs", step):
-        mbs = run.actor.micro_batches(samples)
-        metrics |= run.actor.old_logprobs(mbs)
+        minis = run.actor.prepare(samples)
+        metrics |= run.actor.old_logprobs(minis)
     with phases.phase("train", step):
-        metrics |= run.actor.update(mbs)
+        metrics |= run.actor.update(minis)
     with phases.phase("sync", step):
         metrics |= sync_weights(run)
     if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
@@ -45,12 +45,18 @@ def rl_step(run, step: int) -> dict[str, float]:
 
 
 def sync_weights(run) -> dict[str, float]:
-    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP)."""
+    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP);
+    then, with run.check_sync, the engine's greedy answer to a fixed probe prompt is scored by
+    the trainer: the two must agree, or the run stops here."""
     weights = run.trainer.export_hf()
-    if not run.ranks.leader:
-        return {}
-    info = run.engine.update_weights(weights.items())
-    return {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
+    metrics = {}
+    if run.ranks.leader:
+        info = run.engine.update_weights(weights.items())
+        metrics = {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
+    if run.cfg.run.check_sync:
+        probe = run.controller.probe() if run.ranks.leader else []
+        metrics |= run.actor.check_sync(broadcast_samples(probe, run.ranks.tp_src, run.ranks.tp_group))
+    return metrics
 
 
 def evaluate(run, step: int) -> dict[str, float]:

@@ -8,6 +8,7 @@ and builds training samples. Then all ranks balance, train, and sync weights (rl
 from __future__ import annotations
 
 import sys
+import uuid
 
 import models  # noqa: F401 - CPU runtime hooks before anything imports torchvision or megatron
 import torch.distributed as dist
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from dataio.reader import DataConfig, DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
 from models.parallel import init_parallel
-from models.trainer import VLMTrainer
+from models.trainer import ReferencePolicy, VLMTrainer
 from yatt_mm.config import save
 from yatt_mm.engines.engine import RolloutEngine
 from yatt_mm.launch import run_command
@@ -52,12 +53,13 @@ class Run:
         self.metrics = MetricsWriter(self.run_dir, ranks.rank)
         self.timeline = Timeline(ranks.rank, self.run_dir / f"timeline_rank{ranks.rank}.jsonl")
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", ranks.rank, ranks.world,
-                                         cfg.run.keep_checkpoints)
+                                         cfg.run.keep_checkpoints, attempt_id())
         self.policy_dir = str(check_hf_dir(cfg.policy.model))
         self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer)
         processor = AutoProcessor.from_pretrained(self.policy_dir)
+        reference = ReferencePolicy(self.policy_dir, cfg.policy.trainer) if cfg.algorithm.kl_coef > 0 else None
         self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id,
-                           cfg.run.max_logprob_diff)
+                           cfg.run.max_logprob_diff, reference)
         # Every rank starts its engines, TP peers included (theirs stay idle): an in-process vLLM
         # engine creates its process groups with collectives over all ranks, so a rank that
         # skipped it would leave the others waiting forever.
@@ -72,6 +74,7 @@ class Run:
         if ranks.leader:
             self.controller = self._controller(SampleBuilder(processor, self.engine.prompt_text))
             self.eval_prompts = self._eval_prompts()
+            self.controller.probe_prompt = self.eval_prompts[0] if self.eval_prompts else None
 
     def _reader(self, data: DataConfig) -> DataReader:
         if data.quarantine_log is None:
@@ -98,6 +101,13 @@ class Run:
         prompts = ParallelSource(reader).take(cfg.eval.num_prompts)
         reader.close()
         return prompts
+
+
+def attempt_id() -> str:
+    """One id per launch of the run, the same on every rank: checkpoint markers carry it."""
+    ids = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(ids, src=0)
+    return ids[0]
 
 
 def train(cfg: RLConfig) -> int:
