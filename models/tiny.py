@@ -181,10 +181,11 @@ def _text_config(spec, vocab: int, ids: dict[str, int]) -> dict:
     )
 
 
-def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0, spec: TinySpec | None = None) -> Path:
     """Build a tiny Qwen2-VL (or, for the Qwen2.5-VL kinds, a tiny Qwen2.5-VL: the same
     tokenizer, text sizes and processors with Qwen2.5-VL's vision tower, QWEN25_VISION) into
-    `out_dir` (created; must not exist or be empty)."""
+    `out_dir` (created; must not exist or be empty). `spec` overrides the kind's sizes (e.g. a
+    wider model for benchmarks; not cached by `tiny_model_dir`)."""
     import torch
     from transformers import (
         Qwen2_5_VLConfig,
@@ -195,7 +196,7 @@ def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0) -
         Qwen2VLProcessor,
     )
 
-    spec = _spec_for(kind, seed)
+    spec = spec or _spec_for(kind, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
