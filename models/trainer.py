@@ -37,6 +37,9 @@ class MicroBatch:
     inputs: VLMInputs
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     group_ids: list = field(default_factory=list)  # per row, for group-level loss aggregation
+    # [b, s] bool: the positions whose next-token logprob is needed (RL: the response tokens);
+    # logprobs (and entropy) elsewhere are 0 and cost nothing. None: every position.
+    score_mask: torch.Tensor | None = None
 
     @property
     def labels(self) -> torch.Tensor:
@@ -97,9 +100,10 @@ class VLMTrainer:
         return float(sum(p.detach().double().sum() for p in self.module.parameters()))
 
     # -- training ----------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step over the micro-batches. `loss_fn(logprobs, mb)` returns this
-        micro-batch's share of the loss (already normalised over the whole step, see README)."""
+        micro-batch's share of the loss (already normalised over the whole step, see README).
+        With `with_entropy`, the forward's per-token entropy is in `mb.extra["entropy"]` first."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model.train()
@@ -108,7 +112,10 @@ class VLMTrainer:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             logits = model(mb.inputs.to(self.device))
-            lp = token_logprobs(logits, mb.labels.to(self.device))
+            lp, entropy = _token_scores(logits, mb, self.device, with_entropy)
+            if with_entropy:
+                mb.extra["entropy"] = entropy
+            mb.extra = {k: v.to(lp.device) for k, v in mb.extra.items()}  # the loss's tensors beside the logprobs
 
             def loss_func(_output):
                 loss, metrics = loss_fn(lp, mb)
@@ -177,10 +184,24 @@ def build_module(hf_dir: str, spec: Qwen2VLSpec, cfg: TrainerConfig) -> torch.nn
 def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with_entropy: bool):
     out = []
     for mb in micro_batches:
-        logits = model(mb.inputs.to(device))
-        lp = token_logprobs(logits, mb.labels.to(device)).cpu()
-        out.append((lp, token_entropy(logits).cpu()) if with_entropy else lp)
+        lp, entropy = _token_scores(model(mb.inputs.to(device)), mb, device, with_entropy)
+        out.append((lp.cpu(), entropy.cpu()) if with_entropy else lp.cpu())
     return out
+
+
+def _token_scores(logits: torch.Tensor, mb: MicroBatch, device: torch.device, with_entropy: bool):
+    """Logprobs of the next tokens [b, s] (differentiable) and, optionally, the entropy [b, s],
+    computed over the vocabulary only where `mb.score_mask` says (the softmax over the vocabulary
+    of every prompt token would be most of the work for short RL answers)."""
+    labels = mb.labels.to(device)
+    if mb.score_mask is None:
+        return token_logprobs(logits, labels), token_entropy(logits) if with_entropy else None
+    where = mb.score_mask.to(device)
+    picked = logits[where]  # [n, vocab / tp]
+    zeros = torch.zeros(labels.shape, dtype=torch.float32, device=device)
+    lp = zeros.masked_scatter(where, token_logprobs(picked, labels[where]))
+    entropy = zeros.masked_scatter(where, token_entropy(picked)) if with_entropy else None
+    return lp, entropy
 
 
 def _device() -> torch.device:

@@ -24,6 +24,12 @@ class VLMInputs:
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+    # Shared media (GRPO: a prompt's n responses show the same image): the pixel values hold
+    # each distinct image once, the grids hold one row per image occurrence in the batch, and
+    # these say which distinct image each occurrence is. The vision tower then runs once per
+    # distinct image; gradients of its copies add up, as they would for separate copies.
+    image_sources: torch.Tensor | None = None  # [image occurrences] index into the distinct images
+    video_sources: torch.Tensor | None = None
 
     @classmethod
     def from_processor(cls, spec: Qwen2VLSpec, batch: dict) -> "VLMInputs":
@@ -38,7 +44,8 @@ class VLMInputs:
                                   spec.image_token_id, spec.video_token_id, spec.spatial_merge_size, attention_mask,
                                   seconds if spec.is_qwen25 else None, spec.tokens_per_second)
         return cls(batch["input_ids"], position_ids, attention_mask, batch.get("pixel_values"),
-                   batch.get("image_grid_thw"), batch.get("pixel_values_videos"), batch.get("video_grid_thw"))
+                   batch.get("image_grid_thw"), batch.get("pixel_values_videos"), batch.get("video_grid_thw"),
+                   batch.get("image_sources"), batch.get("video_sources"))
 
     def to(self, device) -> "VLMInputs":
         return VLMInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
@@ -77,20 +84,33 @@ class Qwen2VLModel(nn.Module):
     def embed(self, inputs: VLMInputs) -> torch.Tensor:
         """Token embeddings with the vision features in place of the media pad tokens: [s, b, h]."""
         emb = self.language.embedding.word_embeddings(inputs.input_ids)  # [b, s, h]
-        for pixels, grid, token in (
-            (inputs.pixel_values, inputs.image_grid_thw, self.spec.image_token_id),
-            (inputs.pixel_values_videos, inputs.video_grid_thw, self.spec.video_token_id),
+        for pixels, grid, sources, token in (
+            (inputs.pixel_values, inputs.image_grid_thw, inputs.image_sources, self.spec.image_token_id),
+            (inputs.pixel_values_videos, inputs.video_grid_thw, inputs.video_sources, self.spec.video_token_id),
         ):
             where = inputs.input_ids == token
             if pixels is None:
                 if bool(where.any()):
                     raise ValueError("input_ids hold media tokens but no pixel values were given")
                 continue
-            features = self.vision(pixels, grid).to(emb.dtype)
+            features = self._media_features(pixels, grid, sources).to(emb.dtype)
             if features.shape[0] != int(where.sum()):
                 raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} vision features")
             emb = emb.masked_scatter(where[..., None], features)
         return emb.transpose(0, 1).contiguous()
+
+    def _media_features(self, pixels: torch.Tensor, grid: torch.Tensor, sources: torch.Tensor | None) -> torch.Tensor:
+        """Vision features of every media occurrence, in order: [tokens, hidden]."""
+        if sources is None:
+            return self.vision(pixels, grid)
+        sources = sources.tolist()
+        first = {}
+        for i, u in enumerate(sources):
+            first.setdefault(u, i)
+        distinct = grid[[first[u] for u in range(len(first))]]
+        merge = self.spec.spatial_merge_size ** 2
+        per_item = self.vision(pixels, distinct).split((distinct.prod(-1) // merge).tolist())
+        return torch.cat([per_item[u] for u in sources])
 
     def set_input_tensor(self, tensor) -> None:
         """Megatron's schedules call this (pipeline parallelism hands activations over here)."""

@@ -101,3 +101,12 @@ def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, tiny_p
     assert losses[-1] < losses[0], losses
     assert result["dp_identical"] and result["export_shapes_ok"]
     assert result["entropy_tp_consistent"]  # vocab-parallel entropy/logprobs = full-vocabulary ones
+
+
+def test_shared_group_media_and_response_only_scores_match_the_plain_batch(tiny_policy):
+    """A group's image encoded once for its 4 responses, and logprobs/entropy only at response
+    positions: logprobs, entropy and gradients equal the plain batch's (TP=2)."""
+    r = _torchrun("tests/dist/shared_media.py")
+    assert r["tp"] == 2 and r["distinct_pixel_rows"] * 4 == r["plain_pixel_rows"]
+    assert r["logprob_max_diff"] < 1e-5 and r["entropy_max_diff"] < 1e-5, r
+    assert r["grad_max_diff"] < 1e-6 * r["grad_scale"], r

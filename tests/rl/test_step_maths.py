@@ -69,7 +69,7 @@ def test_sync_guard_stops_when_vllm_sampled_with_other_weights(monkeypatch):
     def actor_seeing(trainer_lp, dtype="fp32", limit=0.0):
         trainer = SimpleNamespace(cfg=SimpleNamespace(dtype=dtype), dp_group=None,
                                   logprobs=lambda mbs, with_entropy: [(trainer_lp, torch.zeros_like(trainer_lp))])
-        return Actor(trainer, AlgorithmConfig(), 4096, 0, limit)
+        return Actor(trainer, AlgorithmConfig(mini_batches=2), 4096, 0, limit)  # not fused: a separate pass
 
     mb = lambda: MicroBatch(None, {"fresh_mask": fresh, "rollout_logprobs": rollout})  # noqa: E731
     same = actor_seeing(rollout + 1e-6).old_logprobs([[mb()]])

@@ -43,10 +43,21 @@ class Actor:
     def micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         return micro_batches(samples, self.micro_batch_tokens, self.trainer.spec, self.pad_id)
 
+    @property
+    def fused(self) -> bool:
+        """One optimizer step over the whole batch and no reference: the old logprobs are then
+        the training forward's own, detached (same weights, same inputs), so the separate
+        forward pass is skipped and its measurements come from the training forward."""
+        a = self.algorithm
+        return a.mini_batches == 1 and a.epochs == 1 and a.kl_coef == 0
+
     def old_logprobs(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
         """Store the old policy's logprobs in each micro-batch; measure their gap to vLLM's
         (invariant 3) and the policy's entropy on freshly sampled tokens. With a reference
-        policy, also its logprobs and the old policy's KL to it (`train/kl`)."""
+        policy, also its logprobs and the old policy's KL to it (`train/kl`). Nothing to do
+        when `fused`."""
+        if self.fused:
+            return {}
         mbs = [mb for mini in minis for mb in mini]
         sums = {"diff": 0.0, "entropy": 0.0, "tokens": 0.0}
         for mb, (lp, ent) in zip(mbs, self.trainer.logprobs(mbs, with_entropy=True)):
@@ -55,13 +66,18 @@ class Actor:
             sums["diff"] += float(((lp - mb.extra["rollout_logprobs"]).abs() * fresh).sum())
             sums["entropy"] += float((ent * fresh).sum())
             sums["tokens"] += float(fresh.sum())
-        sums = sum_across(sums, self.trainer.dp_group)
-        gap = sums["diff"] / max(sums["tokens"], 1)
-        self._guard(gap, "the trainer's logprobs of vLLM's samples")
-        metrics = {"train/logprob_diff_vs_rollout": gap, "train/entropy": sums["entropy"] / max(sums["tokens"], 1)}
+        metrics = self._rollout_gap(sums)
         if self.reference is not None:
             metrics |= self._reference_logprobs(mbs)
         return metrics
+
+    def _rollout_gap(self, sums: dict[str, float]) -> dict[str, float]:
+        """From this rank's sums of |trainer - vLLM| logprob, entropy and fresh tokens: the DP-wide
+        means, and the guard."""
+        sums = sum_across(sums, self.trainer.dp_group)
+        gap = sums["diff"] / max(sums["tokens"], 1)
+        self._guard(gap, "the trainer's logprobs of vLLM's samples")
+        return {"train/logprob_diff_vs_rollout": gap, "train/entropy": sums["entropy"] / max(sums["tokens"], 1)}
 
     def _reference_logprobs(self, mbs: list[MicroBatch]) -> dict[str, float]:
         cfg = self.algorithm
@@ -108,28 +124,37 @@ class Actor:
                 for key, value in self._optimizer_step(mbs).items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
-        tokens = max(totals.pop("train/loss_tokens"), 1.0)
-        return {
+        tokens = max(totals["train/loss_tokens"], 1.0)
+        metrics = {
             "train/loss": totals["train/loss"] / steps, "train/grad_norm": totals["train/grad_norm"] / steps,
             "train/update_skipped": totals["train/update_skipped"] / steps,
             "train/clip_fraction": totals["train/clipped_tokens"] / tokens,  # over every optimizer step's tokens
             "train/is_weight": totals["train/is_weighted_tokens"] / tokens, "train/optimizer_steps": float(steps),
             "train/weights_checksum_before": before, "train/weights_checksum_after": self.trainer.checksum()}
+        if self.fused:  # the training forward measured what the old-logprob pass would have
+            metrics |= self._rollout_gap({k: totals[f"train/{k}"] for k in ("diff", "entropy", "tokens")})
+        return metrics
 
     def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
-        cfg = self.algorithm
+        cfg, fused = self.algorithm, self.fused
         local = loss_normalizer([mb.extra["loss_mask"] for mb in mbs], [mb.group_ids for mb in mbs], cfg.loss_agg)
         normalizer = max(sum_across({"n": local}, self.trainer.dp_group)["n"], 1.0) / self.trainer.dp_size
 
         def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
-            out = policy_loss(cfg, logprobs, mb.extra["old_logprobs"], mb.extra["advantages"], mb.extra["loss_mask"],
+            old = logprobs.detach() if fused else mb.extra["old_logprobs"]
+            out = policy_loss(cfg, logprobs, old, mb.extra["advantages"], mb.extra["loss_mask"],
                               rollout_logprobs=mb.extra["rollout_logprobs"], ref_logprobs=mb.extra.get("ref_logprobs"),
                               group_ids=mb.group_ids, normalizer=normalizer)
             tokens = mb.extra["loss_mask"].sum()
-            return out.loss, {"clipped_tokens": out.clip_fraction * tokens,
-                              "is_weighted_tokens": out.is_weight_mean * tokens, "loss_tokens": tokens}
+            metrics = {"clipped_tokens": out.clip_fraction * tokens, "is_weighted_tokens": out.is_weight_mean * tokens,
+                       "loss_tokens": tokens}
+            if fused:
+                fresh = mb.extra["fresh_mask"]
+                metrics |= {"diff": ((old - mb.extra["rollout_logprobs"]).abs() * fresh).sum(),
+                            "entropy": (mb.extra["entropy"] * fresh).sum(), "tokens": fresh.sum()}
+            return out.loss, metrics
 
-        return self.trainer.train_step(mbs, loss_fn)
+        return self.trainer.train_step(mbs, loss_fn, with_entropy=fused)
 
     def check_sync(self, probe: list[TrainSample]) -> dict[str, float]:
         """Right after a weight sync: the trainer's logprobs of a greedy answer vLLM just gave

@@ -163,6 +163,23 @@ def _cat(tensors):
     return torch.cat(tensors) if tensors else None
 
 
+def _shared_media(rows: list[TrainSample], pixels: str, grid: str):
+    """The responses of one group share their prompt's media: each group's pixel values once,
+    and for every media occurrence (row by row) the index of its distinct item."""
+    distinct, sources, first_of_group = [], [], {}
+    for r in rows:
+        n = 0 if getattr(r, grid) is None else getattr(r, grid).shape[0]
+        if n == 0:
+            continue
+        if r.group_id not in first_of_group:
+            first_of_group[r.group_id] = sum(t.shape[0] for _, t in distinct)
+            distinct.append((getattr(r, pixels), getattr(r, grid)))
+        sources.extend(range(first_of_group[r.group_id], first_of_group[r.group_id] + n))
+    if not distinct:
+        return None, None
+    return torch.cat([p for p, _ in distinct]), torch.tensor(sources)
+
+
 def _collate(rows: list[TrainSample], spec, pad_id: int) -> MicroBatch:
     s = max(r.text_tokens for r in rows)
 
@@ -171,11 +188,13 @@ def _collate(rows: list[TrainSample], spec, pad_id: int) -> MicroBatch:
 
     input_ids = torch.stack([pad(r.input_ids, pad_id) for r in rows])
     attention = torch.stack([pad(torch.ones_like(r.input_ids), 0) for r in rows])
+    pixels, image_sources = _shared_media(rows, "pixel_values", "image_grid_thw")
+    video_pixels, video_sources = _shared_media(rows, "pixel_values_videos", "video_grid_thw")
     batch = {"input_ids": input_ids, "attention_mask": attention,
-             "pixel_values": _cat([r.pixel_values for r in rows]),
-             "image_grid_thw": _cat([r.image_grid_thw for r in rows]),
-             "pixel_values_videos": _cat([r.pixel_values_videos for r in rows]),
-             "video_grid_thw": _cat([r.video_grid_thw for r in rows]),
+             "pixel_values": pixels, "image_grid_thw": _cat([r.image_grid_thw for r in rows]),
+             "image_sources": image_sources,
+             "pixel_values_videos": video_pixels, "video_grid_thw": _cat([r.video_grid_thw for r in rows]),
+             "video_sources": video_sources,
              "second_per_grid_ts": _cat([r.second_per_grid_ts for r in rows])}
     keep = torch.tensor([0.0 if r.masked else 1.0 for r in rows])[:, None]
     fresh = torch.tensor([0.0 if r.stale else 1.0 for r in rows])[:, None]
@@ -187,7 +206,8 @@ def _collate(rows: list[TrainSample], spec, pad_id: int) -> MicroBatch:
         "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         "rewards": torch.tensor([r.reward for r in rows], dtype=torch.float32),
     }
-    return MicroBatch(VLMInputs.from_processor(spec, batch), extra, [r.group_id for r in rows])
+    return MicroBatch(VLMInputs.from_processor(spec, batch), extra, [r.group_id for r in rows],
+                      score_mask=response_mask > 0)
 
 
 def media_bytes(prompt: Prompt) -> int:
