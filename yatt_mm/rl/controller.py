@@ -18,6 +18,9 @@ from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, TrainSample
 from yatt_mm.rl.stats import RolloutStats
 
 
+PROBE_TOKENS = 4  # answer length of the weight-sync probe
+
+
 class Controller:
     def __init__(self, source, engine: RolloutEngine, rewarder: Rewarder, sampler: DynamicSampler,
                  sampling: SamplingConfig, builder: SampleBuilder, algorithm: AlgorithmConfig, phases: PhaseRunner):
@@ -74,8 +77,10 @@ class Controller:
         logprobs; none before the probe prompt is known (no eval prompts, nothing trained yet)."""
         if self.probe_prompt is None:
             return []
+        # a few tokens suffice: their logprobs already depend on every weight, vision tower included
         result = self.engine.generate([self.probe_prompt.request()],
-                                      SamplingConfig(n=1, max_tokens=self.sampling.max_tokens, temperature=0.0))
+                                      SamplingConfig(n=1, max_tokens=min(self.sampling.max_tokens, PROBE_TOKENS),
+                                                     temperature=0.0))
         return self.builder.build(Group(self.probe_prompt, result.responses[0], [0.0]), [0.0], masked=False)
 
     def train_samples(self, chosen: StepGroups) -> list[list[TrainSample]]:
