@@ -21,6 +21,7 @@ faster) for the tiny setting, and the same keys under "wide" when it ran.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -187,9 +188,7 @@ def main() -> None:
     parser.add_argument("--setting", choices=["tiny", "wide", "both"], default="both")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    try:
-        import trl  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("trl") is None:
         sys.exit("TRL is not installed: pip install -e '.[bench]'")
     root = Path(tempfile.gettempdir()) / "yatt-mm-bench-rl-vs-trl"
     names = ["tiny", "wide"] if args.setting == "both" else [args.setting]

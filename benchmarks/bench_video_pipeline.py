@@ -12,7 +12,6 @@ import io
 import json
 import multiprocessing as mp
 import os
-import random
 import resource
 import sys
 import tempfile

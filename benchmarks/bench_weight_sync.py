@@ -20,7 +20,6 @@ import models  # noqa: F401
 
 
 def main(rounds: int = 5) -> None:
-    import torch
     from safetensors.torch import load_file, save_file
 
     from models.tiny import tiny_model_dir
