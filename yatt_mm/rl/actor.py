@@ -167,7 +167,9 @@ class Actor:
             sums["diff"] += float(((lp - mb.extra["rollout_logprobs"]).abs() * mask).sum())
             sums["tokens"] += float(mask.sum())
         sums = sum_across(sums, self.trainer.dp_group)
-        gap = sums["diff"] / max(sums["tokens"], 1)
+        if not sums["tokens"]:  # no probe prompt yet (a resume without eval prompts): nothing was checked
+            return {}
+        gap = sums["diff"] / sums["tokens"]
         self._guard(gap, "right after the weight sync, the trainer's logprobs of a greedy probe answer")
         return {"sync/probe_logprob_diff": gap}
 

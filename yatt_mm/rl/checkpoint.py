@@ -246,9 +246,9 @@ def latest_complete(root: Path, world: int, say=print) -> Path | None:
         if _is_complete(d, world):
             return d
         markers = _markers(d)
-        worlds = {m.get("world") for m in markers}
-        if markers and worlds != {world} and len(markers) == next(iter(worlds)) and len(worlds) == 1:
-            raise RuntimeError(f"{d} was written by a run of {next(iter(worlds))} ranks; this run has {world}: "
+        other = markers[0].get("world") if markers else world
+        if other != world and _is_complete(d, other):
+            raise RuntimeError(f"{d} was written by a run of {other} ranks; this run has {world}: "
                                "resume with the world size the run was started with")
         attempts = len({m.get("attempt") for m in markers})
         say(f"checkpoint {d} is incomplete ({len(markers)} of {world} ranks' markers"
