@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.parallel import free_port
+from models.comm import free_port
 
 GROUP_COUNTS = (1, 2, 4)
 PROMPTS_PER_STEP = 16
@@ -48,7 +48,7 @@ def worker(rank: int, world: int, port: int, data: str, mode: str, out: str) -> 
     if mode == "parallel":
         source = ParallelSource(DataReader(cfg, rank, world))
     else:
-        source = SingleControllerSource(DataReader(cfg, 0, 1) if rank == 0 else None, rank, world)
+        source = SingleControllerSource(DataReader(cfg, 0, 1) if rank == 0 else None, rank, world, dist.group.WORLD)
     for _ in range(STEPS):
         prompts = source.take(PROMPTS_PER_STEP)
         checksum = sum(int(np.asarray(im).sum() % 7) for p in prompts for im in p.images)  # the engine stand-in

@@ -42,7 +42,7 @@ def main() -> int:
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
     from models.tiny import tiny_model_dir
-    from models.parallel import init_parallel
+    from models.comm import init_parallel
     from models.trainer import TrainerConfig, VLMTrainer
 
     ap = argparse.ArgumentParser()

@@ -2,7 +2,7 @@
 over micro-batches of variable-length multimodal samples, and HF export.
 
 The trainer knows nothing of RL: it takes micro-batches and a loss function of per-token
-logprobs. Call it from every rank after `models.parallel.init_parallel()`.
+logprobs. Call it from every rank after `models.comm.init_parallel()`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Callable, Literal
 
 import torch
 
+from models.comm import comm
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 from models.qwen2vl.config import Qwen2VLSpec
 from models.qwen2vl.model import VLMInputs
@@ -51,7 +52,6 @@ LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torc
 
 class VLMTrainer:
     def __init__(self, hf_dir: str, cfg: TrainerConfig):
-        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -59,10 +59,9 @@ class VLMTrainer:
         self.hf_dir = hf_dir
         self.spec = Qwen2VLSpec.from_hf_dir(hf_dir)
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
+        groups = comm()
+        self.tp_rank, self.tp_group = groups.tp_rank, groups.tp  # accelerator: the weight gather
+        self.dp_cpu, self.dp_size = groups.dp_cpu, groups.dp_size  # CPU: the loss's token counts
         module = build_module(hf_dir, self.spec, cfg)
         self.module = module
         self.config = module.config

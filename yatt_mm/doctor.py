@@ -142,7 +142,7 @@ def live_megatron() -> None:
     import torch.distributed as dist
 
     import models  # noqa: F401 - installs the CPU shims' hooks
-    from models.parallel import init_parallel
+    from models.comm import init_parallel
 
     init_parallel(1, seed=0)
     from megatron.core.models.gpt import GPTModel

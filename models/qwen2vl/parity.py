@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from models.parallel import init_parallel
+from models.comm import init_parallel
 
 
 def probes(seed: int = 0) -> dict[str, tuple[list, dict]]:

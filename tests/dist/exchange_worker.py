@@ -19,7 +19,7 @@ def main(rank: int, world: int, port: str, out_path: str) -> None:
     new_owner, moves = plan_moves([float(n) for n in lengths], owner, world)
     mine = {i: ({"input_ids": torch.arange(lengths[i]) + i, "pixels": torch.full((2, 3), float(i))},
                 {"key": f"s{i}"}) for i in range(24) if owner[i] == rank}
-    received = exchange({i: mine[i] for i in mine}, moves, rank)
+    received = exchange({i: mine[i] for i in mine}, moves, rank, dist.group.WORLD)
     kept = {i: v for i, v in mine.items() if new_owner[i] == rank}
     final = {**kept, **received}
     ok = sorted(final) == [i for i in range(24) if new_owner[i] == rank] and all(

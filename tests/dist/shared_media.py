@@ -14,7 +14,7 @@ import models  # noqa: F401 - CPU runtime hooks first
 import torch
 
 from dataio.synth import colour_image
-from models.parallel import init_parallel
+from models.comm import init_parallel
 from models.tiny import tiny_model_dir
 from models.trainer import TrainerConfig, VLMTrainer, _token_scores
 from yatt_mm.engines.engine import Response

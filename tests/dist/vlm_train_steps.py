@@ -21,7 +21,7 @@ from dataio.synth import colour_image
 from models.qwen2vl.convert import load_hf_state
 from models.qwen2vl.model import VLMInputs
 from models.tiny import tiny_model_dir
-from models.parallel import init_parallel
+from models.comm import init_parallel
 from models.trainer import MicroBatch, TrainerConfig, VLMTrainer
 
 

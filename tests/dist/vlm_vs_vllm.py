@@ -19,7 +19,7 @@ import torch
 from dataio.synth import colour_image, moving_ball_video
 from models.qwen2vl.model import VLMInputs
 from models.tiny import tiny_model_dir
-from models.parallel import init_parallel
+from models.comm import init_parallel
 from models.trainer import MicroBatch, TrainerConfig, VLMTrainer
 from yatt_mm.engines.engine import EngineConfig, Request, RolloutEngine, SamplingConfig
 

@@ -25,10 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 UNTRAINED_JUDGE = "reward.judges=[{judge: {name: genrm, model: 'tiny:judge', votes: 2, max_tokens: 4}, weight: 0.5}]"
 
 
-def _tiny_rl(run_dir, train_dir, *settings: str, policy="tiny:policy") -> list[str]:
+def _tiny_rl(run_dir, train_dir, *settings: str, policy="tiny:policy", audit=False) -> list[str]:
     """`yatt-mm rl` on 2 ranks with the demo config cut down to seconds: the tiny `policy`,
-    2 prompts x 4 responses of 4 tokens per rank, one wave, then `settings`."""
-    return [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+    2 prompts x 4 responses of 4 tokens per rank, one wave, then `settings`. With `audit`, the
+    ranks run under tests/dist/audit_collectives.py, which logs every collective's group into
+    the run dir (torchrun called directly, as a user launching on a cluster would)."""
+    launch = [sys.executable, "-m", "yatt_mm.cli", "rl", "--nproc", "2"]
+    if audit:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  str(ROOT / "tests" / "dist" / "audit_collectives.py"), str(run_dir)]
+    return [*launch, "--config", "configs/tiny_demo.yaml",
             f"run.run_dir={run_dir}", f"data.shards=[{train_dir}]", f"policy.model={policy}",
             "rollout.prompts_per_step=2", "rollout.sampling.n=4", "rollout.sampling.max_tokens=4",
             "dynamic_sampling.max_waves=1", "data.workers=0", *settings]
@@ -44,7 +51,7 @@ def rl_run(tmp_path_factory, warm_policy):
     run_dir = base / "run"
     cmd = _tiny_rl(run_dir, base / "train", "run.steps=3", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
                    "eval.num_prompts=2", "eval.max_tokens=4", "rollout.prompts_per_step=4", "algorithm.kl_coef=0.05",
-                   "algorithm.mini_batches=4", UNTRAINED_JUDGE, policy=warm_policy)
+                   "algorithm.mini_batches=4", UNTRAINED_JUDGE, policy=warm_policy, audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     return run_dir, proc.stdout
@@ -193,12 +200,33 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.tensor_parallel=2", "eval.every=0",
-                   "run.save_final=false", "rollout.prompts_per_step=4", "reward.judges=[]", policy=warm_policy)
+                   "run.save_final=false", "rollout.prompts_per_step=4", "reward.judges=[]", policy=warm_policy,
+                   audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 2" in proc.stdout
     _assert_real_updates_reach_vllm(_steps(run_dir))
     assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: TP rank 0
+    calls = _assert_collectives_name_their_groups(run_dir)
+    # the trainer's TP collectives (logprobs over the vocabulary, the weight gather) on the device's group
+    assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
+
+
+def _assert_collectives_name_their_groups(run_dir) -> list[dict]:
+    """Every collective called from yatt_mm/ (CPU metadata and samples) named a gloo group made
+    by models.comm; every one called from models/ (device tensors) an accelerator group. On a
+    GPU an implicit group is NCCL, which refuses CPU tensors at the first call."""
+    calls = [c for f in sorted(run_dir.glob("collectives_rank*.json")) for c in json.loads(f.read_text())]
+    ours = [c for c in calls if c["where"].startswith("yatt_mm/")]
+    assert len(ours) > 20 and {"all_reduce", "broadcast", "barrier"} <= {c["op"] for c in ours}
+    assert [c for c in ours if c["group"] != "cpu"] == []
+    assert [c for c in calls if c["where"].startswith("models/") and c["group"] != "accelerator"] == []
+    return calls
+
+
+def test_every_collective_names_a_group_made_for_its_tensors(rl_run):
+    calls = _assert_collectives_name_their_groups(rl_run[0])
+    assert len({c["where"] for c in calls}) > 5  # balance, broadcast, sums, eval, checkpoint markers ...
 
 
 def _consumed(run_dir, step=None):

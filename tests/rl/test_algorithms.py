@@ -103,7 +103,7 @@ def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted(monkeypa
     mb = MicroBatch(None, {"loss_mask": mask, "old_logprobs": old, "rewards": torch.tensor([1.0, 1.0, 0.0]),
                            "advantages": torch.tensor([0.0, 0.0, 0.7])}, ["g", "g", "g"])
     reference = SimpleNamespace(logprobs=lambda mbs: [ref])
-    trainer = SimpleNamespace(cfg=SimpleNamespace(dtype="fp32"), dp_group=None)
+    trainer = SimpleNamespace(cfg=SimpleNamespace(dtype="fp32"), dp_cpu=None)
     monkeypatch.setattr(actor_mod, "sum_across", lambda values, group: values)  # one DP rank
     actor = Actor(trainer, AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_in="reward"), 4096, 0,
                   reference=reference)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from yatt_mm.rl.distributed import pack, unpack
-from models.parallel import free_port
+from models.comm import free_port
 
 
 def test_pack_roundtrip_keeps_dtypes_shapes_and_metadata():

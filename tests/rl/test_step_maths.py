@@ -67,7 +67,7 @@ def test_sync_guard_stops_when_vllm_sampled_with_other_weights(monkeypatch):
     rollout = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
 
     def actor_seeing(trainer_lp, dtype="fp32", limit=0.0):
-        trainer = SimpleNamespace(cfg=SimpleNamespace(dtype=dtype), dp_group=None,
+        trainer = SimpleNamespace(cfg=SimpleNamespace(dtype=dtype), dp_cpu=None,
                                   logprobs=lambda mbs, with_entropy: [(trainer_lp, torch.zeros_like(trainer_lp))])
         return Actor(trainer, AlgorithmConfig(mini_batches=2), 4096, 0, limit)  # not fused: a separate pass
 

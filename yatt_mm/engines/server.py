@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from models import runtime
-from models.parallel import free_port
+from models.comm import free_port
 from yatt_mm.reward.genrm import JudgeConfig
 
 

@@ -74,7 +74,7 @@ class Actor:
     def _rollout_gap(self, sums: dict[str, float]) -> dict[str, float]:
         """From this rank's sums of |trainer - vLLM| logprob, entropy and fresh tokens: the DP-wide
         means, and the guard."""
-        sums = sum_across(sums, self.trainer.dp_group)
+        sums = sum_across(sums, self.trainer.dp_cpu)
         gap = sums["diff"] / max(sums["tokens"], 1)
         self._guard(gap, "the trainer's logprobs of vLLM's samples")
         return {"train/logprob_diff_vs_rollout": gap, "train/entropy": sums["entropy"] / max(sums["tokens"], 1)}
@@ -89,7 +89,7 @@ class Actor:
             sums["tokens"] += float(mask.sum())
         if cfg.kl_in == "reward":
             self._kl_into_advantages(mbs)
-        sums = sum_across(sums, self.trainer.dp_group)
+        sums = sum_across(sums, self.trainer.dp_cpu)
         return {"train/kl": sums["kl"] / max(sums["tokens"], 1)}
 
     def _kl_into_advantages(self, mbs: list[MicroBatch]) -> None:
@@ -138,7 +138,7 @@ class Actor:
     def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
         cfg, fused = self.algorithm, self.fused
         local = loss_normalizer([mb.extra["loss_mask"] for mb in mbs], [mb.group_ids for mb in mbs], cfg.loss_agg)
-        normalizer = max(sum_across({"n": local}, self.trainer.dp_group)["n"], 1.0) / self.trainer.dp_size
+        normalizer = max(sum_across({"n": local}, self.trainer.dp_cpu)["n"], 1.0) / self.trainer.dp_size
 
         def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
             old = logprobs.detach() if fused else mb.extra["old_logprobs"]
@@ -166,7 +166,7 @@ class Actor:
             mask = mb.extra["loss_mask"]
             sums["diff"] += float(((lp - mb.extra["rollout_logprobs"]).abs() * mask).sum())
             sums["tokens"] += float(mask.sum())
-        sums = sum_across(sums, self.trainer.dp_group)
+        sums = sum_across(sums, self.trainer.dp_cpu)
         if not sums["tokens"]:  # no probe prompt yet (a resume without eval prompts): nothing was checked
             return {}
         gap = sums["diff"] / sums["tokens"]

@@ -1,6 +1,7 @@
 """Everything that crosses ranks in an RL step, and how: small metadata (counts, costs, rewards)
 by all-reduce/all-gather, and training samples point to point (balancing) or by broadcast (to a
-DP group's TP peers).
+DP group's TP peers). All of it is CPU tensors over the gloo groups of `models.comm`; every
+function here takes its group explicitly.
 
 Samples travel without pickle: each is a dict of tensors plus string metadata, packed with
 safetensors (a format with no code in it). A move plan is known to every rank (it comes from
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,31 +20,6 @@ from safetensors.torch import save as st_save
 
 from yatt_mm.rl.balance import Move, imbalance, loads_of, plan_moves, sample_cost
 from yatt_mm.rl.samples import TrainSample
-
-
-@dataclass
-class Ranks:
-    """Where this process sits in the job. The TP rank 0 of every DP group is that group's
-    controller (its leader); `leaders` is the group of all leaders, made only on leaders."""
-
-    rank: int
-    world: int
-    dp_rank: int
-    dp_size: int
-    leader: bool
-    tp_group: object
-    tp_src: int  # global rank of this DP group's leader
-    leaders: object | None
-
-
-def rl_ranks() -> Ranks:
-    """This rank's place, from Megatron's groups (after `models.parallel.init_parallel`)."""
-    from megatron.core import parallel_state as ps
-
-    leader = ps.get_tensor_model_parallel_rank() == 0
-    return Ranks(dist.get_rank(), dist.get_world_size(), ps.get_data_parallel_rank(),
-                 ps.get_data_parallel_world_size(), leader, ps.get_tensor_model_parallel_group(),
-                 ps.get_tensor_model_parallel_src_rank(), ps.get_data_parallel_group() if leader else None)
 
 
 def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> torch.Tensor:
@@ -70,13 +45,13 @@ def exchange(
     outgoing: dict[int, tuple[dict[str, torch.Tensor], dict[str, str]]],
     moves: list[Move],
     rank: int,
-    group=None,
+    group,
 ) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """Send this rank's samples named in `moves` and receive the ones moving here.
 
     `outgoing` maps a global sample index to (tensors, metadata) for every sample this rank
     sends. Returns the received samples by global index. `rank` is this process's rank in
-    `group`, and moves name ranks of `group` (global ranks when group is None).
+    `group`, and moves name ranks of `group`.
     """
     lengths = torch.zeros(len(moves), dtype=torch.int64)
     buffers: dict[int, torch.Tensor] = {}
@@ -100,11 +75,10 @@ def exchange(
 
 
 def _global(group_rank: int, group) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+    return dist.get_global_rank(group, group_rank)
 
 
-
-def all_gather_floats(values: list[float], group=None) -> list[list[float]]:
+def all_gather_floats(values: list[float], group) -> list[list[float]]:
     """Every rank's list of floats (lists may differ in length)."""
     world = dist.get_world_size(group)
     n = torch.tensor([len(values)], dtype=torch.int64)
@@ -118,7 +92,7 @@ def all_gather_floats(values: list[float], group=None) -> list[list[float]]:
     return [p[: int(s)].tolist() for p, s in zip(parts, sizes)]
 
 
-def sum_across(values: dict[str, float], group=None, op=dist.ReduceOp.SUM) -> dict[str, float]:
+def sum_across(values: dict[str, float], group, op=dist.ReduceOp.SUM) -> dict[str, float]:
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=op, group=group)
@@ -147,7 +121,7 @@ def unpack_group(tensors, meta) -> list[TrainSample]:
     return out
 
 
-def balance_groups(groups: list[list[TrainSample]], patch_weight: float, group=None) -> tuple[list[list[TrainSample]], dict]:
+def balance_groups(groups: list[list[TrainSample]], patch_weight: float, group) -> tuple[list[list[TrainSample]], dict]:
     """Karmarkar-Karp over every rank's group costs (metadata only), then move whole groups
     point to point. Whole groups keep group-level loss aggregation local to a rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -173,7 +147,7 @@ def broadcast_samples(samples: list[TrainSample] | None, src: int, group) -> lis
         return samples
     length = torch.zeros(1, dtype=torch.int64)
     buf = None
-    if dist.get_rank() == src:
+    if dist.get_rank() == src:  # a global rank, as torch.distributed's broadcast takes it
         buf = pack(*pack_group(samples))
         length[0] = buf.numel()
     dist.broadcast(length, src, group=group)

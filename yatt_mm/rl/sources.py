@@ -85,8 +85,8 @@ def unpack_prompt(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Pro
 
 
 class SingleControllerSource:
-    def __init__(self, reader: DataReader | None, rank: int, world: int):
-        self.rank, self.world = rank, world
+    def __init__(self, reader: DataReader | None, rank: int, world: int, group):
+        self.rank, self.world, self.group = rank, world, group  # group: the leaders' CPU group
         self.inner = ParallelSource(reader) if rank == 0 else None  # rank 0 reads for everyone
 
     def take(self, n: int) -> list[Prompt]:
@@ -100,10 +100,10 @@ class SingleControllerSource:
                 for j, p in enumerate(prompts[r * n : (r + 1) * n]):
                     held[r * n + j] = pack_prompt(p)
         moves = [Move(r * n + j, 0, r) for r in range(1, self.world) for j in range(n)]
-        received = exchange(held, moves, self.rank)
+        received = exchange(held, moves, self.rank, self.group)
         if self.rank != 0:
             mine = [unpack_prompt(*received[i]) for i in sorted(received)]
-        dist.barrier()
+        dist.barrier(group=self.group)
         return mine
 
     def state_dict(self) -> dict:

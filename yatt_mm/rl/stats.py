@@ -75,7 +75,7 @@ class RolloutStats:
 TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "sync", "eval")
 
 
-def time_metrics(timeline: Timeline, step: int, seconds: float, group=None) -> dict[str, float]:
+def time_metrics(timeline: Timeline, step: int, seconds: float, group) -> dict[str, float]:
     """Each phase's seconds, the step's idle share and memory: the slowest rank's (a collective)."""
     phases = timeline.seconds(step)
     busy = sum(v for k, v in phases.items() if not k.startswith("switch:"))

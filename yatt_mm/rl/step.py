@@ -21,12 +21,12 @@ def rl_step(run, step: int) -> dict[str, float]:
     groups = []
     if ranks.leader:  # each DP group on its own, then only metadata and moved groups cross
         groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
-        metrics |= rollout.summed(ranks.leaders).metrics(run.rule_names, run.judges.names)
+        metrics |= rollout.summed(ranks.leaders_cpu).metrics(run.rule_names, run.judges.names)
         if cfg.run.balance and ranks.dp_size > 1:
             with phases.phase("balance", step):
-                groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders)
+                groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders_cpu)
             metrics |= moved
-    samples = broadcast_samples([s for g in groups for s in g], ranks.tp_src, ranks.tp_group)
+    samples = broadcast_samples([s for g in groups for s in g], ranks.tp_src, ranks.tp_cpu)
     with phases.phase("logprobs", step):
         minis = run.actor.prepare(samples)
         metrics |= run.actor.old_logprobs(minis)
@@ -41,7 +41,7 @@ def rl_step(run, step: int) -> dict[str, float]:
     if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
         # after the weight sync nothing is in flight: snapshot now, write during the next rollout
         metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank)
-    return metrics | time_metrics(run.timeline, step, time.time() - start)
+    return metrics | time_metrics(run.timeline, step, time.time() - start, ranks.world_cpu)
 
 
 def sync_weights(run) -> dict[str, float]:
@@ -55,7 +55,7 @@ def sync_weights(run) -> dict[str, float]:
         metrics = {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
     if run.cfg.run.check_sync:
         probe = run.controller.probe() if run.ranks.leader else []
-        metrics |= run.actor.check_sync(broadcast_samples(probe, run.ranks.tp_src, run.ranks.tp_group))
+        metrics |= run.actor.check_sync(broadcast_samples(probe, run.ranks.tp_src, run.ranks.tp_cpu))
     return metrics
 
 
@@ -64,5 +64,5 @@ def evaluate(run, step: int) -> dict[str, float]:
     if not run.ranks.leader or run.eval_prompts is None or not run.cfg.eval.every:
         return {}
     score, n = run.controller.evaluate(run.eval_prompts, run.eval_rule, run.cfg.eval.max_tokens, step)
-    total = sum_across({"s": score, "n": n}, run.ranks.leaders)
+    total = sum_across({"s": score, "n": n}, run.ranks.leaders_cpu)
     return {"eval/reward_mean": total["s"] / max(total["n"], 1)}

@@ -11,11 +11,12 @@ import sys
 import uuid
 
 import models  # noqa: F401 - CPU runtime hooks before anything imports torchvision or megatron
+import torch
 import torch.distributed as dist
 
 from dataio.reader import DataConfig, DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
-from models.parallel import init_parallel
+from models.comm import comm, init_parallel
 from models.trainer import ReferencePolicy, VLMTrainer
 from yatt_mm.config import save
 from yatt_mm.engines.engine import RolloutEngine
@@ -28,7 +29,6 @@ from yatt_mm.rl.actor import Actor
 from yatt_mm.rl.checkpoint import Checkpointer
 from yatt_mm.rl.config import RLConfig
 from yatt_mm.rl.controller import Controller
-from yatt_mm.rl.distributed import rl_ranks
 from yatt_mm.rl.dynamic_sampling import DynamicSampler
 from yatt_mm.rl.placement import PLANS, PhaseRunner
 from yatt_mm.rl.samples import SampleBuilder
@@ -44,8 +44,7 @@ class Run:
         from transformers import AutoProcessor
 
         self.cfg = cfg
-        init_parallel(cfg.policy.trainer.tensor_parallel, cfg.run.seed)
-        self.ranks = ranks = rl_ranks()
+        self.ranks = ranks = init_parallel(cfg.policy.trainer.tensor_parallel, cfg.run.seed)
         self.run_dir = cfg.fix_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ranks.rank == 0:
@@ -85,7 +84,8 @@ class Run:
         cfg, ranks = self.cfg, self.ranks
         reader = self._reader(cfg.data)
         if cfg.run.controller == "single":
-            source = SingleControllerSource(reader if ranks.dp_rank == 0 else None, ranks.dp_rank, ranks.dp_size)
+            source = SingleControllerSource(reader if ranks.dp_rank == 0 else None, ranks.dp_rank, ranks.dp_size,
+                                            ranks.leaders_cpu)
         else:
             source = ParallelSource(reader)
         return Controller(source, self.engine, Rewarder(cfg.reward, self.judges), DynamicSampler(cfg.dynamic_sampling),
@@ -105,9 +105,11 @@ class Run:
 
 def attempt_id() -> str:
     """One id per launch of the run, the same on every rank: checkpoint markers carry it."""
-    ids = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(ids, src=0)
-    return ids[0]
+    ident = torch.zeros(16, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        ident[:] = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8)
+    dist.broadcast(ident, src=0, group=comm().world_cpu)
+    return bytes(ident.tolist()).hex()
 
 
 def train(cfg: RLConfig) -> int:
@@ -132,7 +134,7 @@ def resume(run: Run) -> int:
     if run.ranks.leader:
         logs.append(run.run_dir / f"consumed_rank{run.ranks.rank}.jsonl")
     step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run), logs)
-    dist.barrier()
+    dist.barrier(group=run.ranks.world_cpu)
     return step
 
 
@@ -144,7 +146,7 @@ def finish(run: Run) -> None:
             print(f"trained policy written to {save_hf_dir(weights, run.policy_dir, run.run_dir / 'final')}", flush=True)
     run.metrics.close()
     run.judges.close()
-    dist.barrier()
+    dist.barrier(group=run.ranks.world_cpu)
     # vLLM's shutdown destroys the default process group: only after our last collective
     run.engine.shutdown()
 

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from models.logprobs import token_logprobs
 
 
-def evaluate(trainer, micro_batches, dp_group) -> dict[str, float]:
-    """Held-out loss and teacher-forced exact-answer accuracy, summed over DP ranks."""
+def evaluate(trainer, micro_batches, dp_cpu) -> dict[str, float]:
+    """Held-out loss and teacher-forced exact-answer accuracy, summed over DP ranks (`dp_cpu`:
+    the CPU DP group of `models.comm`; the TP reductions of the logits stay on the device)."""
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -38,6 +39,6 @@ def evaluate(trainer, micro_batches, dp_group) -> dict[str, float]:
             sums += torch.tensor([float(-(lp * mask).sum()), float(mask.sum()), float(tokens_ok.sum()),
                                   float(mask.shape[0])], dtype=torch.float64)
     trainer.model.train()
-    dist.all_reduce(sums, group=dp_group)
+    dist.all_reduce(sums, group=dp_cpu)
     return {"eval/loss": float(sums[0] / max(sums[1], 1)), "eval/accuracy": float(sums[2] / max(sums[3], 1)),
             "eval/examples": float(sums[3])}

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dataio.reader import DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
-from models.parallel import init_parallel
+from models.comm import init_parallel
 from models.trainer import VLMTrainer
 from yatt_mm.launch import run_command
 from yatt_mm.metrics import MetricsWriter
@@ -39,17 +39,15 @@ class SFTRun:
     """Everything one rank holds for the run."""
 
     def __init__(self, cfg: SFTConfig):
-        from megatron.core import parallel_state as ps
         from transformers import AutoProcessor
 
         self.cfg = cfg
         self.source = check_hf_dir(cfg.model)
         self.run_dir = cfg.fix_run_dir()
         self.out_dir = Path(cfg.output_dir) if cfg.output_dir else self.run_dir / "hf"
-        init_parallel(cfg.trainer.tensor_parallel, cfg.trainer.seed)
-        self.rank = dist.get_rank()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.dp_group = ps.get_data_parallel_group()
+        groups = init_parallel(cfg.trainer.tensor_parallel, cfg.trainer.seed)
+        self.rank, self.dp_rank, self.dp_size = groups.rank, groups.dp_rank, groups.dp_size
+        self.dp_cpu, self.world_cpu = groups.dp_cpu, groups.world_cpu  # counts and losses: CPU tensors
         self.trainer = VLMTrainer(str(self.source), cfg.trainer)
         processor = AutoProcessor.from_pretrained(str(self.source))
         processor.tokenizer.padding_side = "right"
@@ -80,7 +78,7 @@ class SFTRun:
             .take(cfg.eval.samples)  # one pass at most
         reader.close()
         n = torch.tensor(float(len(held)))
-        dist.all_reduce(n, group=self.dp_group)
+        dist.all_reduce(n, group=self.dp_cpu)
         if n == 0:
             raise RuntimeError("eval: no held-out example found; raise eval.holdout_fraction, give eval.shards, "
                                "or set eval.samples=0")
@@ -90,7 +88,7 @@ class SFTRun:
         if not self.eval_batches:
             return {}
         t = time.perf_counter()
-        m = evaluate(self.trainer, self.eval_batches, self.dp_group)
+        m = evaluate(self.trainer, self.eval_batches, self.dp_cpu)
         m["eval/seconds"] = time.perf_counter() - t
         self.metrics.log(step, m)
         self.say(f"eval step {step}: loss {m['eval/loss']:.4f}, accuracy {m['eval/accuracy']:.3f} "
@@ -106,7 +104,7 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     t_data = time.perf_counter() - t0
     counts = torch.tensor([sum(float(mb.extra["mask"].sum()) for mb in mbs),
                            sum(float(mb.inputs.attention_mask.sum()) for mb in mbs), float(cfg.batch_size)])
-    dist.all_reduce(counts, group=run.dp_group)
+    dist.all_reduce(counts, group=run.dp_cpu)
     target_tokens = counts[0]
 
     def loss_fn(lp, mb):
@@ -119,7 +117,7 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     m = trainer.train_step(mbs, loss_fn)
     dt = time.perf_counter() - t0
     loss = torch.tensor(m["train/loss"] / run.dp_size)  # this rank's share of the step's token-mean loss
-    dist.all_reduce(loss, group=run.dp_group)
+    dist.all_reduce(loss, group=run.dp_cpu)
     m.update({"train/loss": float(loss), "train/tokens_per_s": float(counts[1]) / dt,
               "train/samples_per_s": float(counts[2]) / dt, "train/target_tokens": float(target_tokens),
               "train/step_seconds": dt, "train/data_seconds": t_data})
@@ -169,7 +167,7 @@ def finish(run: SFTRun, summary: dict) -> dict:
         save_hf_dir(tensors, run.source, run.out_dir, extra_files={"yatt_sft.json": info})
         (run.run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=1))
         run.say(f"exported HF model to {run.out_dir}")
-    dist.barrier()
+    dist.barrier(group=run.world_cpu)
     run.metrics.close()
     return summary
 

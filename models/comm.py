@@ -1,0 +1,143 @@
+"""The process groups of a job and the device each collective's tensors live on: the one place
+that starts torch.distributed and Megatron's model-parallel groups.
+
+Two kinds of group, never mixed:
+- accelerator groups, Megatron's own (NCCL on GPUs): gradients, TP activations and logits, the
+  weight gather of a sync. Their tensors live on `Comm.device`.
+- CPU groups, gloo, made here beside them: everything the RL loop moves between controllers
+  (counts, costs, rewards, balanced groups, the TP broadcast of training samples, barriers).
+  NCCL refuses CPU tensors, so these could not share the accelerator groups; Megatron keeps gloo
+  DP groups for the same reason.
+Every collective in `yatt_mm/` names a group from here; `is_cpu_group` tells which kind a group is.
+
+Under torchrun the default group comes from its environment (NCCL on a GPU, gloo otherwise); a
+plain `python` process gets a one-rank group on a free local port, so single-process tools
+(parity, doctor, the GPU check, tests, benchmarks) run the same code as the ranks of a job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def accelerator_device() -> torch.device:
+    """This rank's device: its GPU (LOCAL_RANK) where there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed() -> None:
+    """torch.distributed from torchrun's environment, or one local rank; idempotent. NCCL is the
+    default group's backend on GPUs: one GPU per rank, LOCAL_RANK's."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Where this rank sits and the groups it talks over. The TP rank 0 of every DP group is that
+    group's controller (its leader); `leaders_cpu` joins the leaders and is None elsewhere."""
+
+    rank: int
+    world: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    node: int  # torchrun's node rank (GROUP_RANK)
+    local_rank: int
+    device: torch.device  # where tensors of the accelerator groups live
+    tp: object  # Megatron's TP group (accelerator)
+    dp: object  # Megatron's DP group (accelerator)
+    world_cpu: object
+    tp_cpu: object
+    dp_cpu: object
+    leaders_cpu: object | None
+
+    @property
+    def leader(self) -> bool:
+        return self.tp_rank == 0
+
+    @property
+    def tp_src(self) -> int:
+        """Global rank of this DP group's leader."""
+        return self.rank - self.tp_rank
+
+
+_comm: Comm | None = None
+_cpu_groups: list = []  # the groups made here for CPU tensors (compared by identity)
+
+
+def is_cpu_group(group) -> bool:
+    return any(group is g for g in _cpu_groups)
+
+
+def comm() -> Comm:
+    if _comm is None:
+        raise RuntimeError("models.comm.init_parallel() has not run in this process")
+    return _comm
+
+
+def init_parallel(tensor_parallel: int = 1, seed: int = 1234) -> Comm:
+    """torch.distributed, Megatron's tensor/data-parallel groups and its RNG tracker, then the
+    gloo groups beside them. Every rank must call it (group creation is collective)."""
+    global _comm
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as tp_mod
+
+    init_distributed()
+    if _comm is not None:
+        return _comm
+    world = dist.get_world_size()
+    if world % tensor_parallel:
+        raise ValueError(f"world size {world} is not a multiple of trainer.tensor_parallel={tensor_parallel}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        tp_mod.model_parallel_cuda_manual_seed(seed)
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    rank = dist.get_rank()
+    # Megatron's rank order (PP=1): TP groups are blocks of consecutive ranks, DP groups strided.
+    tp_groups = [list(range(i, i + tp_size)) for i in range(0, world, tp_size)]
+    dp_groups = [list(range(j, world, tp_size)) for j in range(tp_size)]
+    for mine, megatrons in ((tp_groups[rank // tp_size], ps.get_tensor_model_parallel_group()),
+                            (dp_groups[rank % tp_size], ps.get_data_parallel_group())):
+        if dist.get_process_group_ranks(megatrons) != mine:
+            raise RuntimeError(f"Megatron's groups {dist.get_process_group_ranks(megatrons)} are not the "
+                               f"layout yatt-mm assumes ({mine})")
+    world_cpu = _gloo(list(range(world)))
+    tp_cpu = [_gloo(r) for r in tp_groups][rank // tp_size]  # every rank creates every group, in order
+    dp_cpu = [_gloo(r) for r in dp_groups][rank % tp_size]
+    _comm = Comm(rank=rank, world=world, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size,
+                 dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                 node=int(os.environ.get("GROUP_RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                 device=accelerator_device(), tp=ps.get_tensor_model_parallel_group(),
+                 dp=ps.get_data_parallel_group(), world_cpu=world_cpu, tp_cpu=tp_cpu, dp_cpu=dp_cpu,
+                 leaders_cpu=dp_cpu if rank % tp_size == 0 else None)
+    return _comm
+
+
+def _gloo(ranks: list[int]):
+    group = dist.new_group(ranks, backend="gloo")
+    if dist.get_rank() in ranks:
+        _cpu_groups.append(group)
+    return group
