@@ -7,12 +7,14 @@ logprobs. Call it from every rank after `models.comm.init_parallel()`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
 
 from models.comm import comm
+from models.offload import HostOffload, optimizer_tensors
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 from models.qwen2vl.config import Qwen2VLSpec
 from models.qwen2vl.model import VLMInputs
@@ -29,6 +31,13 @@ class TrainerConfig:
     adam_beta2: float = 0.999  # Adam second-moment decay
     clip_grad: float = 1.0  # clip the global gradient L2 norm to this; 0 disables
     seed: int = 1234  # Megatron model-parallel RNG seed (SFT; RL seeds it from run.seed)
+    # Between its phases (RL: during rollout and judging) the trainer's weights and optimizer state
+    # wait in pinned host memory and its gradient buffers are freed. auto: with a GPU, not on CPU
+    offload: Literal["auto", "always", "never"] = "auto"
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload == "always" or (self.offload == "auto" and torch.cuda.is_available())
 
 
 @dataclass
@@ -74,17 +83,42 @@ class VLMTrainer:
                             bf16=dtype == torch.bfloat16, params_dtype=dtype),
             [self.model])
         self.device = _device()
+        self._weights, self._state = HostOffload(), HostOffload()  # what release() moved to the host
 
     # -- placement ---------------------------------------------------------------------------
     # The trainer is a resource of the RL loop's PhaseRunner like the engines: released while
-    # rollout and judging run, acquired for logprobs, training and the weight sync. It stays
-    # resident for now (CPU: nothing to gain); offloading weights, gradients and optimizer state
-    # to host memory on GPUs is the GPU-path work (issue 11).
-    def release(self) -> float:
-        return 0.0
+    # rollout and judging run, acquired for logprobs, training and the weight sync.
+    def release(self, keep: str = "none") -> float:
+        """With cfg.offload: optimizer state (and fp32 master weights) to host memory and the
+        gradient buffers freed; with keep="none" the weights too. Returns seconds."""
+        if not self.cfg.offloads:
+            return 0.0
+        start = time.perf_counter()
+        weights = list(self.module.parameters())
+        if not self._state.offloaded:
+            ours = {t.untyped_storage().data_ptr() for t in weights}  # fp32: the optimizer steps the weights
+            state = [t for t in optimizer_tensors(self.optimizer) if t.untyped_storage().data_ptr() not in ours]
+            self._state.offload(state, drop=self._grad_buffers())
+        if keep == "none" and not self._weights.offloaded:
+            self._weights.offload(weights)
+        return time.perf_counter() - start
 
-    def acquire(self) -> float:
-        return 0.0
+    def acquire(self, part: str = "all") -> float:
+        """Back on the device after `release()`: the weights, and with part="all" the rest."""
+        start = time.perf_counter()
+        if self._weights.offloaded:
+            self._weights.reload()
+        if part == "all" and self._state.offloaded:
+            self._state.reload()
+        return time.perf_counter() - start
+
+    def device_bytes(self) -> int:
+        """Bytes of this rank's weights, gradient buffers and optimizer state now on the device."""
+        tensors = list(self.module.parameters()) + optimizer_tensors(self.optimizer) + self._grad_buffers()
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        return [buf.grad_data for buf in self.model.buffers + self.model.expert_parallel_buffers]
 
     # -- inference ---------------------------------------------------------------------------
     def logprobs(self, micro_batches: list[MicroBatch], with_entropy: bool = False):

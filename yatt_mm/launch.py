@@ -15,6 +15,7 @@ import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -25,16 +26,31 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def relaunch(module: str, nproc: int, args: list[str]) -> int:
-    """Run `python -m module args` as `nproc` ranks (torchrun --standalone: a free port of its
-    own, so several runs can share a machine). Several machines: call torchrun yourself with
-    --nnodes/--rdzv-endpoint and the same module. torchrun is told to stop when this process
-    dies, however it dies (an OOM killer or a scheduler that kills the parent), and it stops
-    its ranks: no orphaned run goes on writing into the run directory."""
+@dataclass
+class Nodes:
+    """Where this launcher sits in a job of several machines (torchrun's static rendezvous: node
+    0's address and a port every node can reach). One node: torchrun --standalone."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def torchrun_args(self) -> list[str]:
+        if self.nnodes == 1:
+            return ["--standalone"]  # a free port of its own: several runs can share a machine
+        return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
+                "--master-addr", self.master_addr, "--master-port", str(self.master_port)]
+
+
+def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
+    """Run `python -m module args` as `nproc` ranks on this node (of `nodes`). torchrun is told to
+    stop when this process dies, however it dies (an OOM killer or a scheduler that kills the
+    parent), and it stops its ranks: no orphaned run goes on writing into the run directory."""
     if nproc < 1:
         raise SystemExit(f"--nproc must be >= 1, got {nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", module, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(nodes or Nodes()).torchrun_args(),
+           "--nproc-per-node", str(nproc), "-m", module, *args]
     return subprocess.call(cmd, preexec_fn=_stop_with_parent)
 
 
@@ -49,16 +65,16 @@ def _stop_with_parent() -> None:
         pass  # not Linux: the child outlives a killed launcher, as without this
 
 
-def lock_run_dir(run_dir: Path):
-    """Hold RUN_DIR/.lock for as long as this process lives (the kernel drops it when the process
-    dies, however it dies); a second run on the same directory is refused, naming the live one.
-    Returns the open lock file (keep it referenced)."""
+def lock_run_dir(run_dir: Path, node_rank: int = 0):
+    """Hold RUN_DIR/.lock (node 0; other nodes of the job: .lock.nodeR) for as long as this process
+    lives (the kernel drops it when the process dies, however it dies); a second run on the same
+    directory is refused, naming the live one. Returns the open lock file (keep it referenced)."""
     import fcntl
     import json
     import time
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / ".lock", "a+")
+    f = open(run_dir / (".lock" if node_rank == 0 else f".lock.node{node_rank}"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -103,12 +119,22 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", default=None, help="YAML config, e.g. configs/tiny_demo.yaml")
     parser.add_argument("--nproc", type=int, default=None, help="run as N local ranks under torchrun (DP x TP)")
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in the job (each runs this command)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
+    parser.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
     parser.add_argument("--help-config", action="store_true", help="list every setting with its default and doc")
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. run.steps=5")
     args = parser.parse_intermixed_args(argv)
     if args.help_config:
         print("\n".join(describe(config_cls)))
         return 0
+    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    if nodes.nnodes > 1 and args.nproc is None:
+        args.nproc = 1
+    if not 0 <= nodes.node_rank < nodes.nnodes:
+        print(f"{prog}: --node-rank must be in 0..{nodes.nnodes - 1}, got {nodes.node_rank}", file=sys.stderr)
+        return 2
     launching = args.nproc is not None and not under_torchrun()
     try:
         cfg = load(config_cls, args.config, args.overrides)
@@ -117,7 +143,7 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
         return 2
     if not under_torchrun():
         try:
-            cfg.check_world(args.nproc if launching else 1)
+            cfg.check_world(args.nproc * nodes.nnodes if launching else 1)
         except ValueError as e:
             print(f"{prog}: {e}" + ("" if launching else " (start several ranks with --nproc N)"), file=sys.stderr)
             return 2
@@ -128,11 +154,16 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
         return 2
     if not launching:
         return run(cfg)
+    if nodes.nnodes > 1 and not (getattr(cfg, "run_dir", "") or getattr(getattr(cfg, "run", None), "run_dir", "")):
+        print(f"{prog}: a job on {nodes.nnodes} nodes needs an explicit run directory on storage every node sees "
+              "(run.run_dir=... for rl, run_dir=... for sft)", file=sys.stderr)
+        return 2
     run_dir = cfg.fix_run_dir()
     try:
-        lock = lock_run_dir(run_dir)
+        lock = lock_run_dir(run_dir, nodes.node_rank)
     except RunDirBusy as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     with lock:  # held while the ranks run
-        return relaunch(module, args.nproc, ["--config", str(save(cfg, run_dir / "config.yaml"))])
+        # run_dir must be storage every node sees; each node's launcher writes the same file, atomically
+        return relaunch(module, args.nproc, ["--config", str(save(cfg, run_dir / "config.yaml"))], nodes)

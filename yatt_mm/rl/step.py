@@ -3,7 +3,7 @@
     controller: rollout + reward + dynamic sampling + advantages   (rl/controller.py)
  -> balance whole groups across DP groups, then to the TP peers     (rl/distributed.py)
  -> actor: old (and reference) logprobs, mini-batch updates         (rl/actor.py)
- -> weight sync + probe check -> eval -> checkpoint -> metrics
+ -> weight sync -> checkpoint snapshot -> probe check -> eval -> metrics
 """
 
 from __future__ import annotations
@@ -33,30 +33,45 @@ def rl_step(run, step: int) -> dict[str, float]:
     with phases.phase("train", step):
         metrics |= run.actor.update(minis)
     with phases.phase("sync", step):
-        metrics |= sync_weights(run)
+        metrics |= push_weights(run)
+        if ranks.leader:
+            run.controller.source.write_lineage(run.run_dir / f"consumed_rank{ranks.rank}.jsonl", step + 1)
+        if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+            # after the weight sync nothing is in flight and the trainer is still on the device:
+            # snapshot now, write during the next rollout
+            metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank)
+    metrics |= probe_sync(run, step)
     if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
         metrics |= evaluate(run, step)
-    if ranks.leader:
-        run.controller.source.write_lineage(run.run_dir / f"consumed_rank{ranks.rank}.jsonl", step + 1)
-    if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
-        # after the weight sync nothing is in flight: snapshot now, write during the next rollout
-        metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank)
     return metrics | time_metrics(run.timeline, step, time.time() - start, ranks.world_cpu)
 
 
-def sync_weights(run) -> dict[str, float]:
-    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP);
-    then, with run.check_sync, the engine's greedy answer to a fixed probe prompt is scored by
-    the trainer: the two must agree, or the run stops here."""
+def sync_weights(run, step: int) -> dict[str, float]:
+    """The weight sync with its phases (resume uses it; a step runs the two halves itself)."""
+    with run.phases.phase("sync", step):
+        metrics = push_weights(run)
+    return metrics | probe_sync(run, step)
+
+
+def push_weights(run) -> dict[str, float]:
+    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP).
+    In the "sync" phase: the trainer on the device, the engine's weights awake, its KV cache not."""
     weights = run.trainer.export_hf()
-    metrics = {}
-    if run.ranks.leader:
-        info = run.engine.update_weights(weights.items())
-        metrics = {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
-    if run.cfg.run.check_sync:
+    if not run.ranks.leader:
+        return {}
+    info = run.engine.update_weights(weights.items())
+    return {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
+
+
+def probe_sync(run, step: int) -> dict[str, float]:
+    """With run.check_sync, the engine's greedy answer to a fixed probe prompt is scored by the
+    trainer's weights: the two must agree, or the run stops here, before sampling from weights
+    the trainer does not have. In the "probe" phase: the whole engine, the trainer's weights."""
+    if not run.cfg.run.check_sync:
+        return {}
+    with run.phases.phase("probe", step):
         probe = run.controller.probe() if run.ranks.leader else []
-        metrics |= run.actor.check_sync(broadcast_samples(probe, run.ranks.tp_src, run.ranks.tp_cpu))
-    return metrics
+        return run.actor.check_sync(broadcast_samples(probe, run.ranks.tp_src, run.ranks.tp_cpu))
 
 
 def evaluate(run, step: int) -> dict[str, float]:

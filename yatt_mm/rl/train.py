@@ -133,7 +133,7 @@ def resume(run: Run) -> int:
     logs = [run.run_dir / "metrics.jsonl"] if run.ranks.rank == 0 else []
     if run.ranks.leader:
         logs.append(run.run_dir / f"consumed_rank{run.ranks.rank}.jsonl")
-    step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run), logs)
+    step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run, -1), logs)
     dist.barrier(group=run.ranks.world_cpu)
     return step
 
@@ -141,6 +141,7 @@ def resume(run: Run) -> int:
 def finish(run: Run) -> None:
     run.checkpointer.wait()
     if run.cfg.run.save_final:
+        run.trainer.acquire("weights")  # back from the host if the last phase released it
         weights = run.trainer.export_hf()  # collective over TP
         if run.ranks.rank == 0:
             print(f"trained policy written to {save_hf_dir(weights, run.policy_dir, run.run_dir / 'final')}", flush=True)
