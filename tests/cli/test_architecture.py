@@ -59,6 +59,11 @@ def test_help_config_lists_every_setting_with_its_doc():
     ("reward.functions=[{name: exactmatch}]", "reward.functions\\[0\\]: unknown reward function 'exactmatch'"),
     ("rollout.prompts_per_step=0", "rollout: prompts_per_step must be >= 1"),
     ("reward.judges=[{judge: {backend: grpc}}]", "unknown judge backend 'grpc'"),
+    # vLLM takes its GPU share at start, and a rank's engines start together: they must fit
+    ("rollout.engine.gpu_memory_utilization=0.8", "shares on one GPU add up to 1.10 > 0.95 \\(rollout.engine 0.8, "
+                                                  "judge genrm 0.3\\): lower a gpu_memory_utilization"),
+    ("rollout.engine.tensor_parallel_size=2", "tensor_parallel_size=2: an engine spans 1 rank or the ranks of one DP"),
+    ("rollout.engine.gpu_memory_utilization=1.5", "rollout.engine: gpu_memory_utilization must be in \\(0, 1\\)"),
 ])
 def test_bad_values_fail_at_load_naming_the_setting(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -119,13 +124,22 @@ def test_options_and_overrides_in_any_order_and_the_launcher_resolves_models(tmp
     assert (Path(cfg.policy.model) / "config.json").is_file()  # tiny:policy became its directory
 
     launched = {}
-    monkeypatch.setattr(launch, "relaunch", lambda module, n, args: launched.update(module=module, n=n, args=args) or 0)
+    monkeypatch.setattr(launch, "relaunch",
+                        lambda module, n, args, nodes: launched.update(module=module, n=n, args=args, nodes=nodes) or 0)
     argv = ["--config", "configs/tiny_demo.yaml", "run.steps=4", "--nproc", "2", *TINY, f"run.run_dir={tmp_path}"]
     assert launch.run_command("t", RLConfig, "yatt_mm.rl.train", lambda cfg: 1, argv) == 0
     assert launched["module"] == "yatt_mm.rl.train" and launched["n"] == 2
     assert launched["args"] == ["--config", str(tmp_path / "config.yaml")]
     again = load(RLConfig, tmp_path / "config.yaml")  # what the ranks read: resolved, equal
     assert again.run.steps == 4 and again.policy.model == cfg.policy.model and again.run.run_dir == str(tmp_path)
+    assert launched["nodes"].torchrun_args() == ["--standalone"]
+
+    # one of several machines: torchrun's static rendezvous at node 0, a run dir every node sees
+    nodes = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.7", "--master-port", "29555"]
+    assert launch.run_command("t", RLConfig, "m", lambda cfg: 1, argv[:-1] + nodes) == 2  # no explicit run dir
+    assert launch.run_command("t", RLConfig, "m", lambda cfg: 1, argv + nodes) == 0
+    assert launched["nodes"].torchrun_args() == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.7",
+                                                 "--master-port", "29555"]
 
 
 def test_a_world_that_does_not_fit_the_tensor_parallel_size_is_refused(capsys):

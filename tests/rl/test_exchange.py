@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from yatt_mm.rl.distributed import pack, unpack
+from models.comm import pack, unpack
 from models.comm import free_port
 
 

@@ -6,13 +6,17 @@ data-parallel group that read them. CPU and GPU differ only in `engine_kwargs()`
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
 import numpy as np
+import torch
 
 from models import runtime
+from models.comm import broadcast_packed
 
 
 @dataclass
@@ -41,6 +45,12 @@ class EngineConfig:
     # (the tiny CPU engine holds ~2 GB). shutdown: freed, re-created on acquire. auto: sleep on
     # GPUs, keep on CPU.
     release: Literal["auto", "sleep", "keep", "shutdown"] = "auto"
+
+    def validate(self) -> None:
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass
@@ -97,6 +107,8 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
                       enable_sleep_mode=release_mode(cfg) == "sleep")
     else:
         runtime.set_vllm_cpu_defaults()
+        if cfg.tensor_parallel_size > 1:
+            runtime.name_vllm_cpu_shared_memory_per_job()
         kwargs.update(dtype="float32", enforce_eager=True)
     return kwargs
 
@@ -145,6 +157,40 @@ class RolloutEngine:
         # what the placement holds of this engine: "all", "weights" (KV cache asleep) or "none".
         # Tracked whatever the release mode, so a call out of order fails on CPU as on a GPU.
         self.level = "all"
+        self._spmd: tuple[object, int] | None = None  # (CPU group, leading rank) of a multi-rank engine
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel size vLLM runs the engine with (from vLLM's own config)."""
+        return self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+
+    # -- one engine over several ranks ---------------------------------------------------------
+    # With tensor_parallel_size > 1 the engine spans the ranks of one DP group, and each of them
+    # must submit the same requests in the same order. The group's controller decides what to
+    # generate: inside `lead()`, every `generate` call goes first to the other ranks, which
+    # replay it in `follow()` until the controller leaves `lead()`.
+    def join(self, group, leader: int) -> None:
+        """Span the ranks of `group` (a CPU group of models.comm), led by global rank `leader`."""
+        if self.cfg.tensor_parallel_size > 1:
+            self._spmd = (group, leader)
+
+    @contextmanager
+    def lead(self):
+        try:
+            yield
+        finally:
+            if self._spmd:
+                broadcast_packed(({}, {"call": json.dumps({"op": "stop"})}), self._spmd[1], self._spmd[0])
+
+    def follow(self) -> None:
+        """On the other ranks of a multi-rank engine: replay the leader's generate calls."""
+        while self._spmd:
+            tensors, meta = broadcast_packed(None, self._spmd[1], self._spmd[0])
+            call = json.loads(meta["call"])
+            if call["op"] == "stop":
+                return
+            self._generate(_requests_from(tensors, call), SamplingConfig(**call["sampling"]),
+                           (lambda i, r: None) if call["streaming"] else None)
 
     def _start(self) -> float:
         start = time.perf_counter()
@@ -235,6 +281,16 @@ class RolloutEngine:
         """n responses per request. With `on_finished(i, responses)`, each request's responses
         are handed over the moment its last sample finishes (partial colocation streams them to
         the judge), instead of when the whole batch is done."""
+        if self._spmd:  # the leader of a multi-rank engine: the others replay this call
+            if torch.distributed.get_rank() != self._spmd[1]:
+                raise RuntimeError("only the engine's leading rank calls generate; the others follow()")
+            payload = _requests_to(requests, sampling, streaming=on_finished is not None)
+            broadcast_packed(payload, self._spmd[1], self._spmd[0])
+            requests = _requests_from(payload[0], json.loads(payload[1]["call"]))  # exactly what they got
+        return self._generate(requests, sampling, on_finished)
+
+    def _generate(self, requests: list[Request], sampling: SamplingConfig,
+                  on_finished: Callable[[int, list[Response]], None] | None) -> GenerationResult:
         from vllm import SamplingParams
 
         self._require("all", "generation")
@@ -278,6 +334,31 @@ class RolloutEngine:
                     outputs[i] = out
                     on_finished(i, [_to_response(c) for c in out.outputs])
         return outputs
+
+
+def _requests_to(requests: list[Request], sampling: SamplingConfig, streaming: bool):
+    """A generate call as (tensors, metadata) for `broadcast_packed`: media as uint8 arrays
+    (images in RGB, as vLLM's processors take them), the rest as JSON."""
+    from PIL import Image
+
+    tensors = {}
+    for i, r in enumerate(requests):
+        for j, image in enumerate(r.images):
+            rgb = image.convert("RGB") if isinstance(image, Image.Image) else image
+            tensors[f"{i}.image{j}"] = torch.from_numpy(np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8)))
+        for j, video in enumerate(r.videos):
+            tensors[f"{i}.video{j}"] = torch.from_numpy(np.ascontiguousarray(video))
+    call = {"op": "generate", "streaming": streaming, "sampling": asdict(sampling),
+            "requests": [{"messages": r.messages, "images": len(r.images), "videos": len(r.videos)} for r in requests]}
+    return tensors, {"call": json.dumps(call)}
+
+
+def _requests_from(tensors: dict[str, torch.Tensor], call: dict) -> list[Request]:
+    from PIL import Image
+
+    return [Request(r["messages"], [Image.fromarray(tensors[f"{i}.image{j}"].numpy()) for j in range(r["images"])],
+                    [tensors[f"{i}.video{j}"].numpy() for j in range(r["videos"])])
+            for i, r in enumerate(call["requests"])]
 
 
 def _to_response(completion) -> Response:

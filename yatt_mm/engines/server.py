@@ -42,7 +42,9 @@ class JudgeServer:
             "--max-model-len", "2048",
             "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1}),
         ]
-        if not runtime.has_gpu():
+        if runtime.has_gpu():
+            cmd += ["--gpu-memory-utilization", str(self.cfg.gpu_memory_utilization)]
+        else:
             cmd += ["--dtype", "float32", "--enforce-eager"]
         return cmd
 

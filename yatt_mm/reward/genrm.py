@@ -51,6 +51,8 @@ class JudgeConfig:
     backoff_s: float = 0.5  # wait before retry k (k = 0, 1, ...): backoff_s * 2**k seconds
     startup_timeout_s: float = 180.0  # seconds to wait for the judge server to become healthy
     devices: str = ""  # GPUs: CUDA_VISIBLE_DEVICES of the server (e.g. "6,7"); empty: inherited
+    server_per: Literal["node", "dp_group"] = "node"  # one server a node (its first controller starts it), or one per DP group
+    gpu_memory_utilization: float = 0.3  # GPUs: the share of its GPU the judge's vLLM may take (server or in-process)
 
     def validate(self) -> None:
         from yatt_mm.reward.judges import JUDGES  # judges.py builds on this module
@@ -58,6 +60,8 @@ class JudgeConfig:
         JUDGES.get(self.backend)
         if self.votes < 1:
             raise ValueError(f"votes must be >= 1, got {self.votes}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -152,7 +156,8 @@ class InProcessJudge:
         from yatt_mm.engines.engine import EngineConfig, RolloutEngine
 
         self.cfg = cfg
-        self.engine = engine or RolloutEngine(EngineConfig(model=cfg.model))
+        self.engine = engine or RolloutEngine(EngineConfig(model=cfg.model,
+                                                           gpu_memory_utilization=cfg.gpu_memory_utilization))
         self.stats = JudgeStats()
 
     def score(self, items: list[JudgeItem]) -> list[JudgeScore]:

@@ -56,5 +56,47 @@ class Judges:
                 judge.close()
 
 
-def build_judges(weighted: list[WeightedJudge]) -> Judges:
-    return Judges([(w.judge.name, JUDGES.get(w.judge.backend)(w.judge), w.weight) for w in weighted])
+def build_judges(weighted: list[WeightedJudge], comm=None) -> Judges:
+    """Every rank calls it (in-process judges are vLLM engines, whose creation is collective).
+    Inside a job (`comm`, models.comm.Comm), served judges are shared: one server a node (or a
+    DP group, `judge.server_per`), started by the first controller there; the other controllers
+    get its address, and TP peers (which never score) hold no judge for it."""
+    entries = []
+    for w in weighted:
+        if w.judge.backend == "server" and comm is not None:
+            judge = shared_server_judge(w.judge, comm)
+            if judge is None:
+                continue
+        else:
+            judge = JUDGES.get(w.judge.backend)(w.judge)
+        entries.append((w.judge.name, judge, w.weight))
+    return Judges(entries)
+
+
+def shared_server_judge(cfg: JudgeConfig, comm) -> ServerJudge | None:
+    """This rank's client of the judge's server; the rank that should start it starts it. A
+    collective over all ranks (their nodes and the servers' addresses cross on gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    places = torch.tensor([comm.node, int(comm.leader)])
+    everyone = [torch.zeros(2, dtype=places.dtype) for _ in range(comm.world)]
+    dist.all_gather(everyone, places, group=comm.world_cpu)
+    leaders_here = [r for r, (node, leader) in enumerate(t.tolist() for t in everyone) if leader and node == comm.node]
+    starter = comm.rank if cfg.server_per == "dp_group" else min(leaders_here)
+    judge = None
+    if comm.leader and starter == comm.rank:
+        judge = served_judge(cfg)
+        users = 1 if cfg.server_per == "dp_group" else len(leaders_here)
+        print(f"judge {cfg.name}: vLLM server at {judge.base_url} (node {comm.node}) for {users} controller(s)",
+              flush=True)
+    url = torch.zeros(256, dtype=torch.uint8)
+    if judge is not None:
+        raw = judge.base_url.encode()
+        url[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    urls = [torch.zeros_like(url) for _ in range(comm.world)]
+    dist.all_gather(urls, url, group=comm.world_cpu)
+    if judge is not None or not comm.leader:
+        return judge
+    base_url = bytes(b for b in urls[starter].tolist() if b).decode()
+    return ServerJudge(cfg, base_url, cfg.name)  # a client only: the starter owns (and stops) the server

@@ -85,12 +85,39 @@ class RLConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # greedy held-out reward
 
     def validate(self) -> None:
+        self._check_gpu_shares()
+        self._check_rollout_parallel()
         if self.run.placement == "partial":
             local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend != "server"]
             if not self.reward.judges or local:
                 raise ValueError(
                     "run.placement=partial runs the rollout beside GenRM judges served by vLLM servers: "
                     + (f"set backend: server for judge(s) {', '.join(local)}" if local else "configure reward.judges"))
+
+    def _check_gpu_shares(self, limit: float = 0.95) -> None:
+        """On GPUs every vLLM engine takes its share of the GPU when it starts, and a rank's
+        engines all start (the trainer already on the host) before any of them sleeps: the
+        rollout engine, the in-process judges, and a judge server left on the rank's GPUs
+        (no judge.devices) must fit together."""
+        shares = {"rollout.engine": self.rollout.engine.gpu_memory_utilization}
+        for wj in self.reward.judges:
+            if wj.judge.backend == "inprocess" or (wj.judge.backend == "server" and not wj.judge.devices):
+                shares[f"judge {wj.judge.name}"] = wj.judge.gpu_memory_utilization
+        if sum(shares.values()) > limit:
+            raise ValueError(f"vLLM GPU memory shares on one GPU add up to {sum(shares.values()):.2f} > {limit} ("
+                             + ", ".join(f"{k} {v}" for k, v in shares.items()) + "): lower a gpu_memory_utilization "
+                             "or give server judges their own GPUs (judge.devices)")
+
+    def _check_rollout_parallel(self) -> None:
+        tp, trainer_tp = self.rollout.engine.tensor_parallel_size, self.policy.trainer.tensor_parallel
+        if tp not in (1, trainer_tp):
+            raise ValueError(f"rollout.engine.tensor_parallel_size={tp}: an engine spans 1 rank or the ranks of one "
+                             f"DP group (policy.trainer.tensor_parallel={trainer_tp})")
+        local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend == "inprocess"]
+        if tp > 1 and local:
+            raise ValueError(f"rollout.engine.tensor_parallel_size={tp}: vLLM holds one tensor-parallel layout per "
+                             f"process, so in-process judges ({', '.join(local)}) cannot sit beside it; "
+                             "set their backend: server")
 
     def check_world(self, world_size: int) -> None:
         tp = self.policy.trainer.tensor_parallel

@@ -4,41 +4,18 @@ DP group's TP peers). All of it is CPU tensors over the gloo groups of `models.c
 function here takes its group explicitly.
 
 Samples travel without pickle: each is a dict of tensors plus string metadata, packed with
-safetensors (a format with no code in it). A move plan is known to every rank (it comes from
+safetensors (a format with no code in it; `models.comm.pack`). A move plan is known to every rank (it comes from
 metadata all ranks share), so only the byte lengths need one all-reduce before the transfers.
 """
 
 from __future__ import annotations
 
-import json
-import struct
-
 import torch
 import torch.distributed as dist
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
+from models.comm import broadcast_packed, pack, unpack
 from yatt_mm.rl.balance import Move, imbalance, loads_of, plan_moves, sample_cost
 from yatt_mm.rl.samples import TrainSample
-
-
-def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> torch.Tensor:
-    seen: set[int] = set()
-    flat = {}
-    for k, v in tensors.items():
-        v = v.contiguous()
-        ptr = v.untyped_storage().data_ptr()
-        flat[k] = v.clone() if ptr in seen else v  # safetensors refuses tensors sharing memory
-        seen.add(ptr)
-    data = st_save(flat, metadata=meta or {})
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def unpack(buf: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    raw = buf.numpy().tobytes()
-    (header_len,) = struct.unpack("<Q", raw[:8])  # safetensors: u64 header size, JSON header
-    meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__") or {}
-    return st_load(raw), meta
 
 
 def exchange(
@@ -145,13 +122,4 @@ def broadcast_samples(samples: list[TrainSample] | None, src: int, group) -> lis
     """Give every TP rank of a DP group the samples its leader (`src`, a global rank) built."""
     if dist.get_world_size(group) == 1:
         return samples
-    length = torch.zeros(1, dtype=torch.int64)
-    buf = None
-    if dist.get_rank() == src:  # a global rank, as torch.distributed's broadcast takes it
-        buf = pack(*pack_group(samples))
-        length[0] = buf.numel()
-    dist.broadcast(length, src, group=group)
-    if buf is None:
-        buf = torch.empty(int(length), dtype=torch.uint8)
-    dist.broadcast(buf, src, group=group)
-    return unpack_group(*unpack(buf))
+    return unpack_group(*broadcast_packed(pack_group(samples) if dist.get_rank() == src else None, src, group))

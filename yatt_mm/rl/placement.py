@@ -82,13 +82,15 @@ class PhaseRunner:
     each returning seconds: vLLM sleep/wake on GPUs, the trainer's host offload; no-ops for CPU
     engines kept resident."""
 
-    def __init__(self, plan: PlacementPlan, resources: dict[str, list], timeline: Timeline):
+    def __init__(self, plan: PlacementPlan, resources: dict[str, list], timeline: Timeline,
+                 released: tuple[str, ...] = ()):
         self.plan = plan
         self.phases = {p.name: p for p in plan.phases}
         # role -> the objects that hold its memory, e.g. judge engines
         self.resources = {role: objs for role, objs in resources.items() if objs}
         self.timeline = timeline
-        self.level: dict[str, str] = {role: "all" for role in self.resources}  # everything starts resident
+        # roles start resident, but those in `released` (already released by the caller)
+        self.level: dict[str, str] = {role: "none" if role in released else "all" for role in self.resources}
         self.switch_seconds = 0.0
 
     @contextmanager

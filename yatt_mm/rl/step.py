@@ -20,8 +20,12 @@ def rl_step(run, step: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
     groups = []
     if ranks.leader:  # each DP group on its own, then only metadata and moved groups cross
-        groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
+        with run.engine.lead():
+            groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
         metrics |= rollout.summed(ranks.leaders_cpu).metrics(run.rule_names, run.judges.names)
+    else:  # a TP peer; with an engine over the DP group's ranks, it replays the controller's calls
+        with phases.phase(phases.plan.phases[0].name, step):
+            run.engine.follow()
         if cfg.run.balance and ranks.dp_size > 1:
             with phases.phase("balance", step):
                 groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders_cpu)
@@ -54,10 +58,11 @@ def sync_weights(run, step: int) -> dict[str, float]:
 
 
 def push_weights(run) -> dict[str, float]:
-    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP).
-    In the "sync" phase: the trainer on the device, the engine's weights awake, its KV cache not."""
+    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP;
+    an engine over the group's ranks loads its shards on each). In the "sync" phase: the trainer
+    on the device, the engine's weights awake, its KV cache not."""
     weights = run.trainer.export_hf()
-    if not run.ranks.leader:
+    if not run.ranks.leader and run.cfg.rollout.engine.tensor_parallel_size == 1:
         return {}
     info = run.engine.update_weights(weights.items())
     return {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
@@ -70,14 +75,23 @@ def probe_sync(run, step: int) -> dict[str, float]:
     if not run.cfg.run.check_sync:
         return {}
     with run.phases.phase("probe", step):
-        probe = run.controller.probe() if run.ranks.leader else []
+        probe = []
+        if run.ranks.leader:
+            with run.engine.lead():
+                probe = run.controller.probe()
+        else:
+            run.engine.follow()
         return run.actor.check_sync(broadcast_samples(probe, run.ranks.tp_src, run.ranks.tp_cpu))
 
 
 def evaluate(run, step: int) -> dict[str, float]:
     """Greedy held-out reward, over every DP group (a collective over the leaders)."""
-    if not run.ranks.leader or run.eval_prompts is None or not run.cfg.eval.every:
+    if not (run.cfg.eval.every and run.cfg.eval.shards):
         return {}
-    score, n = run.controller.evaluate(run.eval_prompts, run.eval_rule, run.cfg.eval.max_tokens, step)
+    if not run.ranks.leader:
+        run.engine.follow()
+        return {}
+    with run.engine.lead():
+        score, n = run.controller.evaluate(run.eval_prompts, run.eval_rule, run.cfg.eval.max_tokens, step)
     total = sum_across({"s": score, "n": n}, run.ranks.leaders_cpu)
     return {"eval/reward_mean": total["s"] / max(total["n"], 1)}

@@ -59,15 +59,21 @@ class Run:
         reference = ReferencePolicy(self.policy_dir, cfg.policy.trainer) if cfg.algorithm.kl_coef > 0 else None
         self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id,
                            cfg.run.max_logprob_diff, reference)
-        # Every rank starts its engines, TP peers included (theirs stay idle): an in-process vLLM
-        # engine creates its process groups with collectives over all ranks, so a rank that
-        # skipped it would leave the others waiting forever.
+        # Every rank starts its engines, TP peers included: vLLM inside torchrun ranks creates its
+        # process groups with collectives over all ranks. With rollout.engine.tensor_parallel_size
+        # equal to the trainer's TP, one engine spans the DP group's ranks (its controller leads,
+        # the peers replay); at 1, each rank has its own and the peers' stay idle. The trainer
+        # goes to the host first (on GPUs), so vLLM finds the memory share it asks for.
+        self.trainer.release()
         cfg.rollout.engine.model = self.policy_dir
+        cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
         self.engine = RolloutEngine(cfg.rollout.engine)
-        self.judges = build_judges(cfg.reward.judges)
+        self.engine.join(ranks.tp_cpu, ranks.tp_src)
+        self.judges = build_judges(cfg.reward.judges, ranks)
         self.rule_names = [f.name for f in cfg.reward.functions]
         self.phases = PhaseRunner(PLANS[cfg.run.placement](), {
-            "rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer]}, self.timeline)
+            "rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer]}, self.timeline,
+            released=("train",))
         self.controller = self.eval_prompts = None
         self.eval_rule = get_rule(cfg.eval.reward)
         if ranks.leader:
@@ -116,7 +122,8 @@ def train(cfg: RLConfig) -> int:
     run = Run(cfg)
     if run.ranks.rank == 0:
         print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP "
-              f"{run.ranks.world // run.ranks.dp_size}, run dir {run.run_dir}\n{run.phases.plan.describe()}", flush=True)
+              f"{run.ranks.world // run.ranks.dp_size}, rollout engines of {run.engine.tensor_parallel} "
+              f"rank(s), run dir {run.run_dir}\n{run.phases.plan.describe()}", flush=True)
     start = resume(run) if cfg.run.resume else 0
     if start == 0 and (m := evaluate(run, -1)):
         run.metrics.log(0, m)
