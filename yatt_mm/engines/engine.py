@@ -95,9 +95,11 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     # Inside the ranks of a job (torchrun), vLLM's own mode for that: the engine joins the job's
     # process group, sits on LOCAL_RANK's GPU, and spans `tensor_parallel_size` consecutive ranks
     # (one DP group), each of which must submit the same requests. A lone process: one engine.
+    import os
+
     import torch.distributed as dist
 
-    in_job = dist.is_initialized()
+    in_job = dist.is_initialized() and "RANK" in os.environ  # torchrun's ranks (a lone process: no RANK)
     kwargs["distributed_executor_backend"] = "external_launcher" if in_job else "uni"
     kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
     if cfg.tensor_parallel_size > 1 and not in_job:

@@ -23,13 +23,13 @@ def rl_step(run, step: int) -> dict[str, float]:
         with run.engine.lead():
             groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
         metrics |= rollout.summed(ranks.leaders_cpu).metrics(run.rule_names, run.judges.names)
-    else:  # a TP peer; with an engine over the DP group's ranks, it replays the controller's calls
-        with phases.phase(phases.plan.phases[0].name, step):
-            run.engine.follow()
         if cfg.run.balance and ranks.dp_size > 1:
             with phases.phase("balance", step):
                 groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders_cpu)
             metrics |= moved
+    else:  # a TP peer; with an engine over the DP group's ranks, it replays the controller's calls
+        with phases.phase(phases.plan.phases[0].name, step):
+            run.engine.follow()
     samples = broadcast_samples([s for g in groups for s in g], ranks.tp_src, ranks.tp_cpu)
     with phases.phase("logprobs", step):
         minis = run.actor.prepare(samples)
