@@ -34,6 +34,9 @@ class TrainerConfig:
     # Between its phases (RL: during rollout and judging) the trainer's weights and optimizer state
     # wait in pinned host memory and its gradient buffers are freed. auto: with a GPU, not on CPU
     offload: Literal["auto", "always", "never"] = "auto"
+    # activation recompute in the vision tower and the language model (models/qwen2vl/config.py):
+    # selective = core attention, full = whole layers; same gradients, less activation memory
+    recompute: Literal["none", "selective", "full"] = "none"
 
     @property
     def offloads(self) -> bool:
@@ -207,7 +210,8 @@ def build_module(hf_dir: str, spec: Qwen2VLSpec, cfg: TrainerConfig) -> torch.nn
     from models.qwen2vl.convert import load_hf_into
     from models.qwen2vl.model import Qwen2VLModel
 
-    module = Qwen2VLModel(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel)
+    module = Qwen2VLModel(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
+                          cfg.recompute)
     module = module.to(_device())
     load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
     return module

@@ -101,9 +101,19 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-def _common(dtype: torch.dtype, tp: int) -> dict:
+# Activation recompute: "selective" recomputes each layer's core attention in the backward pass
+# (its softmax probabilities are the largest activations of long sequences), "full" the whole of
+# every layer (only the layers' inputs are kept). Gradients are the same; memory is traded for compute.
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def _common(dtype: torch.dtype, tp: int, recompute: str = "none") -> dict:
     # Fusions need Apex/TE or CUDA kernels; the plain paths are exact and work everywhere.
-    return dict(
+    return dict(**RECOMPUTE[recompute],
         tensor_model_parallel_size=tp,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -120,7 +130,7 @@ def _common(dtype: torch.dtype, tp: int) -> dict:
     )
 
 
-def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1):
+def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none"):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -137,11 +147,11 @@ def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: i
         add_bias_linear=False,
         add_qkv_bias=True,
         mrope_section=list(spec.mrope_section),
-        **_common(dtype, tp),
+        **_common(dtype, tp, recompute),
     )
 
 
-def vision_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1):
+def vision_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none"):
     """Qwen2-VL: LayerNorm and a quick-GELU MLP; Qwen2.5-VL: RMSNorm and a gated SiLU MLP, both
     with biases on every linear."""
     from megatron.core.transformer import TransformerConfig
@@ -162,5 +172,5 @@ def vision_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int
         add_bias_linear=True,
         add_qkv_bias=True,
         **arch,
-        **_common(dtype, tp),
+        **_common(dtype, tp, recompute),
     )

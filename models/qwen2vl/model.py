@@ -54,7 +54,7 @@ class VLMInputs:
 class Qwen2VLModel(nn.Module):
     """Forward returns logits [b, s, vocab / tp] (vocab-parallel under tensor parallelism)."""
 
-    def __init__(self, spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1):
+    def __init__(self, spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none"):
         super().__init__()
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -68,8 +68,8 @@ class Qwen2VLModel(nn.Module):
 
         self.spec = spec
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
-        self.config = language_config(spec, dtype, tp)
-        self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp))
+        self.config = language_config(spec, dtype, tp, recompute)
+        self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp, recompute))
         self.language = GPTModel(
             config=self.config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),

@@ -1,0 +1,69 @@
+"""Activation recompute of the tiny Megatron Qwen2-VL: one long image + text micro-batch, the
+same weights built three times (recompute none, selective, full). Prints one JSON line: the
+largest gradient difference to no recompute, and the bytes autograd keeps for the backward pass
+(tensors saved during the forward, counted once per storage), per setting.
+
+    python tests/dist/recompute.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import models  # noqa: F401 - CPU runtime hooks first
+import torch
+
+from dataio.synth import colour_image
+from models.comm import init_parallel
+from models.qwen2vl.config import Qwen2VLSpec
+from models.qwen2vl.model import VLMInputs
+from models.tiny import tiny_model_dir
+from models.trainer import TrainerConfig, build_module
+
+
+def saved_bytes_and_grads(path: str, spec, batch, recompute: str) -> tuple[int, dict[str, torch.Tensor]]:
+    module = build_module(path, spec, TrainerConfig(recompute=recompute)).train()
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    inputs = VLMInputs.from_processor(spec, batch)
+    labels = torch.roll(inputs.input_ids, -1, 1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = module(inputs)
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}  # saved, but not activations
+    kept = sum(n for ptr, n in storages.items() if ptr not in weights)
+    loss = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).sum()
+    loss.backward()
+    return kept, {n: p.grad.clone() if p.grad is not None else p.main_grad.clone()
+                  for n, p in module.named_parameters()}
+
+
+def main() -> None:
+    from transformers import AutoProcessor
+
+    init_parallel(1)
+    path = str(tiny_model_dir("policy"))
+    spec = Qwen2VLSpec.from_hf_dir(path)
+    processor = AutoProcessor.from_pretrained(path)
+    sample = colour_image(random.Random(0))
+    long_text = " ".join(["describe the square and its colour in detail"] * 60)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": long_text}]}]
+    batch = dict(processor(text=[processor.apply_chat_template(msgs, add_generation_prompt=True)],
+                           images=[sample.image], return_tensors="pt"))
+    result = {"tokens": int(batch["input_ids"].shape[1])}
+    base_bytes, base = saved_bytes_and_grads(path, spec, batch, "none")
+    result["saved_bytes"] = {"none": base_bytes}
+    scale = max(float(g.abs().max()) for g in base.values())
+    for mode in ("selective", "full"):
+        kept, grads = saved_bytes_and_grads(path, spec, batch, mode)
+        result["saved_bytes"][mode] = kept
+        result[f"{mode}_grad_max_diff"] = max(float((grads[n] - base[n]).abs().max()) for n in base) / scale
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
