@@ -37,6 +37,8 @@ class TrainerConfig:
     # activation recompute in the vision tower and the language model (models/qwen2vl/config.py):
     # selective = core attention, full = whole layers; same gradients, less activation memory
     recompute: Literal["none", "selective", "full"] = "none"
+    # Megatron's DistributedOptimizer (ZeRO-1): Adam state and fp32 master weights sharded over DP
+    distributed_optimizer: bool = True
 
     @property
     def offloads(self) -> bool:
@@ -78,12 +80,15 @@ class VLMTrainer:
         self.module = module
         self.config = module.config
         self.model = DistributedDataParallel(
-            config=self.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=module)
+            config=self.config, module=module,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                     use_distributed_optimizer=cfg.distributed_optimizer))
         self.config.finalize_model_grads_func = finalize_model_grads  # the DP grad all-reduce
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad,
-                            bf16=dtype == torch.bfloat16, params_dtype=dtype),
+                            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                            use_distributed_optimizer=cfg.distributed_optimizer),
             [self.model])
         self.device = _device()
         self._weights, self._state = HostOffload(), HostOffload()  # what release() moved to the host
@@ -173,6 +178,26 @@ class VLMTrainer:
             metrics[f"train/{key}"] = float(sum(float(r[key]) for r in reduced))
         return metrics
 
+    # -- checkpoint state ----------------------------------------------------------------------
+    def optimizer_state(self) -> dict:
+        """What a checkpoint keeps of this rank's optimizer. The distributed optimizer's own
+        state_dict() leaves out the rank's shard (Adam moments, fp32 master weights, which it
+        saves through its sharded path): added here, so a rank's file restores it bit for bit."""
+        state = {"megatron": self.optimizer.state_dict()}
+        if self.cfg.distributed_optimizer:
+            state["shards"] = [{"state": opt.optimizer.state_dict(),
+                                "params": [p.detach() for g in opt.optimizer.param_groups for p in g["params"]]}
+                               for opt in _inner(self.optimizer)]
+        return state
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["megatron"])
+        for opt, shard in zip(_inner(self.optimizer), state.get("shards", [])):
+            opt.optimizer.load_state_dict(shard["state"])
+            with torch.no_grad():
+                for p, saved in zip([p for g in opt.optimizer.param_groups for p in g["params"]], shard["params"]):
+                    p.copy_(saved)
+
     # -- weights -----------------------------------------------------------------------------
     def export_hf(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         from models.qwen2vl.convert import export_hf
@@ -239,6 +264,10 @@ def _token_scores(logits: torch.Tensor, mb: MicroBatch, device: torch.device, wi
     lp = zeros.masked_scatter(where, token_logprobs(picked, labels[where]))
     entropy = zeros.masked_scatter(where, token_entropy(picked)) if with_entropy else None
     return lp, entropy
+
+
+def _inner(optimizer) -> list:
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
 
 
 def _device() -> torch.device:

@@ -22,7 +22,9 @@ def _trainer(seed: int):
     opt = torch.optim.Adam(module.parameters(), lr=0.1)
     module(torch.randn(3, 4)).sum().backward()
     opt.step()  # optimizer state that must come back exactly
-    return SimpleNamespace(module=module, optimizer=opt, cfg=SimpleNamespace(tensor_parallel=1))
+    # a stand-in for VLMTrainer: its checkpoint interface over a plain module and Adam
+    return SimpleNamespace(module=module, optimizer=opt, cfg=SimpleNamespace(tensor_parallel=1, distributed_optimizer=False),
+                           optimizer_state=opt.state_dict, load_optimizer_state=opt.load_state_dict)
 
 
 class _Source:
@@ -85,7 +87,7 @@ def test_incomplete_or_damaged_checkpoints_are_never_used(tmp_path):
     done = tmp_path / "solo" / "step_1" / "done_rank0"
     with torch.no_grad():
         trainer.module[0].weight[0, 0] = torch.nextafter(trainer.module[0].weight[0, 0], torch.tensor(9.0))
-    torch.save({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(), "step": 1,
+    torch.save({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer_state(), "step": 1,
                 "world": 1, "tensor_parallel": 1}, tmp_path / "solo" / "step_1" / "trainer_rank0.pt")
     with pytest.raises(RuntimeError, match="damaged"):  # one float one ulp off: the hash says so
         load_trainer(tmp_path / "solo" / "step_1", _trainer(1), rank=0, world=1)

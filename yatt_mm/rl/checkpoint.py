@@ -67,7 +67,7 @@ def state_digest(state: dict) -> str:
 
 
 def trainer_digest(trainer) -> str:
-    return state_digest({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict()})
+    return state_digest({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer_state()})
 
 
 def _clone(obj):
@@ -124,8 +124,9 @@ class Checkpointer:
         """Snapshot now (the caller's next step may change everything), write later."""
         self.wait()
         t0 = time.perf_counter()
-        snapshot = {"model": _clone(trainer.module.state_dict()), "optimizer": _clone(trainer.optimizer.state_dict()),
-                    "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel}
+        snapshot = {"model": _clone(trainer.module.state_dict()), "optimizer": _clone(trainer.optimizer_state()),
+                    "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel,
+                    "distributed_optimizer": trainer.cfg.distributed_optimizer}
         ctrl = controller_state(controller) if controller is not None else None
         seconds = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._write_guarded, args=(step, snapshot, ctrl, dp_rank),
@@ -263,8 +264,11 @@ def load_trainer(ckpt: Path, trainer, rank: int, world: int) -> int:
     if state["world"] != world or state["tensor_parallel"] != trainer.cfg.tensor_parallel:
         raise RuntimeError(f"{ckpt} was written by {state['world']} ranks at TP {state['tensor_parallel']}; "
                            f"this run has {world} ranks at TP {trainer.cfg.tensor_parallel}")
+    if state.get("distributed_optimizer", False) != trainer.cfg.distributed_optimizer:
+        raise RuntimeError(f"{ckpt} was written with policy.trainer.distributed_optimizer="
+                           f"{state.get('distributed_optimizer', False)}; set it the same to resume")
     trainer.module.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.load_optimizer_state(state["optimizer"])
     want = json.loads((ckpt / f"done_rank{rank}").read_text())["sha256"]
     if trainer_digest(trainer) != want:
         raise RuntimeError(f"{ckpt}: rank {rank}'s restored weights and optimizer state do not hash to what was "
