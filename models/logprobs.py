@@ -35,6 +35,24 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.log(z) + m.squeeze(-1) - ex / z
 
 
+@torch.no_grad()
+def label_is_argmax(logits: torch.Tensor, labels: torch.Tensor, tol: float = 1e-5) -> torch.Tensor:
+    """Per token, whether the label is the most likely token (what greedy decoding would pick),
+    from vocab-parallel logits: the largest logprob is -log sum exp(x - max x)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    x = logits.float()
+    m = x.max(-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    z = torch.exp(x - m).sum(-1)
+    if tp > 1:
+        dist.all_reduce(z, group=group)
+    return token_logprobs(logits, labels) >= -torch.log(z) - tol
+
+
 def next_token_labels(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
     """Labels aligned with logits: position t predicts token t + 1 (the last one predicts pad)."""
     labels = torch.full_like(input_ids, pad_id)
