@@ -19,38 +19,34 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the full distribution per token, from vocab-parallel logits."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     x = logits.float()
-    m = x.max(-1, keepdim=True).values
-    if tp > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(x - m)
-    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
-    if tp > 1:
-        dist.all_reduce(sums, group=group)
-    z, ex = sums
-    return torch.log(z) + m.squeeze(-1) - ex / z
+    m, (z, ex) = _vocab_sums(x, with_mean=True)
+    return torch.log(z) + m - ex / z
 
 
 @torch.no_grad()
 def label_is_argmax(logits: torch.Tensor, labels: torch.Tensor, tol: float = 1e-5) -> torch.Tensor:
     """Per token, whether the label is the most likely token (what greedy decoding would pick),
     from vocab-parallel logits: the largest logprob is -log sum exp(x - max x)."""
+    _, (z,) = _vocab_sums(logits.float())
+    return token_logprobs(logits, labels) >= -torch.log(z) - tol
+
+
+def _vocab_sums(x: torch.Tensor, with_mean: bool = False):
+    """Over the full vocabulary (the TP ranks' slices together): the max logit m per token, and
+    sum exp(x - m) (with `with_mean`, also sum exp(x - m) * x), as [k, ...] scalars per token."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    x = logits.float()
     m = x.max(-1, keepdim=True).values
     if tp > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    z = torch.exp(x - m).sum(-1)
+    e = torch.exp(x - m)
+    sums = torch.stack([e.sum(-1), (e * x).sum(-1)] if with_mean else [e.sum(-1)])
     if tp > 1:
-        dist.all_reduce(z, group=group)
-    return token_logprobs(logits, labels) >= -torch.log(z) - tol
+        dist.all_reduce(sums, group=group)
+    return m.squeeze(-1), sums
 
 
 def next_token_labels(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:

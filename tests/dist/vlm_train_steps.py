@@ -94,7 +94,7 @@ def main() -> int:
     # vocab-parallel entropy and logprobs agree with the full-vocabulary computation
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from models.logprobs import token_entropy, token_logprobs
+    from models.logprobs import label_is_argmax, token_entropy, token_logprobs
 
     with torch.no_grad():
         logits = trainer.model(batches[0].inputs)
@@ -102,7 +102,9 @@ def main() -> int:
         ref_lp = torch.log_softmax(full, -1).gather(-1, batches[0].labels[..., None])[..., 0]
         ref_ent = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
         entropy_ok = bool(torch.allclose(token_entropy(logits), ref_ent, atol=1e-3)
-                          and torch.allclose(token_logprobs(logits, batches[0].labels), ref_lp, atol=1e-3))
+                          and torch.allclose(token_logprobs(logits, batches[0].labels), ref_lp, atol=1e-3)
+                          and torch.equal(label_is_argmax(logits, batches[0].labels),
+                                          full.argmax(-1) == batches[0].labels))
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(ps.get_data_parallel_world_size())]
     dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())
