@@ -72,7 +72,7 @@ class RolloutStats:
         }
 
 
-TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "sync", "eval")
+TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "sync", "probe", "eval")
 
 
 def time_metrics(timeline: Timeline, step: int, seconds: float, group) -> dict[str, float]:
