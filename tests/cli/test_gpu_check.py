@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_on_cpu_and_its_checks_pass():
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu", "--steps", "2", "--rounds", "1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})

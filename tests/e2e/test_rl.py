@@ -461,6 +461,7 @@ def test_a_live_run_dir_is_refused_and_killing_the_launcher_stops_the_run(tmp_pa
                 p.kill()
 
 
+@pytest.mark.slow
 def test_two_node_launch_finishes_with_a_checkpoint_and_exactly_once_data(tmp_path, warm_policy):
     """`yatt-mm rl --nnodes 2 --node-rank R --master-addr --master-port`, run twice as two
     machines would (one rank each, 127.0.0.1): torchrun's static rendezvous joins them into one
