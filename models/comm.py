@@ -69,7 +69,6 @@ class Comm:
     dp_rank: int
     dp_size: int
     node: int  # torchrun's node rank (GROUP_RANK)
-    local_rank: int
     device: torch.device  # where tensors of the accelerator groups live
     tp: object  # Megatron's TP group (accelerator)
     dp: object  # Megatron's DP group (accelerator)
@@ -133,7 +132,7 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234) -> Comm:
     dp_cpu = [_gloo(r) for r in dp_groups][rank % tp_size]
     _comm = Comm(rank=rank, world=world, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size,
                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                 node=int(os.environ.get("GROUP_RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                 node=int(os.environ.get("GROUP_RANK", 0)),
                  device=accelerator_device(), tp=ps.get_tensor_model_parallel_group(),
                  dp=ps.get_data_parallel_group(), world_cpu=world_cpu, tp_cpu=tp_cpu, dp_cpu=dp_cpu,
                  leaders_cpu=dp_cpu if rank % tp_size == 0 else None)

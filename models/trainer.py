@@ -13,7 +13,7 @@ from typing import Callable, Literal
 
 import torch
 
-from models.comm import comm
+from models.comm import accelerator_device, comm
 from models.offload import HostOffload, optimizer_tensors
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 from models.qwen2vl.config import Qwen2VLSpec
@@ -90,7 +90,7 @@ class VLMTrainer:
                             bf16=dtype == torch.bfloat16, params_dtype=dtype,
                             use_distributed_optimizer=cfg.distributed_optimizer),
             [self.model])
-        self.device = _device()
+        self.device = accelerator_device()
         self._weights, self._state = HostOffload(), HostOffload()  # what release() moved to the host
 
     # -- placement ---------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class ReferencePolicy:
     uses, so it costs device memory only while the step's reference logprobs are computed."""
 
     def __init__(self, hf_dir: str, cfg: TrainerConfig):
-        self.device = _device()
+        self.device = accelerator_device()
         self.module = build_module(hf_dir, Qwen2VLSpec.from_hf_dir(hf_dir), cfg).eval().requires_grad_(False)
         self._offload()
 
@@ -237,7 +237,7 @@ def build_module(hf_dir: str, spec: Qwen2VLSpec, cfg: TrainerConfig) -> torch.nn
 
     module = Qwen2VLModel(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
                           cfg.recompute)
-    module = module.to(_device())
+    module = module.to(accelerator_device())
     load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
     return module
 
@@ -268,7 +268,3 @@ def _token_scores(logits: torch.Tensor, mb: MicroBatch, device: torch.device, wi
 
 def _inner(optimizer) -> list:
     return getattr(optimizer, "chained_optimizers", None) or [optimizer]
-
-
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

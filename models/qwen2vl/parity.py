@@ -33,14 +33,6 @@ def probes(seed: int = 0) -> dict[str, tuple[list, dict]]:
     }
 
 
-def init_distributed(tp: int) -> tuple[int, int]:
-    """torchrun's environment when present, else a one-process gloo group."""
-    from megatron.core import parallel_state
-
-    init_parallel(tp, seed=0)
-    return parallel_state.get_tensor_model_parallel_rank(), tp
-
-
 def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -58,7 +50,7 @@ def run_parity(hf_dir: str, tp: int = 1) -> dict[str, float]:
     from models.qwen2vl.convert import load_hf_into
     from models.qwen2vl.model import Qwen2VLModel, VLMInputs
 
-    tp_rank, tp = init_distributed(tp)
+    tp_rank = init_parallel(tp, seed=0).tp_rank  # torchrun's ranks, or one local process
     spec = Qwen2VLSpec.from_hf_dir(hf_dir)
     model = Qwen2VLModel(spec, torch.float32, tp).eval()
     load_hf_into(model, hf_dir, tp_rank, tp)
