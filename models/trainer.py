@@ -204,6 +204,13 @@ class VLMTrainer:
 
         return export_hf(self.module, self.tp_group, dtype)
 
+    def export_hf_buckets(self, bucket_mb: float, dtype: torch.dtype | None = None):
+        """The same tensors as `export_hf`, built and handed out a bucket of ~bucket_mb at a time
+        (a collective over TP: every TP rank iterates to the end)."""
+        from models.qwen2vl.convert import export_hf_buckets
+
+        return export_hf_buckets(self.module, self.tp_group, dtype, int(bucket_mb * 2**20))
+
 
 class ReferencePolicy:
     """The frozen starting weights, for the KL penalty: the same Megatron model and parallel

@@ -8,6 +8,8 @@ rank's shard: `shard` / `gather`, driven by the attributes Megatron puts on its 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -124,14 +126,20 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: Qwen2VLSpec) -> dict[str, 
 
 def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen2VLSpec,
                    prefixes: tuple[str, str] = ("model.", "visual.")) -> dict[str, torch.Tensor]:
-    """Full Megatron tensors -> HF names (by default the layout transformers 5 saves)."""
+    """Full Megatron tensors -> HF names (by default the layout transformers 5 saves). `full` may
+    hold only some sync units (see `sync_unit`), each complete: those are converted."""
     t, v = prefixes
-    out = {f"{t}embed_tokens.weight": full["language.embedding.word_embeddings.weight"],
-           f"{t}norm.weight": full["language.decoder.final_layernorm.weight"]}
-    if not spec.tie_word_embeddings:
+    out = {}
+    for src, dst in (("language.embedding.word_embeddings.weight", f"{t}embed_tokens.weight"),
+                     ("language.decoder.final_layernorm.weight", f"{t}norm.weight")):
+        if src in full:
+            out[dst] = full[src]
+    if not spec.tie_word_embeddings and "language.output_layer.weight" in full:
         out["lm_head.weight"] = full["language.output_layer.weight"]
     for i in range(spec.num_layers):
         src, dst = f"language.decoder.layers.{i}.", f"{t}layers.{i}."
+        if src + "self_attention.linear_qkv.weight" not in full:
+            continue
         for a, b in _LAYER.items():
             out[dst + a] = full[src + b]
         for kind in ("weight", "bias"):
@@ -139,10 +147,13 @@ def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen2VLSpec,
             out[f"{dst}self_attn.q_proj.{kind}"], out[f"{dst}self_attn.k_proj.{kind}"], out[f"{dst}self_attn.v_proj.{kind}"] = q, k, vv
         gate, up = full[src + "mlp.linear_fc1.weight"].chunk(2)
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-    patch = (spec.vision_embed_dim, spec.in_channels, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
-    out[f"{v}patch_embed.proj.weight"] = full["vision.patch_embed.weight"].reshape(patch)
+    if "vision.patch_embed.weight" in full:
+        patch = (spec.vision_embed_dim, spec.in_channels, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        out[f"{v}patch_embed.proj.weight"] = full["vision.patch_embed.weight"].reshape(patch)
     for i in range(spec.vision_depth):
         src, dst = f"vision.decoder.layers.{i}.", f"{v}blocks.{i}."
+        if src + "self_attention.linear_qkv.weight" not in full:
+            continue
         for a, b in (_VISION_LAYER_25 if spec.is_qwen25 else _VISION_LAYER).items():
             out[dst + a] = full[src + b]
         for kind in ("weight", "bias"):
@@ -151,9 +162,21 @@ def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen2VLSpec,
             if spec.is_qwen25:
                 gate, up = full[f"{src}mlp.linear_fc1.{kind}"].chunk(2)
                 out[f"{dst}mlp.gate_proj.{kind}"], out[f"{dst}mlp.up_proj.{kind}"] = gate, up
-    for a, b in _merger_keys(spec):
-        out[f"{v}merger.{a}"] = full[f"vision.merger.{b}"]
+    if "vision.merger.fc1.weight" in full:
+        for a, b in _merger_keys(spec):
+            out[f"{v}merger.{a}"] = full[f"vision.merger.{b}"]
     return out
+
+
+_LAYER_PREFIX = re.compile(r"^(language|vision)\.decoder\.layers\.\d+\.")
+
+
+def sync_unit(name: str) -> str:
+    """The group of Megatron parameters that converts to HF tensors on its own: a transformer
+    layer (its fused QKV and [gate; up] split into several HF tensors that vLLM loads into one
+    fused weight), or one top-level module (embeddings, final norm, head, patch embed, merger)."""
+    layer = _LAYER_PREFIX.match(name)
+    return layer.group(0) if layer else ".".join(name.split(".")[:2])
 
 
 _GATED_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.linear_fc1\.weight$")
@@ -211,6 +234,36 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, t
 
 def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """HF-named full tensors of the model (gathered over the TP group); every TP rank gets them."""
-    full = {name: gather(name, p, tp_group, model.spec.is_qwen25) for name, p in model.named_parameters()}
-    hf = megatron_to_hf(full, model.spec)
-    return {k: (t.to(dtype) if dtype else t).contiguous() for k, t in hf.items()}
+    return {k: t for bucket in export_hf_buckets(model, tp_group, dtype, bucket_bytes=None) for k, t in bucket.items()}
+
+
+def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
+                      bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The HF-named full tensors in buckets of at most `bucket_bytes` (None: one bucket, the whole
+    model), built one after another: while the caller uses a bucket nothing else is gathered, so a
+    weight sync holds one bucket, not a copy of the model. A bucket holds whole sync units, so the
+    engine never sees half of a fused weight; a unit larger than `bucket_bytes` is a bucket by
+    itself. A collective over the TP group: every TP rank iterates to the end."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
+    spec, gated = model.spec, model.spec.is_qwen25
+    bucket: dict[str, torch.Tensor] = {}
+    size, done = 0, set()
+    for unit, params in groupby(model.named_parameters(), key=lambda item: sync_unit(item[0])):
+        if unit in done:  # a unit split across the module order would be converted half
+            raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
+        done.add(unit)
+        params = list(params)
+        unit_bytes = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                         * (dtype or p.dtype).itemsize for _, p in params)
+        if bucket and bucket_bytes is not None and size + unit_bytes > bucket_bytes:
+            yield bucket  # before gathering the next unit: the two never sit side by side
+            bucket, size = {}, 0
+        full = {name: gather(name, p, tp_group, gated) for name, p in params}
+        for k, t in megatron_to_hf(full, spec).items():
+            bucket[k] = (t.to(dtype) if dtype else t).contiguous()
+        size += unit_bytes
+        del full
+    if bucket:
+        yield bucket

@@ -75,6 +75,26 @@ def diffs(trainer, processor, engine, requests, sampling, lengths=None):
     return float(d.max()), float(d.mean())
 
 
+def prompt_diff(trainer, processor, engine, requests) -> float:
+    """Max |logprob diff| over every prompt token, media tokens included: unlike sampled answers,
+    which a trained-to-collapse model gives with probability ~1 whatever its weights, this sees
+    any weight the engine holds differently from the trainer."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    worst = 0.0
+    for req in requests:
+        result = engine.llm.generate([engine._vllm_input(req)], params, use_tqdm=False)[0]
+        ids = result.prompt_token_ids
+        theirs = torch.tensor([d[t].logprob for d, t in zip(result.prompt_logprobs[1:], ids[1:])])
+        mb, _ = build(processor, trainer.spec, engine, req, [])
+        if mb.inputs.input_ids[0].tolist() != list(ids):
+            raise AssertionError("vLLM and the processor tokenise the prompt differently")
+        ours = trainer.logprobs([mb])[0][0, :-1]
+        worst = max(worst, float((ours - theirs).abs().max()))
+    return worst
+
+
 def main() -> int:
     from transformers import AutoProcessor
 
@@ -108,10 +128,26 @@ def main() -> int:
         return -(lp * mask).sum() / mask.sum(), {}
 
     metrics = trainer.train_step([mb], loss_fn)
-    sync = engine.update_weights(trainer.export_hf().items())
+    with torch.no_grad():  # and a change to every tensor that is not small: a layer the sync
+        gen = torch.Generator().manual_seed(0)  # leaves stale then shows in the logprobs
+        for param in trainer.module.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=gen).to(param))
+    # a bucketed sync (as the RL loop does): each bucket holds whole layers, and vLLM keeps the
+    # layers a bucket leaves out; every layer must end up with the new weights
+    whole = trainer.export_hf()
+    sync = {"seconds": 0.0, "bytes": 0.0, "buckets": 0, "largest": 0.0, "keys": []}
+    for bucket in trainer.export_hf_buckets(bucket_mb=0.25):
+        info = engine.update_weights(bucket.items(), partial=True)
+        sync = {"seconds": sync["seconds"] + info["seconds"], "bytes": sync["bytes"] + info["bytes"],
+                "buckets": sync["buckets"] + 1, "largest": max(sync["largest"], info["bytes"]),
+                "keys": sync["keys"] + list(bucket),
+                "equal": sync.get("equal", True) and all(torch.equal(t, whole[k]) for k, t in bucket.items())}
     after_max, after_mean = diffs(trainer, processor, engine, requests, sampling)
+    after_prompt_max = prompt_diff(trainer, processor, engine, requests)
     print(json.dumps({"before_max": before_max, "before_mean": before_mean, "after_max": after_max,
-                      "after_mean": after_mean, "sync_s": sync["seconds"], "sync_bytes": sync["bytes"],
+                      "after_mean": after_mean, "after_prompt_max": after_prompt_max, "sync_s": sync["seconds"], "sync_bytes": sync["bytes"],
+                      "sync_buckets": sync["buckets"], "largest_bucket_bytes": sync["largest"],
+                      "buckets_cover_export": sorted(sync["keys"]) == sorted(whole) and sync["equal"],
                       "grad_norm": metrics["train/grad_norm"], "kind": args.kind,
                       "model_type": trainer.spec.model_type, "positions_equal": same_positions,
                       "response_lengths": lengths}))

@@ -144,3 +144,6 @@ def test_vllm_generates_and_trainer_logprobs_match(tiny25):
     assert result["before_max"] < 1e-3 and result["before_mean"] < 1e-4
     assert result["after_max"] < 1e-3 and result["after_mean"] < 1e-4
     assert result["sync_bytes"] > 1e6
+    # the sync went in buckets (of whole layers) and together they are exactly the full export
+    assert result["sync_buckets"] > 3 and result["largest_bucket_bytes"] < result["sync_bytes"] / 2
+    assert result["buckets_cover_export"] and result["after_prompt_max"] < 1e-3

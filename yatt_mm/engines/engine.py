@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
@@ -246,17 +246,20 @@ class RolloutEngine:
         self.llm = None
         gc.collect()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], partial: bool = False) -> dict[str, float]:
         """Load (HF name, tensor) pairs into the running engine, in place.
 
         vLLM's CPU path keeps pre-packed weight copies, so only its `reload_weights` RPC takes
         effect; the encoder and prefix caches hold results of the old weights and are dropped.
+        `partial`: a bucket of a bucketed sync, whole layers only (vLLM keeps the weights of the
+        layers it does not name, and would warn about each of them).
         """
         self._require("weights", "a weight update")
         tensors = list(named_tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        with _quiet_partial_reload() if partial else nullcontext():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
         return {"seconds": time.perf_counter() - start, "bytes": float(nbytes), "tensors": float(len(tensors))}
@@ -336,6 +339,24 @@ class RolloutEngine:
                     outputs[i] = out
                     on_finished(i, [_to_response(c) for c in out.outputs])
         return outputs
+
+
+@contextmanager
+def _quiet_partial_reload():
+    """vLLM warns about every layer a reload leaves out: expected for one bucket of a sync."""
+    import logging
+
+    expected = ("Failed to load weights", "weights were not loaded from checkpoint")
+    quiet = logging.Filter()
+    quiet.filter = lambda record: not any(e in str(record.msg) for e in expected)
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 def _requests_to(requests: list[Request], sampling: SamplingConfig, streaming: bool):

@@ -60,6 +60,17 @@ class RolloutConfig:
 
 
 @dataclass
+class SyncConfig:
+    # the trainer's weights reach the engine in buckets of about this size, each gathered over TP,
+    # renamed and loaded before the next is built: a sync holds one bucket beside the model
+    bucket_mb: float = 512.0
+
+    def validate(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ValueError(f"sync.bucket_mb must be > 0, got {self.bucket_mb}")
+
+
+@dataclass
 class EvalConfig:
     every: int = 5  # steps; 0 disables
     shards: list[str] = field(default_factory=list)  # held-out data; empty: no eval
@@ -82,6 +93,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # rule rewards and GenRM judges
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantages and the policy loss
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # valid groups only
+    sync: SyncConfig = field(default_factory=SyncConfig)  # trainer -> rollout engine weight sync
     eval: EvalConfig = field(default_factory=EvalConfig)  # greedy held-out reward
 
     def validate(self) -> None:

@@ -58,14 +58,18 @@ def sync_weights(run, step: int) -> dict[str, float]:
 
 
 def push_weights(run) -> dict[str, float]:
-    """Megatron weights -> HF names -> this DP group's engine, in place (a collective over TP;
-    an engine over the group's ranks loads its shards on each). In the "sync" phase: the trainer
-    on the device, the engine's weights awake, its KV cache not."""
-    weights = run.trainer.export_hf()
-    if not run.ranks.leader and run.cfg.rollout.engine.tensor_parallel_size == 1:
-        return {}
-    info = run.engine.update_weights(weights.items())
-    return {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"]}
+    """Megatron weights -> HF names -> this DP group's engine, in place, a bucket of
+    sync.bucket_mb at a time (a collective over TP; an engine over the group's ranks loads its
+    shards on each). In the "sync" phase: the trainer on the device, the engine's weights awake,
+    its KV cache not."""
+    pushes = not (not run.ranks.leader and run.cfg.rollout.engine.tensor_parallel_size == 1)
+    seconds = nbytes = buckets = 0.0
+    for bucket in run.trainer.export_hf_buckets(run.cfg.sync.bucket_mb):
+        if pushes:  # TP peers without an engine still take part in the gathers
+            info = run.engine.update_weights(bucket.items(), partial=True)
+            seconds, nbytes, buckets = seconds + info["seconds"], nbytes + info["bytes"], buckets + 1
+        del bucket
+    return {"sync/seconds": seconds, "sync/bytes": nbytes, "sync/buckets": buckets} if pushes else {}
 
 
 def probe_sync(run, step: int) -> dict[str, float]:
