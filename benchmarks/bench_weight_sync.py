@@ -75,16 +75,10 @@ def main(rounds: int = 5, bucket_mb: float = 16.0) -> None:
 
 
 # -- memory: two ranks under torchrun -------------------------------------------------------
-WIDE = dict(hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=2048, num_layers=8,
-            vision_depth=4, vision_embed_dim=256, vision_heads=4)  # ~36M parameters, 8 layers
-
-
 def sync_memory(bucket_mb: float) -> dict:
-    from models.tiny import TinySpec, build_tiny_model, cache_root
+    from models.tiny import wide_model_dir
 
-    path = cache_root() / "bench-weight-sync-wide"
-    if not (path / "yatt_tiny.json").is_file():
-        build_tiny_model(path, spec=TinySpec(**WIDE))
+    path = wide_model_dir()  # ~36M parameters, 8 text layers
     out = {}
     for mode, mb in (("one_bucket", 1e6), ("bucketed", bucket_mb)):
         env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed tensors leave the process

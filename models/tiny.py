@@ -311,3 +311,23 @@ def tiny_model_dir(kind: str = "policy", seed: int = 0) -> Path:
     """The cached tiny model for (kind, seed), built on first use."""
     path = cache_root() / "tiny" / f"{kind}-seed{seed}-v{_version(kind)}"
     return make_tiny_model(path, kind=kind, seed=seed, replace_broken=True)[0]
+
+
+# For benchmarks: the tiny tokenizer and processors, widths where the layers' matmuls (not
+# Python overhead) take the time: ~36M parameters, 8 text layers, 4 vision blocks.
+WIDE = TinySpec(hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=2048, num_layers=8,
+                vision_depth=4, vision_embed_dim=256, vision_heads=4)
+
+
+def wide_model_dir() -> Path:
+    """The cached WIDE policy, built on first use (a few seconds)."""
+    path = cache_root() / "wide" / f"policy-v{_version('policy')}"
+    if not (path / "yatt_tiny.json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / ".wide.lock", "w") as lock:  # one builder; the others wait, then reuse
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (path / "yatt_tiny.json").is_file():
+                tmp = Path(tempfile.mkdtemp(prefix=".wide.", dir=path.parent))
+                build_tiny_model(tmp, spec=WIDE)
+                os.rename(tmp, path)
+    return path

@@ -15,6 +15,7 @@ import torch
 
 from models.comm import accelerator_device, comm
 from models.offload import HostOffload, optimizer_tensors
+from models.packing import pack
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 from models.qwen2vl.config import Qwen2VLSpec
 from models.qwen2vl.model import VLMInputs
@@ -55,6 +56,8 @@ class MicroBatch:
     # [b, s] bool: the positions whose next-token logprob is needed (RL: the response tokens);
     # logprobs (and entropy) elsewhere are 0 and cost nothing. None: every position.
     score_mask: torch.Tensor | None = None
+    # run the samples as one packed row (models/packing.py); scores come back in the padded layout
+    packed: bool = False
 
     @property
     def labels(self) -> torch.Tensor:
@@ -152,8 +155,7 @@ class VLMTrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            logits = model(mb.inputs.to(self.device))
-            lp, entropy = _token_scores(logits, mb, self.device, with_entropy)
+            lp, entropy = _forward_scores(model, mb, self.device, with_entropy)
             if with_entropy:
                 mb.extra["entropy"] = entropy
             mb.extra = {k: v.to(lp.device) for k, v in mb.extra.items()}  # the loss's tensors beside the logprobs
@@ -170,8 +172,9 @@ class VLMTrainer:
         self.optimizer.zero_grad()
         reduced = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-            num_microbatches=n, seq_length=max(mb.inputs.input_ids.shape[1] for mb in micro_batches),
-            micro_batch_size=micro_batches[0].inputs.input_ids.shape[0], forward_only=False)
+            num_microbatches=n, seq_length=max(_tokens(mb) for mb in micro_batches),
+            micro_batch_size=1 if micro_batches[0].packed else micro_batches[0].inputs.input_ids.shape[0],
+            forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         metrics = {"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok)}
         for key in reduced[0] if reduced else []:
@@ -253,24 +256,44 @@ def build_module(hf_dir: str, spec: Qwen2VLSpec, cfg: TrainerConfig) -> torch.nn
 def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with_entropy: bool):
     out = []
     for mb in micro_batches:
-        lp, entropy = _token_scores(model(mb.inputs.to(device)), mb, device, with_entropy)
+        lp, entropy = _forward_scores(model, mb, device, with_entropy)
         out.append((lp.cpu(), entropy.cpu()) if with_entropy else lp.cpu())
     return out
 
 
-def _token_scores(logits: torch.Tensor, mb: MicroBatch, device: torch.device, with_entropy: bool):
-    """Logprobs of the next tokens [b, s] (differentiable) and, optionally, the entropy [b, s],
-    computed over the vocabulary only where `mb.score_mask` says (the softmax over the vocabulary
-    of every prompt token would be most of the work for short RL answers)."""
-    labels = mb.labels.to(device)
-    if mb.score_mask is None:
+def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: bool):
+    """The forward pass and its per-token scores [b, s], padded or packed (then scattered back)."""
+    labels, where = mb.labels, mb.score_mask
+    if not mb.packed:
+        return _token_scores(model(mb.inputs.to(device)), labels, where, device, with_entropy)
+    row = pack(mb.inputs)
+    logits = model(row.inputs.to(device), row.params)
+    lp, entropy = _token_scores(logits, labels[row.rows, row.cols][None],
+                                None if where is None else where[row.rows, row.cols][None], device, with_entropy)
+    shape = mb.inputs.input_ids.shape
+    return row.unpack(lp, shape), row.unpack(entropy, shape) if with_entropy else None
+
+
+def _token_scores(logits: torch.Tensor, labels: torch.Tensor, where: torch.Tensor | None, device: torch.device,
+                  with_entropy: bool):
+    """Logprobs of the next tokens `labels` (differentiable) and, optionally, the entropy,
+    computed over the vocabulary only where `where` says (the softmax over the vocabulary of
+    every prompt token would be most of the work for short RL answers)."""
+    labels = labels.to(device)
+    if where is None:
         return token_logprobs(logits, labels), token_entropy(logits) if with_entropy else None
-    where = mb.score_mask.to(device)
+    where = where.to(device)
     picked = logits[where]  # [n, vocab / tp]
     zeros = torch.zeros(labels.shape, dtype=torch.float32, device=device)
     lp = zeros.masked_scatter(where, token_logprobs(picked, labels[where]))
     entropy = zeros.masked_scatter(where, token_entropy(picked)) if with_entropy else None
     return lp, entropy
+
+
+def _tokens(mb: MicroBatch) -> int:
+    """The sequence length the model sees: the padded width, or a packed row's real tokens."""
+    return int(mb.inputs.attention_mask.sum()) if mb.packed and mb.inputs.attention_mask is not None \
+        else mb.inputs.input_ids.shape[1]
 
 
 def _inner(optimizer) -> list:

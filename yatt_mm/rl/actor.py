@@ -25,13 +25,14 @@ DEFAULT_MAX_LOGPROB_DIFF = {"fp32": 1e-3, "bf16": 0.1}
 
 class Actor:
     def __init__(self, trainer: VLMTrainer, algorithm: AlgorithmConfig, micro_batch_tokens: int, pad_id: int,
-                 max_logprob_diff: float = 0.0, reference: ReferencePolicy | None = None):
+                 max_logprob_diff: float = 0.0, reference: ReferencePolicy | None = None, packing: bool = False):
         self.trainer = trainer
         self.algorithm = algorithm
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
         self.max_logprob_diff = max_logprob_diff or DEFAULT_MAX_LOGPROB_DIFF[trainer.cfg.dtype]
         self.reference = reference  # frozen starting weights, when algorithm.kl_coef > 0
+        self.packing = packing  # micro-batches as packed rows of real tokens (models/packing.py)
 
     def prepare(self, samples: list[TrainSample]) -> list[list[MicroBatch]]:
         """The step's samples as PPO mini-batches (whole groups), each a list of micro-batches."""
@@ -41,7 +42,7 @@ class Actor:
         return [self.micro_batches(part) for part in mini_batches(samples, self.algorithm.mini_batches)]
 
     def micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
-        return micro_batches(samples, self.micro_batch_tokens, self.trainer.spec, self.pad_id)
+        return micro_batches(samples, self.micro_batch_tokens, self.trainer.spec, self.pad_id, self.packing)
 
     @property
     def fused(self) -> bool:

@@ -24,7 +24,8 @@ class RunConfig:
     name: str = "rl"  # names the default run_dir
     controller: Literal["parallel", "single"] = "parallel"  # single: verl-like baseline, for benchmarks
     placement: Literal["full", "partial"] = "full"  # partial: rollout beside server judges (rl/placement.py)
-    micro_batch_tokens: int = 4096  # rows x longest row per micro-batch
+    micro_batch_tokens: int = 4096  # per micro-batch: rows x longest row, or with packing the real tokens
+    packing: bool = False  # samples concatenated into one row per micro-batch, attention per sample (models/packing.py)
     balance: bool = True  # move groups across DP ranks to even out their cost
     patch_weight: float = 1.0  # cost of a vision patch relative to a text token
     save_final: bool = True  # write the trained policy as an HF directory at the end

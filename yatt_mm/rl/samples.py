@@ -142,20 +142,21 @@ def mini_batches(samples: list[TrainSample], k: int) -> list[list[TrainSample]]:
     return [p or [dataclasses.replace(shortest, masked=True)] for p in parts]
 
 
-def micro_batches(samples: list[TrainSample], max_tokens: int, spec, pad_id: int) -> list[MicroBatch]:
-    """Length-sorted samples packed into right-padded micro-batches of at most `max_tokens`
-    (rows x longest row); a sample longer than that gets a micro-batch of its own."""
+def micro_batches(samples: list[TrainSample], max_tokens: int, spec, pad_id: int, packed: bool = False) -> list[MicroBatch]:
+    """Length-sorted samples in micro-batches of at most `max_tokens`: right-padded (rows x
+    longest row), or with `packed` real tokens only (the trainer runs them as one packed row); a
+    sample longer than that gets a micro-batch of its own."""
     order = sorted(range(len(samples)), key=lambda i: samples[i].text_tokens)
     batches, current = [], []
     for i in order:
-        longest = max([samples[j].text_tokens for j in current] + [samples[i].text_tokens])
-        if current and longest * (len(current) + 1) > max_tokens:
+        rows = [samples[j].text_tokens for j in current] + [samples[i].text_tokens]
+        if current and (sum(rows) if packed else max(rows) * len(rows)) > max_tokens:
             batches.append(current)
             current = []
         current.append(i)
     if current:
         batches.append(current)
-    return [_collate([samples[i] for i in b], spec, pad_id) for b in batches]
+    return [dataclasses.replace(_collate([samples[i] for i in b], spec, pad_id), packed=packed) for b in batches]
 
 
 def _cat(tensors):

@@ -58,7 +58,7 @@ class Run:
         processor = AutoProcessor.from_pretrained(self.policy_dir)
         reference = ReferencePolicy(self.policy_dir, cfg.policy.trainer) if cfg.algorithm.kl_coef > 0 else None
         self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id,
-                           cfg.run.max_logprob_diff, reference)
+                           cfg.run.max_logprob_diff, reference, cfg.run.packing)
         # Every rank starts its engines, TP peers included: vLLM inside torchrun ranks creates its
         # process groups with collectives over all ranks. With rollout.engine.tensor_parallel_size
         # equal to the trainer's TP, one engine spans the DP group's ranks (its controller leads,
