@@ -72,9 +72,18 @@ class Timeline:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(span) + "\n")
 
+    def record(self, name: str, step: int, start: float, end: float, **detail) -> None:
+        """A span inside a phase (one request: its generation, its judging), for overlap
+        measurements and replay; kind "request", so it does not count as phase time."""
+        span = {"rank": self.rank, "step": step, "phase": name, "start": start, "end": end, "kind": "request", **detail}
+        self.spans.append(span)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(span) + "\n")
+
     def seconds(self, step: int) -> dict[str, float]:
         out: dict[str, float] = {}
         for s in self.spans:
-            if s["step"] == step:
+            if s["step"] == step and s.get("kind") != "request":
                 out[s["phase"]] = out.get(s["phase"], 0.0) + s["end"] - s["start"]
         return out

@@ -407,7 +407,8 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
     run_dir = tmp_path / "run"
     server_judge = UNTRAINED_JUDGE.replace("votes: 2", "backend: server, votes: 2")
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "run.save_final=false",
-                   "run.placement=partial", server_judge)
+                   "run.placement=partial", "rollout.engine.max_num_seqs=4", "rollout.sampling.max_tokens=24",
+                   server_judge)  # the engine works through the prompts a few at a time: they finish in turn
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "placement partial: rollout_reward[rollout+judge]" in proc.stdout
@@ -417,6 +418,15 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
     generated = sum(r["rollout/groups_generated"] for r in steps)
     assert steps[-1]["genrm/genrm/scored"] + steps[-1]["genrm/genrm/fallback"] == 4 * generated
     assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 and r["time/reward"] == 0 for r in steps)
+    # judging overlapped generation: from the timeline, judge requests answered while the rollout
+    # engine was still generating (not only: the phase ran), and the overlap metric agrees
+    spans = [json.loads(ln) for ln in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()]
+    waves = [s for s in spans if s["phase"] == "generate"]
+    judged = [s for s in spans if s["phase"] == "judge"]
+    assert len(judged) == sum(w["prompts"] for w in waves) > 0
+    early = [j for j in judged if any(w["step"] == j["step"] and w["start"] <= j["end"] < w["end"] for w in waves)]
+    assert early, "no judge request was answered before generation ended"
+    assert all(0 < r["placement/judge_overlap"] <= 1 for r in steps)
     # the untrained policy never names the colour: dynamic sampling starves, the step goes on masked
     assert all(r["rollout/valid_group_rate"] == 0.0 and r["rollout/padded_groups"] == 4 for r in steps)
     # an in-process judge cannot run beside the in-process rollout engine: refused at start

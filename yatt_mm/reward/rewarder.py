@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import Counter
 
 from dataclasses import dataclass, field
@@ -115,15 +116,24 @@ class RewardStream:
         self.rewarder, self.prompts = rewarder, prompts
         self.responses: list[list[Response] | None] = [None] * len(prompts)
         self.pending: dict[tuple[str, int], concurrent.futures.Future] = {}
+        self.sent: dict[int, float] = {}  # prompt -> when its responses went to the judges
+        self.answered: dict[tuple[str, int], float] = {}  # (judge, prompt) -> when the last verdict came
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="reward-stream", daemon=True)
         self.thread.start()
 
     def add(self, i: int, responses: list[Response]) -> None:
         self.responses[i] = responses
+        self.sent[i] = time.time()
         items = [_item(self.prompts[i], r) for r in responses]
         for name, judge, _ in self.rewarder.judges:
-            self.pending[(name, i)] = asyncio.run_coroutine_threadsafe(_judge_all(judge, items), self.loop)
+            self.pending[(name, i)] = asyncio.run_coroutine_threadsafe(
+                _judge_all(judge, items, lambda key=(name, i): self.answered.__setitem__(key, time.time())), self.loop)
+
+    def judge_spans(self) -> list[dict]:
+        """Each (judge, prompt): when its requests went out and when the last answer came."""
+        return [{"judge": name, "prompt": i, "start": self.sent[i], "end": end}
+                for (name, i), end in sorted(self.answered.items(), key=lambda kv: kv[1])]
 
     def results(self) -> list[tuple[list[float], dict]]:
         try:
@@ -140,8 +150,11 @@ class RewardStream:
         return self.rewarder._combine(self.prompts, self.responses, judged)
 
 
-async def _judge_all(judge: ServerJudge, items: list[JudgeItem]):
-    return await asyncio.gather(*(judge.score_one(it) for it in items))
+async def _judge_all(judge: ServerJudge, items: list[JudgeItem], on_done=None):
+    scores = await asyncio.gather(*(judge.score_one(it) for it in items))
+    if on_done is not None:  # before the future completes: the waiter then sees the time
+        on_done()
+    return scores
 
 
 def reward_metrics(counts: dict[str, float], rule_names: list[str], judge_names: list[str]) -> dict[str, float]:

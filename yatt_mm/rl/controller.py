@@ -6,6 +6,8 @@ in here talks to other DP groups; the loop exchanges only metadata and, when bal
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from yatt_mm.engines.engine import RolloutEngine, SamplingConfig
@@ -40,8 +42,11 @@ class Controller:
         if self.phases.plan.overlaps("rollout", "judge"):  # partial colocation: judge while generating
             with self.phases.phase("rollout_reward", step):
                 stream = self.rewarder.stream(prompts)
+                start = time.time()
                 result = self.engine.generate(requests, self.sampling, on_finished=stream.add)
+                end = time.time()
                 scored = stream.results()
+            self._record_requests(step, start, end, stream, result.responses, stats)
         else:
             with self.phases.phase("rollout", step):
                 result = self.engine.generate(requests, self.sampling)
@@ -50,6 +55,20 @@ class Controller:
         groups = [Group(p, rs, total, parts) for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds)
         return groups
+
+    def _record_requests(self, step: int, start: float, end: float, stream, responses, stats) -> None:
+        """Partial colocation's timeline, request by request: when each prompt's generation
+        finished and when its judging ran; and how much of the judging ran while the engine was
+        still generating (the overlap partial colocation is for)."""
+        timeline = self.phases.timeline
+        timeline.record("generate", step, start, end, prompts=len(responses))
+        for i, done in sorted(stream.sent.items()):
+            timeline.record("generated", step, start, done, prompt=i,
+                            tokens=sum(len(r.token_ids) for r in responses[i]))
+        spans = stream.judge_spans()
+        for span in spans:
+            timeline.record("judge", step, span["start"], span["end"], prompt=span["prompt"], judge=span["judge"])
+        stats.add_overlap(spans, end)
 
     def step(self, step: int, target: int) -> tuple[list[list[TrainSample]], RolloutStats]:
         """Rollout, reward and dynamic sampling until `target` groups, then their training

@@ -29,6 +29,8 @@ class RolloutStats:
     padded: float = 0.0
     waves: float = 0.0
     from_buffer: float = 0.0
+    judge_busy: float = 0.0  # partial colocation: seconds some judge request was open
+    judge_busy_generating: float = 0.0  # of which while the rollout engine was still generating
     reward_counts: dict[str, float] = field(default_factory=dict)  # the rewarder's; same keys on every group
 
     def add_wave(self, groups, seconds: float) -> None:
@@ -39,6 +41,18 @@ class RolloutStats:
             self.reward_sum += sum(g.rewards)
             self.reward_sq_sum += sum(r * r for r in g.rewards)
             self.response_tokens += sum(len(r.token_ids) for r in g.responses)
+
+    def add_overlap(self, judge_spans: list[dict], generation_end: float) -> None:
+        """The union of the judge requests' open intervals, and its part before the end of
+        generation."""
+        merged: list[list[float]] = []
+        for a, b in sorted((s["start"], s["end"]) for s in judge_spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.judge_busy += sum(b - a for a, b in merged)
+        self.judge_busy_generating += sum(max(0.0, min(b, generation_end) - a) for a, b in merged)
 
     def add_choice(self, chosen) -> None:
         """The dynamic sampler's outcome (a StepGroups)."""
@@ -57,6 +71,8 @@ class RolloutStats:
     def metrics(self, rule_names: list[str], judge_names: list[str]) -> dict[str, float]:
         out = {"rollout/groups_generated": self.groups, "rollout/padded_groups": self.padded,
                "rollout/waves": self.waves, "rollout/from_buffer": self.from_buffer}
+        if self.judge_busy:  # partial colocation: the share of judging done while generation ran
+            out["placement/judge_overlap"] = self.judge_busy_generating / self.judge_busy
         out.update(reward_metrics(self.reward_counts, rule_names, judge_names))
         if not self.responses:  # the whole step came from dynamic sampling's buffer
             return out
