@@ -13,16 +13,17 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def demo_rl_records(steps: int, *settings: str, inspect: Callable[[Path], None] | None = None) -> list[dict]:
-    """Metrics records of the demo's config run for `steps` steps on 2 ranks, with the demo's
-    data and cached warm starts, no eval and no final save, plus `settings`. `inspect(run_dir)`
-    sees the run directory before it is deleted."""
+def demo_rl_records(steps: int, *settings: str, inspect: Callable[[Path], None] | None = None,
+                    nproc: int = 2) -> list[dict]:
+    """Metrics records of the demo's config run for `steps` steps on `nproc` ranks, with the
+    demo's data and cached warm starts, no eval and no final save, plus `settings`.
+    `inspect(run_dir)` sees the run directory before it is deleted."""
     from yatt_mm.demo import DATA, make_data
 
     os.chdir(ROOT)  # the demo's data directory is relative to the repo root
     make_data()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+        cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", str(nproc),
                f"run.run_dir={tmp}/run", f"run.steps={steps}", f"data.shards=[{DATA / 'train'}]", "eval.every=0",
                "run.save_final=false", *settings]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)

@@ -46,29 +46,39 @@ class Controller:
                 result = self.engine.generate(requests, self.sampling, on_finished=stream.add)
                 end = time.time()
                 scored = stream.results()
-            self._record_requests(step, start, end, stream, result.responses, stats)
+            self._record_generation(step, start, end, stream.sent, result.responses)
+            spans = stream.judge_spans()
+            for span in spans:
+                self.phases.timeline.record("judge", step, span["start"], span["end"], prompt=span["prompt"],
+                                            judge=span["judge"])
+            stats.add_overlap(spans, end)
         else:
+            finished: dict[int, float] = {}  # when each prompt's responses were done, for the timeline
             with self.phases.phase("rollout", step):
-                result = self.engine.generate(requests, self.sampling)
+                start = time.time()
+                result = self.engine.generate(requests, self.sampling,
+                                              on_finished=lambda i, _: finished.__setitem__(i, time.time()))
+                end = time.time()
             with self.phases.phase("reward", step):
+                judged = time.time()
                 scored = self.rewarder.score(prompts, result.responses)
+            self._record_generation(step, start, end, finished, result.responses)
+            if self.rewarder.judges:
+                self.phases.timeline.record("judge_batch", step, judged, time.time(),
+                                            responses=sum(len(r) for r in result.responses))
         groups = [Group(p, rs, total, parts) for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds)
         return groups
 
-    def _record_requests(self, step: int, start: float, end: float, stream, responses, stats) -> None:
-        """Partial colocation's timeline, request by request: when each prompt's generation
-        finished and when its judging ran; and how much of the judging ran while the engine was
-        still generating (the overlap partial colocation is for)."""
+    def _record_generation(self, step: int, start: float, end: float, finished: dict[int, float], responses) -> None:
+        """The wave's generation, request by request, in the timeline: when each prompt's
+        responses were done (the judge's start in partial colocation; `yatt-mm simulate` replays
+        them under the other placement)."""
         timeline = self.phases.timeline
         timeline.record("generate", step, start, end, prompts=len(responses))
-        for i, done in sorted(stream.sent.items()):
+        for i, done in sorted(finished.items()):
             timeline.record("generated", step, start, done, prompt=i,
                             tokens=sum(len(r.token_ids) for r in responses[i]))
-        spans = stream.judge_spans()
-        for span in spans:
-            timeline.record("judge", step, span["start"], span["end"], prompt=span["prompt"], judge=span["judge"])
-        stats.add_overlap(spans, end)
 
     def step(self, step: int, target: int) -> tuple[list[list[TrainSample]], RolloutStats]:
         """Rollout, reward and dynamic sampling until `target` groups, then their training
