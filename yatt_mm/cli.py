@@ -37,6 +37,15 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from yatt_mm.plan import Assumptions, Cluster, run_plan
+
+    cluster = Cluster(gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gb, nodes=args.nodes,
+                      host_memory_gib=args.host_memory_gb)
+    assume = Assumptions(seq_len=args.seq_len, media_tokens=args.media_tokens, frame_tokens=args.frame_tokens)
+    return run_plan(args.config, args.overrides, cluster, assume)
+
+
 def _model_parity(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -72,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     # rl and sft parse their own arguments (yatt_mm/launch.py): listed here for --help only
     sub.add_parser("rl", help="RL (GRPO family) of a Qwen2-VL policy: one controller per DP group "
                    "(--config C [--nproc N] [--help-config] [key=value ...])")
+
+    p = sub.add_parser("plan", help="memory plan of an RL config per phase and GPU: does it fit, and if not, "
+                       "which setting to change (exit 0: fits, 1: does not)")
+    p.add_argument("--config", default=None, help="YAML config, e.g. configs/qwen2vl_7b_8gpu.yaml")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--host-memory-gb", type=float, default=0.0, help="host memory per node, GiB (0: not checked)")
+    p.add_argument("--seq-len", type=int, default=0, help="longest training row (default: rollout.engine.max_model_len)")
+    p.add_argument("--media-tokens", type=int, default=-1,
+                   help="media tokens per sample (default: one image or video at the data.media limits)")
+    p.add_argument("--frame-tokens", type=int, default=0, help="merged tokens per image/frame (default: data.media)")
+    p.add_argument("overrides", nargs="*", help="key=value settings for the RL config, e.g. run.micro_batch_tokens=8192")
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("plot", help="write PNGs of a run: reward curve, phase timeline per rank")
     p.add_argument("run_dir")
