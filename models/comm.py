@@ -59,32 +59,57 @@ def init_distributed() -> None:
 
 @dataclass(frozen=True)
 class Comm:
-    """Where this rank sits and the groups it talks over. The TP rank 0 of every DP group is that
-    group's controller (its leader); `leaders_cpu` joins the leaders and is None elsewhere."""
+    """Where this rank sits and the groups it talks over. A DP group's model replica spans
+    TP x PP ranks (its model-parallel group); the first of them (TP rank 0 of the first pipeline
+    stage) is the group's controller, its leader. `leaders_cpu` joins the leaders and is None
+    elsewhere."""
 
     rank: int
     world: int
     tp_rank: int
     tp_size: int
+    pp_rank: int
+    pp_size: int
     dp_rank: int
     dp_size: int
     node: int  # torchrun's node rank (GROUP_RANK)
     device: torch.device  # where tensors of the accelerator groups live
     tp: object  # Megatron's TP group (accelerator)
+    pp: object  # Megatron's pipeline group (accelerator): the weight export's hand-over
     dp: object  # Megatron's DP group (accelerator)
     world_cpu: object
     tp_cpu: object
+    pp_cpu: object
+    mp_cpu: object  # the model-parallel ranks of this DP group (TP x PP): samples reach all of them
     dp_cpu: object
     leaders_cpu: object | None
 
     @property
     def leader(self) -> bool:
-        return self.tp_rank == 0
+        return self.tp_rank == 0 and self.pp_rank == 0
 
     @property
-    def tp_src(self) -> int:
+    def leader_rank(self) -> int:
         """Global rank of this DP group's leader."""
-        return self.rank - self.tp_rank
+        return layout_rank(0, self.dp_rank, 0, self.tp_size, self.dp_size)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_peer(self, stage: int) -> int:
+        """Global rank of this rank's counterpart (same TP and DP rank) on pipeline `stage`."""
+        return layout_rank(self.tp_rank, self.dp_rank, stage, self.tp_size, self.dp_size)
+
+
+def layout_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """Megatron's default rank order (tp-cp-ep-dp-pp, no CP or EP): TP ranks are consecutive,
+    then DP replicas, then pipeline stages."""
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 
 _comm: Comm | None = None
@@ -101,9 +126,9 @@ def comm() -> Comm:
     return _comm
 
 
-def init_parallel(tensor_parallel: int = 1, seed: int = 1234) -> Comm:
-    """torch.distributed, Megatron's tensor/data-parallel groups and its RNG tracker, then the
-    gloo groups beside them. Every rank must call it (group creation is collective)."""
+def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel: int = 1) -> Comm:
+    """torch.distributed, Megatron's tensor/pipeline/data-parallel groups and its RNG tracker,
+    then the gloo groups beside them. Every rank must call it (group creation is collective)."""
     global _comm
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tp_mod
@@ -112,30 +137,38 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234) -> Comm:
     if _comm is not None:
         return _comm
     world = dist.get_world_size()
-    if world % tensor_parallel:
-        raise ValueError(f"world size {world} is not a multiple of trainer.tensor_parallel={tensor_parallel}")
+    if world % (tensor_parallel * pipeline_parallel):
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel = "
+                         f"{tensor_parallel} x {pipeline_parallel}")
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                     pipeline_model_parallel_size=pipeline_parallel)
         tp_mod.model_parallel_cuda_manual_seed(seed)
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    dp = world // (tp * pp)
     rank = dist.get_rank()
-    # Megatron's rank order (PP=1): TP groups are blocks of consecutive ranks, DP groups strided.
-    tp_groups = [list(range(i, i + tp_size)) for i in range(0, world, tp_size)]
-    dp_groups = [list(range(j, world, tp_size)) for j in range(tp_size)]
-    for mine, megatrons in ((tp_groups[rank // tp_size], ps.get_tensor_model_parallel_group()),
-                            (dp_groups[rank % tp_size], ps.get_data_parallel_group())):
-        if dist.get_process_group_ranks(megatrons) != mine:
+    t, d, p = rank % tp, rank // tp % dp, rank // (tp * dp)
+    ranks = lambda ts, ds, ps_: [layout_rank(a, b, c, tp, dp) for c in ps_ for b in ds for a in ts]  # noqa: E731
+    # every group of each kind, in the same order on every rank (group creation is collective)
+    tp_groups = [ranks(range(tp), [b], [c]) for c in range(pp) for b in range(dp)]
+    pp_groups = [ranks([a], [b], range(pp)) for b in range(dp) for a in range(tp)]
+    dp_groups = [ranks([a], range(dp), [c]) for c in range(pp) for a in range(tp)]
+    mp_groups = [ranks(range(tp), [b], range(pp)) for b in range(dp)]
+    mine = lambda groups: next(g for g in groups if rank in g)  # noqa: E731
+    for expected, megatrons in ((mine(tp_groups), ps.get_tensor_model_parallel_group()),
+                                (mine(pp_groups), ps.get_pipeline_model_parallel_group()),
+                                (mine(dp_groups), ps.get_data_parallel_group())):
+        if dist.get_process_group_ranks(megatrons) != expected:
             raise RuntimeError(f"Megatron's groups {dist.get_process_group_ranks(megatrons)} are not the "
-                               f"layout yatt-mm assumes ({mine})")
-    world_cpu = _gloo(list(range(world)))
-    tp_cpu = [_gloo(r) for r in tp_groups][rank // tp_size]  # every rank creates every group, in order
-    dp_cpu = [_gloo(r) for r in dp_groups][rank % tp_size]
-    _comm = Comm(rank=rank, world=world, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size,
-                 dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                 node=int(os.environ.get("GROUP_RANK", 0)),
-                 device=accelerator_device(), tp=ps.get_tensor_model_parallel_group(),
-                 dp=ps.get_data_parallel_group(), world_cpu=world_cpu, tp_cpu=tp_cpu, dp_cpu=dp_cpu,
-                 leaders_cpu=dp_cpu if rank % tp_size == 0 else None)
+                               f"layout yatt-mm assumes ({expected})")
+    made = {kind: [_gloo(g) for g in groups][groups.index(mine(groups))]
+            for kind, groups in (("tp", tp_groups), ("pp", pp_groups), ("dp", dp_groups), ("mp", mp_groups))}
+    _comm = Comm(rank=rank, world=world, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_rank=d, dp_size=dp,
+                 node=int(os.environ.get("GROUP_RANK", 0)), device=accelerator_device(),
+                 tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
+                 dp=ps.get_data_parallel_group(), world_cpu=_gloo(list(range(world))), tp_cpu=made["tp"],
+                 pp_cpu=made["pp"], mp_cpu=made["mp"], dp_cpu=made["dp"],
+                 leaders_cpu=made["dp"] if t == 0 and p == 0 else None)
     return _comm
 
 

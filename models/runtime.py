@@ -197,6 +197,23 @@ class _TorchMakingCpuTensors:
         return torch.zeros(*args, **kwargs)
 
 
+class _TorchWithoutCudaSync:
+    """`torch` as pipeline parallelism's p2p module sees it: `cuda.synchronize()` (called after
+    every send/recv of shapes and, with batch_p2p_sync, of tensors) is a no-op; gloo's sends and
+    receives of CPU tensors are complete when they return."""
+
+    class cuda:  # noqa: N801 - stands in for torch.cuda
+        synchronize = staticmethod(lambda *args, **kwargs: None)
+
+        def __getattr__(self, name: str):
+            return getattr(torch.cuda, name)
+
+    cuda = cuda()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
 def _run_on_cpu(func: Callable) -> Callable:
     @functools.wraps(func)
     def on_cpu(*args, **kwargs):
@@ -325,6 +342,12 @@ _MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
         "DynamicGradScaler.__init__",
         "DynamicGradScaler.load_state_dict",
     ),
+    # Pipeline parallelism: the p2p module waits on CUDA after its transfers, and with tied
+    # embeddings the last stage moves its copy of the word embeddings with .cuda().
+    "megatron.core.pipeline_parallel.p2p_communication": lambda module: setattr(module, "torch",
+                                                                                _TorchWithoutCudaSync()),
+    "megatron.core.models.common.language_module.language_module": _on_cpu(
+        "LanguageModule.setup_embeddings_and_output_layer"),
     # The ViT moves its position ids with .cuda().
     "megatron.core.models.vision.clip_vit_model": _on_cpu("CLIPViTModel.__init__"),
     "megatron.core.dist_checkpointing.strategies.async_utils": _cpu_checkpoint_worker,

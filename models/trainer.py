@@ -7,13 +7,14 @@ logprobs. Call it from every rank after `models.comm.init_parallel()`.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
 
-from models.comm import accelerator_device, comm
+from models.comm import accelerator_device, broadcast_packed, comm
 from models.offload import HostOffload, optimizer_tensors
 from models.packing import pack
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
@@ -24,6 +25,9 @@ from models.qwen2vl.model import VLMInputs
 @dataclass
 class TrainerConfig:
     tensor_parallel: int = 1  # Megatron tensor-parallel size; the world size must be a multiple of it
+    # Megatron pipeline-parallel size: the language model's layers split evenly over this many
+    # stages (vision tower and embeddings on the first, the output layer and loss on the last)
+    pipeline_parallel: int = 1
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate
     min_lr: float = 0.0  # Megatron OptimizerConfig.min_lr; no decay schedule is run, so no effect yet
@@ -40,6 +44,22 @@ class TrainerConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     # Megatron's DistributedOptimizer (ZeRO-1): Adam state and fp32 master weights sharded over DP
     distributed_optimizer: bool = True
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one model replica spans: tensor x pipeline parallel."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    def check_world(self, world_size: int, prefix: str) -> None:
+        """`prefix`: where these settings live in the config (policy.trainer or trainer)."""
+        if world_size < 1 or world_size % self.model_parallel:
+            raise ValueError(f"{world_size} ranks: must be a positive multiple of {prefix}.tensor_parallel x "
+                             f"{prefix}.pipeline_parallel = {self.tensor_parallel} x {self.pipeline_parallel}")
+
+    def validate(self) -> None:
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {self.tensor_parallel} and "
+                             f"{self.pipeline_parallel}")
 
     @property
     def offloads(self) -> bool:
@@ -79,6 +99,7 @@ class VLMTrainer:
         groups = comm()
         self.tp_rank, self.tp_group = groups.tp_rank, groups.tp  # accelerator: the weight gather
         self.dp_cpu, self.dp_size = groups.dp_cpu, groups.dp_size  # CPU: the loss's token counts
+        self.pipeline = Pipeline.of(groups)
         module = build_module(hf_dir, self.spec, cfg)
         self.module = module
         self.config = module.config
@@ -133,11 +154,26 @@ class VLMTrainer:
 
     # -- inference ---------------------------------------------------------------------------
     def logprobs(self, micro_batches: list[MicroBatch], with_entropy: bool = False):
-        """Per-token logprobs [b, s] of each micro-batch's next tokens (and entropy)."""
+        """Per-token logprobs [b, s] of each micro-batch's next tokens (and entropy), on every rank."""
         self.model.eval()
-        out = _logprobs(self.model, micro_batches, self.device, with_entropy)
+        out = _logprobs(self.model, micro_batches, self.device, with_entropy, self.pipeline)
         self.model.train()
         return out
+
+    def score(self, micro_batches: list[MicroBatch], fn) -> list[dict[str, torch.Tensor]]:
+        """`fn(logits, mb)` -> {name: tensor} for each micro-batch, computed without gradients
+        where the logits are (the last pipeline stage) and returned on every rank."""
+        self.model.eval()
+        device = self.device
+
+        def compute(model, mb):
+            out = _stage_forward(model, mb, device)
+            return fn(out, mb) if _module(model).post_process else out
+
+        try:
+            return forward_only(self.model, micro_batches, compute, self.pipeline)
+        finally:
+            self.model.train()
 
     def checksum(self) -> float:
         """Sum of this rank's parameters in float64: cheap, and changed by any update or load."""
@@ -155,7 +191,10 @@ class VLMTrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            lp, entropy = _forward_scores(model, mb, self.device, with_entropy)
+            out = _forward_scores(model, mb, self.device, with_entropy)
+            if not self.pipeline.last:
+                return out, None  # hidden states: the schedule sends them to the next stage
+            lp, entropy = out
             if with_entropy:
                 mb.extra["entropy"] = entropy
             mb.extra = {k: v.to(lp.device) for k, v in mb.extra.items()}  # the loss's tensors beside the logprobs
@@ -177,9 +216,8 @@ class VLMTrainer:
             forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         metrics = {"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok)}
-        for key in reduced[0] if reduced else []:
-            metrics[f"train/{key}"] = float(sum(float(r[key]) for r in reduced))
-        return metrics
+        losses = {f"train/{key}": float(sum(float(r[key]) for r in reduced)) for key in (reduced[0] if reduced else [])}
+        return metrics | self.pipeline.from_last(losses)  # the loss lives on the last stage
 
     # -- checkpoint state ----------------------------------------------------------------------
     def optimizer_state(self) -> dict:
@@ -223,12 +261,13 @@ class ReferencePolicy:
     def __init__(self, hf_dir: str, cfg: TrainerConfig):
         self.device = accelerator_device()
         self.module = build_module(hf_dir, Qwen2VLSpec.from_hf_dir(hf_dir), cfg).eval().requires_grad_(False)
+        self.pipeline = Pipeline.of(comm())
         self._offload()
 
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         self.module.to(self.device)
         try:
-            return _logprobs(self.module, micro_batches, self.device, with_entropy=False)
+            return _logprobs(self.module, micro_batches, self.device, False, self.pipeline)
         finally:
             self._offload()
 
@@ -246,28 +285,104 @@ def build_module(hf_dir: str, spec: Qwen2VLSpec, cfg: TrainerConfig) -> torch.nn
     from models.qwen2vl.model import Qwen2VLModel
 
     module = Qwen2VLModel(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
-                          cfg.recompute)
+                          cfg.recompute, cfg.pipeline_parallel)
     module = module.to(accelerator_device())
     load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
     return module
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """This rank's place in the pipeline (one stage when pipeline_parallel is 1): which stage
+    holds the loss, and the CPU group over which its results reach the other stages."""
+
+    size: int
+    last: bool
+    last_rank: int  # global rank of this rank's counterpart on the last stage
+    group: object  # CPU group (models.comm pp_cpu)
+
+    @classmethod
+    def of(cls, groups) -> "Pipeline":
+        return cls(groups.pp_size, groups.last_stage, groups.pp_peer(groups.pp_size - 1), groups.pp_cpu)
+
+    def from_last(self, values: dict[str, float]) -> dict[str, float]:
+        """Floats the last stage computed (the loss and its metrics), on every stage."""
+        if self.size == 1:
+            return values
+        _, meta = broadcast_packed(({}, {"values": json.dumps(values)}) if self.last else None, self.last_rank,
+                                   self.group)
+        return json.loads(meta["values"])
+
+
 @torch.no_grad()
-def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with_entropy: bool):
-    out = []
-    for mb in micro_batches:
-        lp, entropy = _forward_scores(model, mb, device, with_entropy)
-        out.append((lp.cpu(), entropy.cpu()) if with_entropy else lp.cpu())
+def forward_only(model, micro_batches: list[MicroBatch], compute, pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
+    """`compute(model, mb)` for each micro-batch without gradients: on the last pipeline stage it
+    returns {name: tensor} (moved to the CPU here), on the others the hidden states to hand on
+    (Megatron's schedule runs the stages, forward only). The results reach every rank."""
+    if pipeline.size == 1:
+        return [{k: v.cpu() for k, v in compute(model, mb).items()} for mb in micro_batches]
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    results = []
+
+    def forward_step(data_iterator, model):
+        out = compute(model, next(data_iterator))
+        if not pipeline.last:
+            return out, None
+        results.append({k: v.cpu() for k, v in out.items()})
+        done = torch.zeros((), device=next(iter(out.values())).device)
+        return done, lambda output: (output, {})  # no loss: the schedule only runs the stages
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+        num_microbatches=len(micro_batches), seq_length=max(_tokens(mb) for mb in micro_batches),
+        micro_batch_size=1, forward_only=True)
+    flat = {f"{i}/{k}": v for i, r in enumerate(results) for k, v in r.items()}
+    flat, _ = broadcast_packed((flat, {}) if pipeline.last else None, pipeline.last_rank, pipeline.group)
+    out = [{} for _ in micro_batches]
+    for key, value in flat.items():
+        i, name = key.split("/", 1)
+        out[int(i)][name] = value
     return out
 
 
+def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with_entropy: bool, pipeline: Pipeline):
+    def compute(model, mb):
+        out = _forward_scores(model, mb, device, with_entropy)
+        if not _module(model).post_process:
+            return out
+        lp, entropy = out
+        return {"lp": lp} | ({"entropy": entropy} if with_entropy else {})
+
+    scores = forward_only(model, micro_batches, compute, pipeline)
+    return [(s["lp"], s["entropy"]) if with_entropy else s["lp"] for s in scores]
+
+
+def _module(model) -> torch.nn.Module:
+    """The Qwen2VLModel inside Megatron's DDP wrapper."""
+    return getattr(model, "module", model)
+
+
+def _stage_forward(model, mb: MicroBatch, device: torch.device, packed=None):
+    """One pipeline stage's forward of a micro-batch (the whole model without PP): logits on the
+    last stage, hidden states elsewhere. Stages after the first take no media."""
+    inputs = (packed.inputs if packed else mb.inputs)
+    if not _module(model).pre_process:
+        inputs = inputs.text_only()
+    return model(inputs.to(device), packed.params) if packed else model(inputs.to(device))
+
+
 def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: bool):
-    """The forward pass and its per-token scores [b, s], padded or packed (then scattered back)."""
+    """The forward pass and its per-token scores [b, s], padded or packed (then scattered back);
+    before the last pipeline stage, the hidden states."""
     labels, where = mb.labels, mb.score_mask
+    row = pack(mb.inputs) if mb.packed else None
+    out = _stage_forward(model, mb, device, row)
+    if not _module(model).post_process:
+        return out
     if not mb.packed:
-        return _token_scores(model(mb.inputs.to(device)), labels, where, device, with_entropy)
-    row = pack(mb.inputs)
-    logits = model(row.inputs.to(device), row.params)
+        return _token_scores(out, labels, where, device, with_entropy)
+    logits = out
     lp, entropy = _token_scores(logits, labels[row.rows, row.cols][None],
                                 None if where is None else where[row.rows, row.cols][None], device, with_entropy)
     shape = mb.inputs.input_ids.shape

@@ -51,11 +51,12 @@ def _model_parity(args: argparse.Namespace) -> int:
 
     from yatt_mm.launch import relaunch
 
-    if args.tp < 1:
-        raise SystemExit("--tp must be >= 1")
-    if args.tp == 1:
+    if args.tp < 1 or args.pp < 1:
+        raise SystemExit("--tp and --pp must be >= 1")
+    if args.tp * args.pp == 1:
         return subprocess.call([sys.executable, "-m", "models.qwen2vl.parity", args.hf_dir])  # output streams through
-    return relaunch("models.qwen2vl.parity", args.tp, [args.hf_dir, "--tp", str(args.tp)])
+    return relaunch("models.qwen2vl.parity", args.tp * args.pp,
+                    [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)])
 
 
 COMMANDS_WITH_OWN_PARSER = {"rl": "yatt_mm.rl.train", "sft": "yatt_mm.sft.train"}
@@ -107,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub = p.add_subparsers(dest="model_command", metavar="MODEL_COMMAND", required=True)
     p = msub.add_parser("parity", help="max |logit diff| Megatron vs transformers on text/image/video probes")
     p.add_argument("hf_dir", help="HF Qwen2-VL directory")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (> 1 runs under torchrun)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (TP x PP > 1 runs under torchrun)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size: the language layers split in stages")
     p.set_defaults(func=_model_parity)
 
     p = sub.add_parser("make-tiny-model", help="build a tiny random Qwen2-VL offline (cached)")

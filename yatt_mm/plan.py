@@ -167,14 +167,19 @@ def _vision_ends(spec) -> list[int]:
     return [hv * patch] + ln_q + [merged * merged, merged, spec.hidden_size * merged, spec.hidden_size]
 
 
-def param_counts(spec, tp: int = 1) -> Params:
-    """Parameters of this rank's shard of the Megatron Qwen2-VL (models/qwen2vl/model.py)."""
+def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0) -> Params:
+    """Parameters of this rank's shard of the Megatron Qwen2-VL (models/qwen2vl/model.py): its TP
+    shard of pipeline `stage` (pp=1: the whole model). The first stage holds the vision tower and
+    the embedding, the last the final norm and the output layer (with tied embeddings and more
+    than one stage, the last keeps its own copy of the embedding as the output layer)."""
     vocab, h = spec.vocab_size, spec.hidden_size
-    lm_ends = [vocab // tp * h, h] + ([] if spec.tie_word_embeddings else [vocab // tp * h])  # embedding, final norm, output
+    first, last = stage == 0, stage == pp - 1
+    lm_ends = (([vocab // tp * h] if first else []) + ([h] if last else [])
+               + ([vocab // tp * h] if last and not (spec.tie_word_embeddings and first) else []))
     lm_layer, v_layer, v_ends = _language_layer(spec, tp), _vision_layer(spec, tp), _vision_ends(spec)
-    return Params(vision=spec.vision_depth * sum(v_layer) + sum(v_ends),
-                  language=spec.num_layers * sum(lm_layer) + sum(lm_ends),
-                  largest=max(lm_layer + v_layer + v_ends + lm_ends))
+    vision = spec.vision_depth * sum(v_layer) + sum(v_ends) if first else 0
+    return Params(vision=vision, language=spec.num_layers // pp * sum(lm_layer) + sum(lm_ends),
+                  largest=max(lm_layer + lm_ends + (v_layer + v_ends if first else [])))
 
 
 # --- the largest training micro-batch ----------------------------------------------------------
@@ -316,16 +321,20 @@ class Activations:
     forward_only: int  # peak of a no-grad forward (the logprobs phase)
 
 
-def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels) -> int:
-    """What the forward keeps for the backward, but the loss's own part (the sum over layers of
-    the per-layer formula, plus embeddings, final norm, pixels and patch merger)."""
+def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
+                 pp: int = 1, stage: int = 0) -> int:
+    """What one micro-batch's forward on pipeline `stage` keeps for the backward, but the loss's
+    own part (the sum over the stage's layers of the per-layer formula, plus on the first stage
+    the embeddings, pixels and patch merger, on the last the final norm)."""
     lm, vis = language_block(spec, shape, tp), vision_block(spec, shape, tp)
-    n = shape.tokens
-    saved = spec.num_layers * layer_bytes(lm, e, kernels, recompute)
-    saved += 9 * n + _norm_bytes(n, spec.hidden_size, e, True, kernels)  # token ids, media mask, final norm
+    n, first, last = shape.tokens, stage == 0, stage == pp - 1
+    saved = spec.num_layers // pp * layer_bytes(lm, e, kernels, recompute)
+    saved += 9 * n  # token ids, media mask
+    if last:
+        saved += _norm_bytes(n, spec.hidden_size, e, True, kernels)  # the final norm
     if recompute == "full":
         saved += n * spec.head_dim * 4  # the rotary angles, kept once as an input of every checkpoint
-    if shape.media_tokens:
+    if shape.media_tokens and first:
         patches = vis.tokens
         saved += spec.vision_depth * layer_bytes(vis, e, kernels, _vision_recompute(spec, recompute))
         saved += patches * spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * e  # pixel values
@@ -339,10 +348,12 @@ def _vision_recompute(spec, recompute: str) -> str:
     return "none" if recompute == "full" and spec.is_qwen25 else recompute
 
 
-def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels) -> int:
+def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
+                            vision: bool = True) -> int:
     """What comes back during one layer's backward under recompute: the whole layer (full), its
-    core attention (selective); the largest of the language and vision layers."""
-    blocks = [language_block(spec, shape, tp)] + ([vision_block(spec, shape, tp)] if shape.media_tokens else [])
+    core attention (selective); the largest of the language and (with `vision`) vision layers."""
+    blocks = [language_block(spec, shape, tp)] + ([vision_block(spec, shape, tp)] if shape.media_tokens and vision
+                                                  else [])
     if recompute == "full":
         return max(layer_bytes(b, e, kernels, "none") for b in blocks)
     if recompute == "selective":
@@ -351,13 +362,22 @@ def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recom
 
 
 def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str,
-                     kernels: Kernels = CUDA) -> Activations:
-    """Activation memory of one micro-batch's forward and backward on one TP rank. The peak is
-    the largest of three moments: the end of the forward (logits and the loss alive), the output
-    layer's backward (the loss's softmax freed; the logits' gradient, its contiguous copy when
-    rows > 1, the output weight's and the input's gradients alive), and a layer's recompute."""
+                     kernels: Kernels = CUDA, pp: int = 1, stage: int = 0) -> Activations:
+    """Activation memory of the forward and backward of micro-batches on one TP rank of pipeline
+    `stage`. On the last stage (the whole model without PP) the peak is the largest of three
+    moments: the end of the forward (logits and the loss alive), the output layer's backward (the
+    loss's softmax freed; the logits' gradient, its contiguous copy when rows > 1, the output
+    weight's and the input's gradients alive), and a layer's recompute. Under 1F1B, stage s runs
+    pp - s micro-batches' forwards before their first backward, so it keeps that many."""
     n, vocab, h = shape.tokens, spec.vocab_size // tp, spec.hidden_size
-    body = _saved_bytes(spec, shape, tp, e, recompute, kernels)
+    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage)
+    if stage < pp - 1:
+        held = (pp - stage) * body
+        hidden = 2 * n * h * e  # the hidden states received and sent (or their gradients)
+        c = ACTIVATION_CALIBRATION
+        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, vision=stage == 0)
+        return Activations(saved=int(c * held), peak=int(c * (held + hidden + recomputing)),
+                           forward_only=int(c * hidden))
     loss = shape.scored * vocab * 4  # the fp32 softmax of the scored positions (vocab-parallel cross entropy)
     logits = n * vocab * e
     end_of_forward = body + loss + logits + shape.scored * vocab * e  # the logits and the scored rows picked
@@ -376,7 +396,9 @@ def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: s
 class TrainerMemory:
     """One rank's trainer, in bytes."""
 
-    params: Params  # on this TP rank
+    params: Params  # on this TP rank of its pipeline stage
+    stage: int  # the pipeline stage (the one with the largest peak; 0 without PP)
+    model_params: int  # of the whole model
     weights: int
     grads: int
     optimizer: int
@@ -404,17 +426,24 @@ class TrainerMemory:
 
 
 def trainer_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels = CUDA) -> TrainerMemory:
-    """`trainer`: models.trainer.TrainerConfig; `dp`: the data-parallel size."""
-    tp = trainer.tensor_parallel
-    params = param_counts(spec, tp)
+    """`trainer`: models.trainer.TrainerConfig; `dp`: the data-parallel size. Under pipeline
+    parallelism, the stage whose rank needs the most."""
+    stages = [stage_memory(spec, trainer, dp, shape, kernels, s) for s in range(trainer.pipeline_parallel)]
+    return max(stages, key=lambda t: t.peak)
+
+
+def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels, stage: int) -> TrainerMemory:
+    tp, pp = trainer.tensor_parallel, trainer.pipeline_parallel
+    params = param_counts(spec, tp, pp, stage)
     e = 2 if trainer.dtype == "bf16" else 4
     # Adam's m and v in fp32; bf16 adds fp32 master weights (fp32 steps the weights themselves)
     state_per_param = 8 + (4 if e == 2 else 0)
     shards = dp if trainer.distributed_optimizer else 1  # ZeRO-1: sharded over the DP group
     optimizer = params.total * state_per_param // shards
     adam_temp = 4 * params.total // shards if kernels.foreach_adam else 8 * params.largest
-    return TrainerMemory(params=params, weights=params.total * e, grads=params.total * 4, optimizer=optimizer,
-                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels),
+    return TrainerMemory(params=params, stage=stage, model_params=param_counts(spec).total, weights=params.total * e,
+                         grads=params.total * 4, optimizer=optimizer,
+                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage),
                          adam_temp=adam_temp)
 
 
@@ -507,7 +536,7 @@ class Plan:
 
     @property
     def dp(self) -> int:
-        return self.cluster.world // self.cfg.policy.trainer.tensor_parallel
+        return self.cluster.world // self.cfg.policy.trainer.model_parallel
 
     @property
     def host_total(self) -> int:
@@ -567,11 +596,12 @@ def _trainer_lines(phase: str, level: str, t: TrainerMemory, cfg, offloads: bool
 
 def _export_bytes(cfg, t: TrainerMemory) -> int:
     """The HF-named copy the weight sync builds: one sync.bucket_mb bucket at a time where the
-    config has buckets (at least the largest tensor, gathered over TP), else the whole model."""
+    config has buckets (at least the largest tensor, gathered over TP), else the whole model
+    (every pipeline stage's part reaches the first stage)."""
     e = t.weights // max(t.params.total, 1)
     tp = cfg.policy.trainer.tensor_parallel
     bucket_mb = getattr(getattr(cfg, "sync", None), "bucket_mb", None)
-    whole = t.params.total * tp * e  # an upper bound: replicated parameters are not multiplied
+    whole = t.model_params * e
     if bucket_mb is None:
         return whole
     return min(whole, max(int(bucket_mb * 2**20), t.params.largest * tp * e))
@@ -665,10 +695,10 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
     """The memory plan of an RLConfig on `cluster`."""
     cfg.check_world(cluster.world)
     spec = load_spec(cfg.policy.model)
-    tp = cfg.policy.trainer.tensor_parallel
-    _check_tp(spec, tp)
+    tp, pp = cfg.policy.trainer.tensor_parallel, cfg.policy.trainer.pipeline_parallel
+    _check_layout(spec, tp, pp)
     shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens)
-    trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // tp, shape, kernels)
+    trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // (tp * pp), shape, kernels)
     engine = cfg.rollout.engine
     rollout = engine_memory("rollout engine", spec, engine.gpu_memory_utilization, cluster.gpu_bytes,
                             engine.tensor_parallel_size, engine.max_model_len)
@@ -684,11 +714,13 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
     return plan
 
 
-def _check_tp(spec, tp: int) -> None:
-    """The model's own divisibility checks (models/qwen2vl/model.py), before any number is wrong."""
+def _check_layout(spec, tp: int, pp: int) -> None:
+    """The model's own divisibility checks (models/qwen2vl/), before any number is wrong."""
     if spec.vocab_size % tp or spec.num_kv_heads % tp or spec.vision_heads % tp:
         raise PlanError(f"policy.trainer.tensor_parallel={tp}: the vocabulary ({spec.vocab_size}), KV heads "
                         f"({spec.num_kv_heads}) and vision heads ({spec.vision_heads}) must divide by it")
+    if spec.num_layers % pp:
+        raise PlanError(f"policy.trainer.pipeline_parallel={pp}: the {spec.num_layers} layers must divide by it")
 
 
 def _notes(plan: Plan) -> list[str]:
@@ -711,11 +743,13 @@ def candidate_changes(cfg, cluster: Cluster) -> list[list[str]]:
     """Settings that lower memory, each as the key=value overrides that make it one change."""
     t, e = cfg.policy.trainer, cfg.rollout.engine
     out = []
-    if not t.distributed_optimizer and cluster.world // t.tensor_parallel > 1:
+    if not t.distributed_optimizer and cluster.world // t.model_parallel > 1:
         out.append(["policy.trainer.distributed_optimizer=true"])
     modes = ("none", "selective", "full")
     out += [[f"policy.trainer.recompute={r}"] for r in modes if modes.index(r) > modes.index(t.recompute)]
-    if cluster.world % (2 * t.tensor_parallel) == 0:  # an engine spans 1 rank or the trainer's TP group
+    if cluster.world % (2 * t.model_parallel) == 0:
+        out.append([f"policy.trainer.pipeline_parallel={2 * t.pipeline_parallel}"])
+    if cluster.world % (2 * t.model_parallel) == 0:  # an engine spans 1 rank or the trainer's TP group
         out.append([f"policy.trainer.tensor_parallel={2 * t.tensor_parallel}"]
                    + ([f"rollout.engine.tensor_parallel_size={2 * t.tensor_parallel}"] if e.tensor_parallel_size > 1
                       else []))
@@ -796,9 +830,11 @@ def format_plan(plan: Plan) -> str:
     out = [f"model {cfg.policy.model} ({resolve_model(cfg.policy.model)[1]}): {full.total / 1e9:.2f} B parameters "
            f"(vision {full.vision / 1e9:.2f} B, language {full.language / 1e9:.2f} B)",
            f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB; placement "
-           f"{cfg.run.placement}; trainer TP {tcfg.tensor_parallel} x DP {plan.dp}, {tcfg.dtype}, distributed "
-           f"optimizer {'on' if tcfg.distributed_optimizer else 'off'}, recompute {tcfg.recompute}, "
-           f"{t.params.total / 1e9:.2f} B parameters per GPU",
+           f"{cfg.run.placement}; trainer TP {tcfg.tensor_parallel} x PP {tcfg.pipeline_parallel} x DP {plan.dp}, "
+           f"{tcfg.dtype}, distributed optimizer {'on' if tcfg.distributed_optimizer else 'off'}, recompute "
+           f"{tcfg.recompute}, {t.params.total / 1e9:.2f} B parameters per GPU"
+           + (f" (pipeline stage {t.stage} of {tcfg.pipeline_parallel}, the fullest: it sets the trainer's lines)"
+              if tcfg.pipeline_parallel > 1 else ""),
            f"largest micro-batch (assumed): {s.rows} row(s) x {s.seq} tokens, {s.scored} scored, {s.media_tokens} "
            f"media tokens = {s.media_tokens * spec.spatial_merge_size**2} vision patches in frames of "
            f"{s.frame_tokens} tokens (--seq-len, --media-tokens, --frame-tokens)",

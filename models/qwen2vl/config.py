@@ -130,10 +130,24 @@ def _common(dtype: torch.dtype, tp: int, recompute: str = "none") -> dict:
     )
 
 
-def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none"):
+def pipeline_settings(pp: int) -> dict:
+    """Megatron settings of a language model split over `pp` pipeline stages: every micro-batch
+    has its own shape (the schedule sends shapes before tensors). Megatron accepts variable
+    lengths only beside the all-to-all MoE dispatcher, which a dense model never runs."""
+    if pp == 1:
+        return {}
+    return dict(pipeline_model_parallel_size=pp, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+
+
+def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
+                    pp: int = 1):
     from megatron.core.transformer import TransformerConfig
 
+    if spec.num_layers % pp:
+        raise ValueError(f"pipeline_parallel={pp}: the model's {spec.num_layers} layers must divide evenly into "
+                         "the pipeline stages")
     return TransformerConfig(
+        **pipeline_settings(pp),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.intermediate_size,

@@ -7,6 +7,7 @@ rank's shard: `shard` / `gather`, driven by the attributes Megatron puts on its 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from itertools import groupby
@@ -216,41 +217,103 @@ def gather(name: str, param: torch.Tensor, group=None, gated_vision: bool = Fals
     return torch.cat(parts, dim)
 
 
+_LANGUAGE_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.")
+_TIED_OUTPUT = "language.output_layer.weight"
+
+
+def whole_model_name(name: str, model: torch.nn.Module) -> str:
+    """The name a parameter of this pipeline stage has in the whole model: a stage numbers its
+    language layers from 0, the whole model from the stage's `layer_offset`."""
+    offset = getattr(model, "layer_offset", 0)
+    return _LANGUAGE_LAYER.sub(lambda m: f"language.decoder.layers.{int(m.group(1)) + offset}.", name) \
+        if offset else name
+
+
+def _checkpoint_name(name: str, model: torch.nn.Module) -> str:
+    """Where a parameter's value is in the (whole model's) checkpoint. With tied embeddings and
+    pipeline stages the last stage has its own copy of the word embeddings as its output layer
+    (Megatron keeps the two in step through the embedding group)."""
+    if name == _TIED_OUTPUT and model.spec.tie_word_embeddings:
+        return "language.embedding.word_embeddings.weight"
+    return whole_model_name(name, model)
+
+
 def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Copy an HF checkpoint into a (possibly TP-sharded) Megatron Qwen2VLModel."""
+    """Copy an HF checkpoint into a (possibly TP-sharded, possibly one pipeline stage of a)
+    Megatron Qwen2VLModel."""
     full = hf_to_megatron(load_hf_state(hf_dir), model.spec)
-    params = dict(model.named_parameters())
+    params = {_checkpoint_name(n, model): (n, p) for n, p in model.named_parameters()}
     missing = sorted(set(params) - set(full))
-    unexpected = sorted(set(full) - set(params))
+    if getattr(model, "pre_process", True) and getattr(model, "post_process", True):
+        unexpected = sorted(set(full) - set(params))  # a pipeline stage holds only its part
+    else:
+        unexpected = []
     if missing or unexpected:
         raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
-        for name, p in params.items():
-            part = shard(name, full[name], p, tp_rank, tp_size, model.spec.is_qwen25)
+        for key, (name, p) in params.items():
+            part = shard(name, full[key], p, tp_rank, tp_size, model.spec.is_qwen25)
             if part.shape != p.shape:
                 raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
             p.copy_(part.to(p.dtype))
 
 
 def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """HF-named full tensors of the model (gathered over the TP group); every TP rank gets them."""
+    """HF-named full tensors of the model (gathered over TP, and over the pipeline stages);
+    every rank gets them."""
     return {k: t for bucket in export_hf_buckets(model, tp_group, dtype, bucket_bytes=None) for k, t in bucket.items()}
 
 
 def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
                       bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """The HF-named full tensors in buckets of at most `bucket_bytes` (None: one bucket, the whole
-    model), built one after another: while the caller uses a bucket nothing else is gathered, so a
-    weight sync holds one bucket, not a copy of the model. A bucket holds whole sync units, so the
-    engine never sees half of a fused weight; a unit larger than `bucket_bytes` is a bucket by
-    itself. A collective over the TP group: every TP rank iterates to the end."""
+    """The HF-named full tensors of the whole model in buckets of at most `bucket_bytes` (None:
+    one bucket per pipeline stage), built one after another: while the caller uses a bucket
+    nothing else is gathered, so a weight sync holds one bucket, not a copy of the model. A
+    bucket holds whole sync units, so the engine never sees half of a fused weight; a unit
+    larger than `bucket_bytes` is a bucket by itself. Under pipeline parallelism the stages
+    take turns: each stage's buckets are broadcast over the pipeline group as they are built,
+    so every rank sees every bucket. A collective over TP and PP: every rank iterates to the end."""
+    from megatron.core import parallel_state as ps
+
+    local = _stage_buckets(model, tp_group, dtype, bucket_bytes)
+    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if pp == 1 or (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        yield from local
+        return
+    from models.comm import broadcast_packed, comm
+
+    me, group, ranks = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group(), None
+    ranks = torch.distributed.get_process_group_ranks(group)
+    device = next(model.parameters()).device
+    for stage, src in enumerate(ranks):
+        while True:  # the stage's buckets, then an empty description that ends them
+            bucket = next(local, None) if stage == me else None
+            described = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in (bucket or {}).items()}
+            _, meta = broadcast_packed(({}, {"bucket": json.dumps(described)}) if stage == me else None, src,
+                                       comm().pp_cpu)
+            described = json.loads(meta["bucket"])
+            if not described:
+                break
+            if stage != me:
+                bucket = {k: torch.empty(shape, dtype=getattr(torch, dt), device=device)
+                          for k, (dt, shape) in described.items()}
+            for t in bucket.values():  # over the accelerator group: NCCL on GPUs
+                torch.distributed.broadcast(t, src, group=group)
+            yield bucket
+
+
+def _stage_buckets(model: torch.nn.Module, tp_group, dtype: torch.dtype | None,
+                   bucket_bytes: int | None) -> Iterator[dict[str, torch.Tensor]]:
+    """This pipeline stage's part of `export_hf_buckets` (the whole model without PP)."""
     import torch.distributed as dist
 
     tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
     spec, gated = model.spec, model.spec.is_qwen25
     bucket: dict[str, torch.Tensor] = {}
     size, done = 0, set()
-    for unit, params in groupby(model.named_parameters(), key=lambda item: sync_unit(item[0])):
+    named = [(whole_model_name(n, model), p) for n, p in model.named_parameters()
+             if not (n == _TIED_OUTPUT and spec.tie_word_embeddings)]  # the last stage's copy of the embeddings
+    for unit, params in groupby(named, key=lambda item: sync_unit(item[0])):
         if unit in done:  # a unit split across the module order would be converted half
             raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
         done.add(unit)

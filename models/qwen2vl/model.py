@@ -51,11 +51,25 @@ class VLMInputs:
         return VLMInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
 
 
-class Qwen2VLModel(nn.Module):
-    """Forward returns logits [b, s, vocab / tp] (vocab-parallel under tensor parallelism)."""
+    def text_only(self) -> "VLMInputs":
+        """Without the media: what a pipeline stage after the first needs (ids for the labels,
+        M-RoPE positions for its layers' rotary embedding)."""
+        return VLMInputs(self.input_ids, self.position_ids, self.attention_mask)
 
-    def __init__(self, spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none"):
+
+class Qwen2VLModel(nn.Module):
+    """Forward returns logits [b, s, vocab / tp] (vocab-parallel under tensor parallelism).
+
+    Under pipeline parallelism (`pp` > 1) this is one stage: the first holds the vision tower
+    and the embeddings, the last the final norm and the output layer, each an equal share of
+    the language model's layers; a stage other than the last returns its hidden states
+    [s, b, h], which Megatron's schedule hands to the next one (`set_input_tensor`)."""
+
+    def __init__(self, spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
+                 pp: int = 1):
         super().__init__()
+        from megatron.core import parallel_state
+
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -68,8 +82,11 @@ class Qwen2VLModel(nn.Module):
 
         self.spec = spec
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
-        self.config = language_config(spec, dtype, tp, recompute)
-        self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp, recompute))
+        stage = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
+        self.pre_process, self.post_process = stage == 0, stage == pp - 1
+        self.config = language_config(spec, dtype, tp, recompute, pp)
+        if self.pre_process:
+            self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp, recompute))
         from models.packing import SampleAttention
 
         layer = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -83,7 +100,11 @@ class Qwen2VLModel(nn.Module):
             position_embedding_type="mrope",
             rotary_base=int(spec.rope_theta),
             parallel_output=True,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
         )
+        # this stage's first language layer in the whole model (Megatron numbers layers from 1)
+        self.layer_offset = self.language.decoder.layers[0].layer_number - 1
 
     def embed(self, inputs: VLMInputs) -> torch.Tensor:
         """Token embeddings with the vision features in place of the media pad tokens: [s, b, h]."""
@@ -116,6 +137,16 @@ class Qwen2VLModel(nn.Module):
         per_item = self.vision(pixels, distinct).split((distinct.prod(-1) // merge).tolist())
         return torch.cat([per_item[u] for u in sources])
 
+    # Megatron finds the module with `pre_process` and treats it as its language model: with tied
+    # embeddings under pipeline parallelism it all-reduces this weight's gradient between the
+    # first stage (the embedding) and the last (its copy as the output layer).
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.language.shared_embedding_or_output_weight()
+
     def set_input_tensor(self, tensor) -> None:
         """Megatron's schedules call this (pipeline parallelism hands activations over here)."""
         self.language.set_input_tensor(tensor)
@@ -124,7 +155,7 @@ class Qwen2VLModel(nn.Module):
         """Causal attention over each row (with right padding real tokens never see pads, so no
         padding mask is needed); with `packed_seq_params`, over each sample of a packed row
         (models/packing.py)."""
-        decoder_input = self.embed(inputs)
+        decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
         logits = self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
                                decoder_input=decoder_input, packed_seq_params=packed_seq_params)
-        return logits  # GPTModel returns [b, s, v] when no labels are given
+        return logits  # GPTModel returns [b, s, v] when no labels are given (hidden states before the last stage)

@@ -1,8 +1,10 @@
 """Megatron Qwen2-VL / Qwen2.5-VL vs transformers on the same weights and inputs: logits side by side.
 
-`yatt-mm model parity HF_DIR [--tp N]` runs this (under torchrun when N > 1). Built-in probes:
-text only, one image, two images, one video. The last line printed is one JSON object with the
-max abs logit difference per probe.
+`yatt-mm model parity HF_DIR [--tp T] [--pp P]` runs this (under torchrun on T x P ranks when
+that is > 1). Built-in probes: text only, one image, two images, one video. Under pipeline
+parallelism the probes go through Megatron's schedule stage by stage and the logits are compared
+where they are, on the last stage. The last line printed is one JSON object with the max abs
+logit difference per probe.
 """
 
 from __future__ import annotations
@@ -42,18 +44,19 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def run_parity(hf_dir: str, tp: int = 1) -> dict[str, float]:
+def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
     import models  # noqa: F401 - CPU runtime hooks
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     from models.qwen2vl.config import Qwen2VLSpec
     from models.qwen2vl.convert import load_hf_into
     from models.qwen2vl.model import Qwen2VLModel, VLMInputs
+    from models.trainer import MicroBatch, Pipeline, forward_only
 
-    tp_rank = init_parallel(tp, seed=0).tp_rank  # torchrun's ranks, or one local process
+    groups = init_parallel(tp, seed=0, pipeline_parallel=pp)  # torchrun's ranks, or one local process
     spec = Qwen2VLSpec.from_hf_dir(hf_dir)
-    model = Qwen2VLModel(spec, torch.float32, tp).eval()
-    load_hf_into(model, hf_dir, tp_rank, tp)
+    model = Qwen2VLModel(spec, torch.float32, tp, pp=pp).eval()
+    load_hf_into(model, hf_dir, groups.tp_rank, tp)
     hf_cls = Qwen2_5_VLForConditionalGeneration if spec.is_qwen25 else Qwen2VLForConditionalGeneration
     hf = hf_cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(hf_dir)
@@ -64,21 +67,32 @@ def run_parity(hf_dir: str, tp: int = 1) -> dict[str, float]:
         batch = processor(text=[text], return_tensors="pt", **media)
         with torch.no_grad():
             ref = hf(**batch).logits.float()
-            ours = gather_vocab(model(VLMInputs.from_processor(spec, dict(batch)))).float()
-        result[name] = float((ref - ours).abs().max())
+        inputs = VLMInputs.from_processor(spec, dict(batch))
+        (out,) = forward_only(model, [MicroBatch(inputs)], lambda m, mb: stage_logits(m, mb.inputs),
+                              Pipeline.of(groups))
+        result[name] = float((ref - out["logits"].float()).abs().max())
     return result
+
+
+def stage_logits(model, inputs):
+    """The whole vocabulary's logits on the last stage; the hidden states on the others."""
+    if not model.pre_process:
+        inputs = inputs.text_only()
+    out = model(inputs)
+    return {"logits": gather_vocab(out)} if model.post_process else out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("hf_dir")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     args = parser.parse_args(argv)
-    result = run_parity(args.hf_dir, args.tp)
+    result = run_parity(args.hf_dir, args.tp, args.pp)
     if dist.get_rank() == 0:
         for name, diff in result.items():
             print(f"{name:12s} max |logits diff| = {diff:.3e}")
-        print(json.dumps({"tp": args.tp, "max_abs_diff": result}))
+        print(json.dumps({"tp": args.tp, "pp": args.pp, "max_abs_diff": result}))
     dist.destroy_process_group()
     return 0
 

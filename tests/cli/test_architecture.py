@@ -48,7 +48,7 @@ def test_help_config_lists_every_setting_with_its_doc():
     out = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--help-config"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "run.micro_batch_tokens (int, default 4096): rows x longest row per micro-batch" in out.stdout
+    assert "run.micro_batch_tokens (int, default 4096): per micro-batch: rows x longest row" in out.stdout
     assert "dynamic_sampling.filter (str, default 'reward_spread'):" in out.stdout
     assert "reward.judges[].judge.backend (str, default 'inprocess'):" in out.stdout
 
@@ -147,4 +147,4 @@ def test_a_world_that_does_not_fit_the_tensor_parallel_size_is_refused(capsys):
 
     argv = ["--config", "configs/tiny_demo.yaml", "--nproc", "3", "policy.trainer.tensor_parallel=2", *TINY]
     assert launch.run_command("t", RLConfig, "m", lambda cfg: 0, argv) == 2
-    assert "multiple of policy.trainer.tensor_parallel=2" in capsys.readouterr().err
+    assert "multiple of policy.trainer.tensor_parallel x policy.trainer.pipeline_parallel = 2 x 1" in capsys.readouterr().err

@@ -211,7 +211,7 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
                    "run.packing=true", policy=warm_policy, audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert "DP 1 x TP 2, rollout engines of 2 rank(s)" in proc.stdout  # one vLLM engine over both ranks
+    assert "DP 1 x TP 2 x PP 1, rollout engines of 2 rank(s)" in proc.stdout  # one vLLM engine over both ranks
     _assert_real_updates_reach_vllm(_steps(run_dir))
     assert all(s["sync/buckets"] >= 4 for s in _steps(run_dir))  # ~3 MB in buckets of whole layers
     assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: TP rank 0
@@ -221,6 +221,35 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     calls = _assert_collectives_name_their_groups(run_dir)
     # the trainer's TP collectives (logprobs over the vocabulary, the weight gather) on the device's group
     assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
+
+
+def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp_path, warm_policy):
+    """PP=2 on 2 ranks: one DP group whose controller (stage 0) broadcasts the samples to stage 1;
+    old logprobs go through the pipeline forward only, the update through Megatron's 1F1B
+    schedule, and the weight sync hands stage 1's buckets to stage 0, whose engine loads them: the
+    probe after each sync (scored through both stages) equals vLLM's, and the bytes synced are
+    the whole model. With the GPU memory order on (trainer offloaded, engine put to sleep), a
+    mini-batch split (so old logprobs are their own pass) and the final export from both stages."""
+    from safetensors.torch import load_file
+
+    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.pipeline_parallel=2", "eval.every=0",
+                   "policy.trainer.offload=always", "rollout.engine.release=sleep", "rollout.prompts_per_step=4",
+                   "reward.judges=[]", "sync.bucket_mb=0.5", "algorithm.mini_batches=2", policy=warm_policy,
+                   audit=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert "DP 1 x TP 1 x PP 2" in proc.stdout
+    steps = _steps(run_dir)
+    _assert_real_updates_reach_vllm(steps)
+    start = load_file(warm_policy / "model.safetensors")
+    whole = sum(t.numel() * t.element_size() for t in start.values())
+    assert all(s["sync/bytes"] == whole and s["sync/buckets"] >= 4 for s in steps)  # both stages' layers
+    assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: stage 0's TP rank 0
+    final = load_file(run_dir / "final" / "model.safetensors")
+    assert final.keys() == start.keys() and any(not final[k].equal(start[k]) for k in start if ".layers.1." in k)
+    _assert_collectives_name_their_groups(run_dir)
 
 
 def _assert_collectives_name_their_groups(run_dir) -> list[dict]:

@@ -23,8 +23,8 @@ def _trainer(seed: int):
     module(torch.randn(3, 4)).sum().backward()
     opt.step()  # optimizer state that must come back exactly
     # a stand-in for VLMTrainer: its checkpoint interface over a plain module and Adam
-    return SimpleNamespace(module=module, optimizer=opt, cfg=SimpleNamespace(tensor_parallel=1, distributed_optimizer=False),
-                           optimizer_state=opt.state_dict, load_optimizer_state=opt.load_state_dict)
+    cfg = SimpleNamespace(tensor_parallel=1, pipeline_parallel=1, distributed_optimizer=False)
+    return SimpleNamespace(module=module, optimizer=opt, cfg=cfg, optimizer_state=opt.state_dict, load_optimizer_state=opt.load_state_dict)
 
 
 class _Source:

@@ -126,6 +126,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         snapshot = {"model": _clone(trainer.module.state_dict()), "optimizer": _clone(trainer.optimizer_state()),
                     "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel,
+                    "pipeline_parallel": trainer.cfg.pipeline_parallel,
                     "distributed_optimizer": trainer.cfg.distributed_optimizer}
         ctrl = controller_state(controller) if controller is not None else None
         seconds = time.perf_counter() - t0
@@ -261,9 +262,10 @@ def load_trainer(ckpt: Path, trainer, rank: int, world: int) -> int:
     """Restore this rank's model shard and optimizer state; checks the layout, then that the
     live state hashes to what was written (bit for bit)."""
     state = torch.load(ckpt / f"trainer_rank{rank}.pt", map_location="cpu", weights_only=True)
-    if state["world"] != world or state["tensor_parallel"] != trainer.cfg.tensor_parallel:
-        raise RuntimeError(f"{ckpt} was written by {state['world']} ranks at TP {state['tensor_parallel']}; "
-                           f"this run has {world} ranks at TP {trainer.cfg.tensor_parallel}")
+    layout = (state["world"], state["tensor_parallel"], state.get("pipeline_parallel", 1))
+    if layout != (world, trainer.cfg.tensor_parallel, trainer.cfg.pipeline_parallel):
+        raise RuntimeError(f"{ckpt} was written by {layout[0]} ranks at TP {layout[1]} x PP {layout[2]}; this run "
+                           f"has {world} ranks at TP {trainer.cfg.tensor_parallel} x PP {trainer.cfg.pipeline_parallel}")
     if state.get("distributed_optimizer", False) != trainer.cfg.distributed_optimizer:
         raise RuntimeError(f"{ckpt} was written with policy.trainer.distributed_optimizer="
                            f"{state.get('distributed_optimizer', False)}; set it the same to resume")

@@ -14,6 +14,7 @@ from yatt_mm.engines.engine import EngineConfig, SamplingConfig
 from yatt_mm.reward.rewarder import RewardConfig
 from yatt_mm.rl.algorithms import AlgorithmConfig
 from yatt_mm.rl.dynamic_sampling import DynamicSamplingConfig
+from yatt_mm.rl.split import SplitConfig
 
 
 @dataclass
@@ -96,6 +97,7 @@ class RLConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # valid groups only
     sync: SyncConfig = field(default_factory=SyncConfig)  # trainer -> rollout engine weight sync
     eval: EvalConfig = field(default_factory=EvalConfig)  # greedy held-out reward
+    split: SplitConfig = field(default_factory=SplitConfig)  # how the phases' roles share a node's devices (rl/split.py)
 
     def validate(self) -> None:
         self._check_gpu_shares()
@@ -133,9 +135,7 @@ class RLConfig:
                              "set their backend: server")
 
     def check_world(self, world_size: int) -> None:
-        tp = self.policy.trainer.tensor_parallel
-        if world_size < 1 or world_size % tp:
-            raise ValueError(f"{world_size} ranks: must be a positive multiple of policy.trainer.tensor_parallel={tp}")
+        self.policy.trainer.check_world(world_size, "policy.trainer")
 
     def resolve_models(self, resolve) -> None:
         """Replace model names (tiny:, warmstart:) by directories; `resolve(name, data_shards)`."""

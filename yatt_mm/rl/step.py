@@ -30,7 +30,7 @@ def rl_step(run, step: int) -> dict[str, float]:
     else:  # a TP peer; with an engine over the DP group's ranks, it replays the controller's calls
         with phases.phase(phases.plan.phases[0].name, step):
             run.engine.follow()
-    samples = broadcast_samples([s for g in groups for s in g], ranks.tp_src, ranks.tp_cpu)
+    samples = broadcast_samples([s for g in groups for s in g], ranks.leader_rank, ranks.mp_cpu)
     with phases.phase("logprobs", step):
         minis = run.actor.prepare(samples)
         metrics |= run.actor.old_logprobs(minis)
@@ -59,10 +59,11 @@ def sync_weights(run, step: int) -> dict[str, float]:
 
 def push_weights(run) -> dict[str, float]:
     """Megatron weights -> HF names -> this DP group's engine, in place, a bucket of
-    sync.bucket_mb at a time (a collective over TP; an engine over the group's ranks loads its
-    shards on each). In the "sync" phase: the trainer on the device, the engine's weights awake,
-    its KV cache not."""
-    pushes = not (not run.ranks.leader and run.cfg.rollout.engine.tensor_parallel_size == 1)
+    sync.bucket_mb at a time (a collective over TP and PP: the pipeline stages hand their
+    buckets to the first; an engine over the group's ranks loads its shards on each). In the
+    "sync" phase: the trainer on the device, the engine's weights awake, its KV cache not."""
+    ranks = run.ranks
+    pushes = ranks.first_stage and (ranks.leader or run.cfg.rollout.engine.tensor_parallel_size > 1)
     seconds = nbytes = buckets = 0.0
     for bucket in run.trainer.export_hf_buckets(run.cfg.sync.bucket_mb):
         if pushes:  # TP peers without an engine still take part in the gathers
@@ -85,7 +86,7 @@ def probe_sync(run, step: int) -> dict[str, float]:
                 probe = run.controller.probe()
         else:
             run.engine.follow()
-        return run.actor.check_sync(broadcast_samples(probe, run.ranks.tp_src, run.ranks.tp_cpu))
+        return run.actor.check_sync(broadcast_samples(probe, run.ranks.leader_rank, run.ranks.mp_cpu))
 
 
 def evaluate(run, step: int) -> dict[str, float]:

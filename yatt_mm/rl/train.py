@@ -32,6 +32,7 @@ from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.dynamic_sampling import DynamicSampler
 from yatt_mm.rl.placement import PLANS, PhaseRunner
 from yatt_mm.rl.samples import SampleBuilder
+from yatt_mm.rl.split_runner import SplitRunner
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource
 from yatt_mm.rl.stats import progress_line
 from yatt_mm.rl.step import evaluate, rl_step, sync_weights
@@ -44,7 +45,8 @@ class Run:
         from transformers import AutoProcessor
 
         self.cfg = cfg
-        self.ranks = ranks = init_parallel(cfg.policy.trainer.tensor_parallel, cfg.run.seed)
+        trainer_cfg = cfg.policy.trainer
+        self.ranks = ranks = init_parallel(trainer_cfg.tensor_parallel, cfg.run.seed, trainer_cfg.pipeline_parallel)
         self.run_dir = cfg.fix_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ranks.rank == 0:
@@ -59,21 +61,24 @@ class Run:
         reference = ReferencePolicy(self.policy_dir, cfg.policy.trainer) if cfg.algorithm.kl_coef > 0 else None
         self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id,
                            cfg.run.max_logprob_diff, reference, cfg.run.packing)
-        # Every rank starts its engines, TP peers included: vLLM inside torchrun ranks creates its
-        # process groups with collectives over all ranks. With rollout.engine.tensor_parallel_size
-        # equal to the trainer's TP, one engine spans the DP group's ranks (its controller leads,
-        # the peers replay); at 1, each rank has its own and the peers' stay idle. The trainer
-        # goes to the host first (on GPUs), so vLLM finds the memory share it asks for.
+        # Every rank starts its engines, TP peers and later pipeline stages included: vLLM inside
+        # torchrun ranks creates its process groups with collectives over all ranks. With
+        # rollout.engine.tensor_parallel_size equal to the trainer's TP, one engine spans the TP
+        # ranks of the DP group's first pipeline stage (its controller leads, the peers replay);
+        # at 1, each rank has its own and only the controller's generates. The trainer goes to
+        # the host first (on GPUs), so vLLM finds the memory share it asks for.
         self.trainer.release()
         cfg.rollout.engine.model = self.policy_dir
         cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
         self.engine = RolloutEngine(cfg.rollout.engine)
-        self.engine.join(ranks.tp_cpu, ranks.tp_src)
+        if ranks.first_stage:  # later stages' engines never generate: nobody leads them
+            self.engine.join(ranks.tp_cpu, ranks.leader_rank)
         self.judges = build_judges(cfg.reward.judges, ranks)
         self.rule_names = [f.name for f in cfg.reward.functions]
         self.phases = PhaseRunner(PLANS[cfg.run.placement](), {
             "rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer]}, self.timeline,
             released=("train",))
+        self.phases.split = SplitRunner(cfg.split, cfg.run.placement, self.judges, self.timeline)
         self.controller = self.eval_prompts = None
         self.eval_rule = get_rule(cfg.eval.reward)
         if ranks.leader:
@@ -121,8 +126,8 @@ def attempt_id() -> str:
 def train(cfg: RLConfig) -> int:
     run = Run(cfg)
     if run.ranks.rank == 0:
-        print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP "
-              f"{run.ranks.world // run.ranks.dp_size}, rollout engines of {run.engine.tensor_parallel} "
+        print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP {run.ranks.tp_size} x PP "
+              f"{run.ranks.pp_size}, rollout engines of {run.engine.tensor_parallel} "
               f"rank(s), run dir {run.run_dir}\n{run.phases.plan.describe()}", flush=True)
     start = resume(run) if cfg.run.resume else 0
     if start == 0 and (m := evaluate(run, -1)):

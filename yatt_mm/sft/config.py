@@ -55,9 +55,7 @@ class SFTConfig:
         get_builder(self.examples)  # a clear error for an unknown name, at load time
 
     def check_world(self, world_size: int) -> None:
-        if world_size < 1 or world_size % self.trainer.tensor_parallel:
-            raise ValueError(f"{world_size} ranks: must be a positive multiple of trainer.tensor_parallel="
-                             f"{self.trainer.tensor_parallel}")
+        self.trainer.check_world(world_size, "trainer")
 
     def resolve_models(self, resolve) -> None:
         self.model = resolve(self.model, self.data.shards)

@@ -45,7 +45,7 @@ class SFTRun:
         self.source = check_hf_dir(cfg.model)
         self.run_dir = cfg.fix_run_dir()
         self.out_dir = Path(cfg.output_dir) if cfg.output_dir else self.run_dir / "hf"
-        groups = init_parallel(cfg.trainer.tensor_parallel, cfg.trainer.seed)
+        groups = init_parallel(cfg.trainer.tensor_parallel, cfg.trainer.seed, cfg.trainer.pipeline_parallel)
         self.rank, self.dp_rank, self.dp_size = groups.rank, groups.dp_rank, groups.dp_size
         self.dp_cpu, self.world_cpu = groups.dp_cpu, groups.world_cpu  # counts and losses: CPU tensors
         self.trainer = VLMTrainer(str(self.source), cfg.trainer)
@@ -129,7 +129,8 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
 def train(cfg: SFTConfig) -> dict:
     """Train; every rank calls this (under torchrun or as one process). Returns the summary."""
     run = SFTRun(cfg)
-    run.say(f"sft: model {run.source}, dp {run.dp_size} x tp {cfg.trainer.tensor_parallel}, {cfg.steps} steps of "
+    run.say(f"sft: model {run.source}, dp {run.dp_size} x tp {cfg.trainer.tensor_parallel} x pp "
+            f"{cfg.trainer.pipeline_parallel}, {cfg.steps} steps of "
             f"{cfg.batch_size} samples/rank, examples={cfg.examples}, run dir {run.run_dir}")
     first_eval = run.evaluate(0)
     losses, reached = [], {}

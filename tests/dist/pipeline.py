@@ -1,0 +1,153 @@
+"""The trainer under any TP x PP x DP layout against the same work in one process: SFT steps and
+RL steps (the Actor's old and reference logprobs through the pipeline, then its PPO update),
+then the HF export and the bucketed weight sync gathered over TP and PP.
+
+The global batch is fixed; a DP rank takes every DP-th micro-batch (SFT) or group (RL), and the
+losses are normalised over the global batch, so every layout must give the same numbers. Rank 0
+writes OUT/result.json (losses, grad norms, logprobs, the sync's coverage) and OUT/export.safetensors.
+
+    python tests/dist/pipeline.py --out DIR                                   # TP1 PP1: the reference
+    torchrun --nproc-per-node 2 tests/dist/pipeline.py --pp 2 --out DIR       # PP2
+    torchrun --nproc-per-node 4 tests/dist/pipeline.py --tp 2 --pp 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import models  # noqa: F401 - CPU runtime hooks first
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vlm_train_steps import sft_batch  # noqa: E402
+
+from dataio.synth import colour_image  # noqa: E402
+from models.comm import comm, init_parallel  # noqa: E402
+from models.tiny import tiny_model_dir  # noqa: E402
+from models.trainer import ReferencePolicy, TrainerConfig, VLMTrainer  # noqa: E402
+from yatt_mm.engines.engine import Response  # noqa: E402
+from yatt_mm.rl.actor import Actor  # noqa: E402
+from yatt_mm.rl.algorithms import AlgorithmConfig  # noqa: E402
+from yatt_mm.rl.samples import Group, Prompt, SampleBuilder  # noqa: E402
+
+SIZES = [(56, 84), (112, 56), (84, 84), (140, 112)]  # images of four sizes: rows of different lengths
+
+
+def sft_steps(trainer, processor, steps: int) -> list[float]:
+    """SFT: 4 micro-batches of 2 image questions each, every DP rank its share."""
+    rng = random.Random(0)
+    batches = []
+    for size in SIZES:
+        samples = [colour_image(rng) for _ in range(2)]
+        for s in samples:
+            s.image = s.image.resize(size)
+        batches.append(sft_batch(processor, trainer.spec, samples))
+    g = comm()
+    mine = batches[g.dp_rank::g.dp_size]
+    tokens = sum(float(b.extra["mask"].sum()) for b in batches)
+
+    def loss_fn(lp, mb):  # token mean over the global batch (DDP averages gradients over DP)
+        return -(lp * mb.extra["mask"]).sum() * trainer.dp_size / tokens, {}
+
+    losses = []
+    for _ in range(steps):
+        losses.append(dp_sum(trainer.train_step(mine, loss_fn)["train/loss"]) / trainer.dp_size)
+    return losses
+
+
+def rl_groups(processor, count: int = 4) -> list:
+    """GRPO-like groups: an image question and 4 responses of 2-40 tokens each."""
+    builder = SampleBuilder(processor, lambda r: processor.apply_chat_template(r.messages, add_generation_prompt=True))
+    rng = random.Random(1)
+    groups = []
+    for g in range(count):
+        s = colour_image(rng)
+        image = s.image.resize(SIZES[g % len(SIZES)])
+        responses = []
+        for _ in range(4):
+            n = rng.choice([2, 5, 12, 40])
+            responses.append(Response([rng.randrange(5, 300) for _ in range(n)], "x", [-1.0] * n, "length"))
+        groups.append(builder.build(Group(Prompt(f"g{g}", s.question, s.answer, [image]), responses, [0.0] * 4),
+                                    [1.0, -1.0, 0.5, -0.5], masked=False))
+    return groups
+
+
+def rl_steps(trainer, reference, processor, steps: int) -> tuple[list[dict], list[torch.Tensor]]:
+    """The Actor's step: old logprobs and the reference's (forward only through the pipeline),
+    then its KL-penalised PPO update; the old logprobs of the first step are returned too."""
+    g = comm()
+    mine = [s for i, group in enumerate(rl_groups(processor)) if i % g.dp_size == g.dp_rank for s in group]
+    actor = Actor(trainer, AlgorithmConfig(kl_coef=0.1), micro_batch_tokens=700,
+                  pad_id=processor.tokenizer.pad_token_id, max_logprob_diff=1e9, reference=reference)
+    keys = ("train/loss", "train/grad_norm", "train/kl", "train/logprob_diff_vs_rollout", "train/entropy")
+    out, first = [], []
+    for step in range(steps):
+        minis = actor.prepare(mine)
+        metrics = actor.old_logprobs(minis)
+        if step == 0:
+            first = [mb.extra["old_logprobs"] for mini in minis for mb in mini]
+        metrics |= actor.update(minis)
+        # each DP rank's loss is normalised by the global count / DP (DDP averages the gradients)
+        metrics["train/loss"] = dp_sum(metrics["train/loss"]) / trainer.dp_size
+        out.append({k: metrics[k] for k in keys})
+    return out, first
+
+
+def dp_sum(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=comm().dp_cpu)
+    return float(t)
+
+
+def main() -> int:
+    from transformers import AutoProcessor
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    groups = init_parallel(args.tp, 0, args.pp)
+    path = str(tiny_model_dir("policy"))
+    cfg = TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, lr=1e-4)
+    trainer = VLMTrainer(path, cfg)
+    reference = ReferencePolicy(path, cfg)
+    processor = AutoProcessor.from_pretrained(path)
+    processor.tokenizer.padding_side = "right"
+    sft = sft_steps(trainer, processor, args.steps)
+    rl, old_logprobs = rl_steps(trainer, reference, processor, args.steps)
+    exported = trainer.export_hf()  # every rank: gathered over TP, handed over between the stages
+    bucketed, buckets = {}, 0
+    for bucket in trainer.export_hf_buckets(0.2):  # the weight sync's path: a few layers a bucket
+        buckets += 1
+        bucketed.update(bucket)
+    missed = torch.tensor([float(bucketed.keys() != exported.keys()
+                                 or any(not torch.equal(bucketed[k], exported[k]) for k in exported))])
+    dist.all_reduce(missed, group=groups.world_cpu)  # on every rank, every stage's weights arrived
+    mine = torch.tensor([groups.pp_rank, groups.tp_rank, sum(p.numel() for p in trainer.module.parameters())])
+    everyone = [torch.zeros_like(mine) for _ in range(groups.world)]
+    dist.all_gather(everyone, mine, group=groups.world_cpu)  # what `yatt-mm plan` must count per stage
+    if groups.rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in exported.items()}, str(out / "export.safetensors"))
+        torch.save(old_logprobs, out / "old_logprobs.pt")
+        (out / "result.json").write_text(json.dumps({
+            "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "sft_losses": sft, "rl": rl,
+            "buckets": buckets, "buckets_cover_export": float(missed) == 0,
+            "stage_params": [t.tolist() for t in everyone]}))
+        print(json.dumps({"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "sft_losses": sft}))
+    dist.barrier(group=groups.world_cpu)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
