@@ -16,6 +16,7 @@ import torch
 
 from models.comm import accelerator_device, broadcast_packed, comm
 from models.offload import HostOffload, optimizer_tensors
+from models.optimizer import build_optimizer, inner_optimizers
 from models.packing import pack
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 from models.qwen2vl.config import Qwen2VLSpec
@@ -90,7 +91,6 @@ LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torc
 class VLMTrainer:
     def __init__(self, hf_dir: str, cfg: TrainerConfig):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg = cfg
         self.hf_dir = hf_dir
@@ -108,12 +108,7 @@ class VLMTrainer:
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                      use_distributed_optimizer=cfg.distributed_optimizer))
         self.config.finalize_model_grads_func = finalize_model_grads  # the DP grad all-reduce
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.clip_grad,
-                            bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                            use_distributed_optimizer=cfg.distributed_optimizer),
-            [self.model])
+        self.optimizer = build_optimizer(cfg, self.model, dtype)
         self.device = accelerator_device()
         self._weights, self._state = HostOffload(), HostOffload()  # what release() moved to the host
 
@@ -228,12 +223,12 @@ class VLMTrainer:
         if self.cfg.distributed_optimizer:
             state["shards"] = [{"state": opt.optimizer.state_dict(),
                                 "params": [p.detach() for g in opt.optimizer.param_groups for p in g["params"]]}
-                               for opt in _inner(self.optimizer)]
+                               for opt in inner_optimizers(self.optimizer)]
         return state
 
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["megatron"])
-        for opt, shard in zip(_inner(self.optimizer), state.get("shards", [])):
+        for opt, shard in zip(inner_optimizers(self.optimizer), state.get("shards", [])):
             opt.optimizer.load_state_dict(shard["state"])
             with torch.no_grad():
                 for p, saved in zip([p for g in opt.optimizer.param_groups for p in g["params"]], shard["params"]):
@@ -410,6 +405,3 @@ def _tokens(mb: MicroBatch) -> int:
     return int(mb.inputs.attention_mask.sum()) if mb.packed and mb.inputs.attention_mask is not None \
         else mb.inputs.input_ids.shape[1]
 
-
-def _inner(optimizer) -> list:
-    return getattr(optimizer, "chained_optimizers", None) or [optimizer]

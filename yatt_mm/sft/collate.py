@@ -48,7 +48,9 @@ class Collator:
             parts = [e[k] for e in encoded if k in e]
             if parts:
                 batch[k] = torch.cat(parts)
-        return MicroBatch(VLMInputs.from_processor(self.spec, batch), {"mask": mask})
+        # the loss needs logprobs at the target positions only: the softmax over the vocabulary
+        # of every prompt token would be most of the loss's work
+        return MicroBatch(VLMInputs.from_processor(self.spec, batch), {"mask": mask}, score_mask=mask > 0)
 
     def batches(self, examples: list[Example], size: int) -> list[MicroBatch]:
         encoded = [self.encode(e) for e in examples]
