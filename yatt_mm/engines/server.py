@@ -41,6 +41,7 @@ class JudgeServer:
             "--host", self.cfg.host, "--port", str(self.port),
             "--max-model-len", "2048",
             "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1}),
+            "--disable-uvicorn-access-log",  # a log line per request costs the server CPU that judging needs
         ]
         if runtime.has_gpu():
             cmd += ["--gpu-memory-utilization", str(self.cfg.gpu_memory_utilization)]
@@ -53,6 +54,8 @@ class JudgeServer:
         if not runtime.has_gpu():
             for key, value in runtime.VLLM_CPU_ENV.items():
                 env.setdefault(key, value)
+            if self.cfg.threads:
+                env["OMP_NUM_THREADS"] = str(self.cfg.threads)
         elif self.cfg.devices:  # partial colocation: the judge's own share of the node's GPUs
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL

@@ -51,6 +51,12 @@ class JudgeConfig:
     backoff_s: float = 0.5  # wait before retry k (k = 0, 1, ...): backoff_s * 2**k seconds
     startup_timeout_s: float = 180.0  # seconds to wait for the judge server to become healthy
     devices: str = ""  # GPUs: CUDA_VISIBLE_DEVICES of the server (e.g. "6,7"); empty: inherited
+    # partial colocation: responses sent to the server together, once the judge has none open
+    # (more: fewer, fuller engine steps; fewer: judging starts sooner); the last ones at the end
+    stream_batch: int = 8
+    # CPU: torch threads of the server's processes (0: inherited). One, because partial colocation
+    # pins the server to its share of the cores, and more threads than cores stall each kernel
+    threads: int = 1
     server_per: Literal["node", "dp_group"] = "node"  # one server a node (its first controller starts it), or one per DP group
     gpu_memory_utilization: float = 0.3  # GPUs: the share of its GPU the judge's vLLM may take (server or in-process)
 
@@ -62,6 +68,10 @@ class JudgeConfig:
             raise ValueError(f"votes must be >= 1, got {self.votes}")
         if not 0 < self.gpu_memory_utilization < 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.stream_batch < 1:
+            raise ValueError(f"stream_batch must be >= 1, got {self.stream_batch}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: inherited), got {self.threads}")
 
 
 @dataclass
@@ -210,12 +220,22 @@ class ServerJudge:
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
         self.server = server  # the JudgeServer this client owns (stopped by close()), if any
+        self.node_pids: list[int] = []  # the owner's: the ranks on the server's node (set by yatt_mm/reward/judges.py)
         self.stats = JudgeStats()
         self._client = None
+        # a prompt's n responses share its images: each is encoded once (the image is kept, so
+        # its id is not reused while the entry lives); cleared with the client
+        self._image_urls: dict[int, tuple[object, str]] = {}
+
+    def _image_url(self, image) -> str:
+        key = id(image)
+        if key not in self._image_urls:
+            self._image_urls[key] = (image, _data_url_image(image))
+        return self._image_urls[key][1]
 
     def _payload(self, item: JudgeItem) -> dict:
         text = judge_messages(self.cfg, item)[0]["content"][-1]["text"]
-        content: list[dict] = [{"type": "image_url", "image_url": {"url": _data_url_image(im)}} for im in item.images]
+        content: list[dict] = [{"type": "image_url", "image_url": {"url": self._image_url(im)}} for im in item.images]
         content += [{"type": "video_url", "video_url": {"url": _data_url_video(v)}} for v in item.videos]
         content.append({"type": "text", "text": text})
         return {
@@ -227,24 +247,27 @@ class ServerJudge:
         }
 
     async def score_one(self, item: JudgeItem) -> JudgeScore:
-        import httpx
+        # aiohttp (a dependency of vLLM): its client costs the caller 4-8x less CPU per request
+        # than httpx (measured: 64 requests, 0.06 s vs 0.24-0.5 s), CPU the rollout engine
+        # beside it needs under partial colocation
+        import aiohttp
 
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.cfg.timeout_s)
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
         start = time.perf_counter()
         payload = self._payload(item)
         failure = "unreachable"
         for attempt in range(self.cfg.retries + 1):
             try:
-                resp = await self._client.post(f"{self.base_url}/v1/chat/completions", json=payload)
-                if resp.status_code == 200:
-                    texts = [c["message"]["content"] or "" for c in resp.json()["choices"]]
-                    result = aggregate_votes(self.cfg, texts)
-                    break
-                failure = f"http_{resp.status_code}"
-            except httpx.TimeoutException:
+                async with self._client.post(f"{self.base_url}/v1/chat/completions", json=payload) as resp:
+                    if resp.status == 200:
+                        texts = [c["message"]["content"] or "" for c in (await resp.json())["choices"]]
+                        result = aggregate_votes(self.cfg, texts)
+                        break
+                    failure = f"http_{resp.status}"
+            except asyncio.TimeoutError:
                 failure = "timeout"
-            except httpx.HTTPError:
+            except aiohttp.ClientError:
                 failure = "unreachable"
             if attempt < self.cfg.retries:
                 await asyncio.sleep(self.cfg.backoff_s * 2**attempt)
@@ -267,6 +290,7 @@ class ServerJudge:
             self.server.stop()
 
     async def aclose(self) -> None:
+        self._image_urls.clear()
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None

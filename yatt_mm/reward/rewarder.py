@@ -105,9 +105,14 @@ def _item(p: Prompt, r: Response) -> JudgeItem:
 
 
 class RewardStream:
-    """The judges' requests for a prompt's responses go out the moment the rollout hands them
-    over, from an event loop in a background thread, so the judge servers work while the rollout
-    engine is still generating; `results()` waits for the last verdicts and combines as `score`."""
+    """The judges' requests for each response go out as the rollout hands it over (`add_sample`,
+    as each sample finishes), from an event loop in a background thread, so the judge servers
+    work while the rollout engine is still generating; `add` marks a prompt's responses complete,
+    and `results()` waits for the last verdicts and combines as `score`.
+
+    Responses go to a judge in batches (`_Dispatch`): vLLM runs a batch in a few engine steps,
+    where requests trickling in one by one would cost it steps of one or two requests each, and
+    on CPU an engine step costs about the same whatever it holds."""
 
     def __init__(self, rewarder: Rewarder, prompts: list[Prompt]):
         if any(not isinstance(judge, ServerJudge) for _, judge, _ in rewarder.judges):
@@ -115,31 +120,47 @@ class RewardStream:
                              "an in-process judge engine cannot run beside the in-process rollout engine")
         self.rewarder, self.prompts = rewarder, prompts
         self.responses: list[list[Response] | None] = [None] * len(prompts)
-        self.pending: dict[tuple[str, int], concurrent.futures.Future] = {}
-        self.sent: dict[int, float] = {}  # prompt -> when its responses went to the judges
-        self.answered: dict[tuple[str, int], float] = {}  # (judge, prompt) -> when the last verdict came
+        self.pending: dict[tuple[str, int, int], concurrent.futures.Future] = {}  # (judge, prompt, sample)
+        self.sent: dict[tuple[int, int], float] = {}  # (prompt, sample) -> when it was handed to the judges
+        self.asked: dict[tuple[str, int, int], float] = {}  # (judge, prompt, sample) -> when its request went out
+        self.answered: dict[tuple[str, int, int], float] = {}  # (judge, prompt, sample) -> when its verdict came
         self.loop = asyncio.new_event_loop()
+        self.dispatch = {name: _Dispatch(judge, self.asked, self.answered) for name, judge, _ in rewarder.judges}
         self.thread = threading.Thread(target=self.loop.run_forever, name="reward-stream", daemon=True)
         self.thread.start()
 
+    def add_sample(self, i: int, j: int, response: Response) -> None:
+        """Sample j of prompt i is done: hand it to every judge now."""
+        self.sent[(i, j)] = time.time()
+        item = _item(self.prompts[i], response)
+        for name in self.dispatch:
+            key = (name, i, j)
+            self.pending[key] = future = concurrent.futures.Future()
+            self.loop.call_soon_threadsafe(self.dispatch[name].add, key, item, future)
+
     def add(self, i: int, responses: list[Response]) -> None:
+        """Prompt i's responses are all done (any not handed over one by one go now)."""
         self.responses[i] = responses
-        self.sent[i] = time.time()
-        items = [_item(self.prompts[i], r) for r in responses]
-        for name, judge, _ in self.rewarder.judges:
-            self.pending[(name, i)] = asyncio.run_coroutine_threadsafe(
-                _judge_all(judge, items, lambda key=(name, i): self.answered.__setitem__(key, time.time())), self.loop)
+        for j, response in enumerate(responses):
+            if (i, j) not in self.sent:
+                self.add_sample(i, j, response)
+        if all(r is not None for r in self.responses):  # nothing more will come: send what waits
+            for dispatch in self.dispatch.values():
+                self.loop.call_soon_threadsafe(dispatch.flush)
 
     def judge_spans(self) -> list[dict]:
-        """Each (judge, prompt): when its requests went out and when the last answer came."""
-        return [{"judge": name, "prompt": i, "start": self.sent[i], "end": end}
-                for (name, i), end in sorted(self.answered.items(), key=lambda kv: kv[1])]
+        """Each (judge, prompt, sample): when its request went out and its verdict came (the
+        judge's work), and when the rollout handed it over (`handed`: it may wait for a batch)."""
+        return [{"judge": name, "prompt": i, "sample": j, "start": self.asked[(name, i, j)], "end": end,
+                 "handed": self.sent[(i, j)]}
+                for (name, i, j), end in sorted(self.answered.items(), key=lambda kv: kv[1])]
 
     def results(self) -> list[tuple[list[float], dict]]:
         try:
             if any(r is None for r in self.responses):
                 raise RuntimeError("the rollout finished without handing over every prompt's responses")
-            judged = {name: [[s.score for s in self.pending[(name, i)].result()] for i in range(len(self.prompts))]
+            judged = {name: [[self.pending[(name, i, j)].result().score for j in range(len(group))]
+                             for i, group in enumerate(self.responses)]
                       for name, _, _ in self.rewarder.judges}
         finally:
             for _, judge, _ in self.rewarder.judges:  # the HTTP clients belong to this loop
@@ -150,11 +171,47 @@ class RewardStream:
         return self.rewarder._combine(self.prompts, self.responses, judged)
 
 
-async def _judge_all(judge: ServerJudge, items: list[JudgeItem], on_done=None):
-    scores = await asyncio.gather(*(judge.score_one(it) for it in items))
-    if on_done is not None:  # before the future completes: the waiter then sees the time
-        on_done()
-    return scores
+class _Dispatch:
+    """One judge's requests, in the stream's event loop: they wait until `judge.stream_batch`
+    of them are there and the judge has none open, then go together; when the stream ends
+    (`flush`), whatever waits goes."""
+
+    def __init__(self, judge: ServerJudge, asked: dict, answered: dict):
+        self.judge, self.asked, self.answered = judge, asked, answered
+        self.batch = judge.cfg.stream_batch
+        self.waiting: list[tuple[tuple, JudgeItem, concurrent.futures.Future]] = []
+        self.open = 0
+        self.flushing = False
+
+    def add(self, key: tuple, item: JudgeItem, future: concurrent.futures.Future) -> None:
+        self.waiting.append((key, item, future))
+        if self.open == 0 and (len(self.waiting) >= self.batch or self.flushing):
+            self._send_waiting()
+
+    def flush(self) -> None:
+        self.flushing = True
+        if self.open == 0 and self.waiting:
+            self._send_waiting()
+
+    def _send_waiting(self) -> None:
+        batch, self.waiting = self.waiting, []
+        self.open += len(batch)
+        now = time.time()
+        for key, item, future in batch:
+            self.asked[key] = now
+            asyncio.ensure_future(self._one(key, item, future))
+
+    async def _one(self, key: tuple, item: JudgeItem, future: concurrent.futures.Future) -> None:
+        try:
+            score = await self.judge.score_one(item)
+            self.answered[key] = time.time()  # before the future completes: the waiter then sees the time
+            future.set_result(score)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter, which raises it
+            future.set_exception(e)
+        finally:
+            self.open -= 1
+            if self.open == 0 and self.waiting and (len(self.waiting) >= self.batch or self.flushing):
+                self._send_waiting()
 
 
 def reward_metrics(counts: dict[str, float], rule_names: list[str], judge_names: list[str]) -> dict[str, float]:
