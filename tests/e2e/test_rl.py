@@ -452,10 +452,21 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
     spans = [json.loads(ln) for ln in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()]
     waves = [s for s in spans if s["phase"] == "generate"]
     judged = [s for s in spans if s["phase"] == "judge"]
-    assert len(judged) == sum(w["prompts"] for w in waves) > 0
+    assert len(judged) == sum(w["samples"] for w in waves) > 0  # every sample judged, each on its own
     early = [j for j in judged if any(w["step"] == j["step"] and w["start"] <= j["end"] < w["end"] for w in waves)]
     assert early, "no judge request was answered before generation ended"
     assert all(0 < r["placement/judge_overlap"] <= 1 for r in steps)
+    # the device split: decided after every step by the server's owner, with its reason, logged
+    # in the metrics and the timeline; the node's cores split between the ranks and the server
+    decisions = [s for s in spans if s["phase"] == "split"]
+    assert len(decisions) == len(steps) and all(d["reason"] and d["units"] >= 2 for d in decisions)
+    assert all(0 < r["placement/judge_share"] < 1 and r["placement/reason"] for r in steps)
+    assert "device split (dynamic): judges 1 of" in proc.stdout
+    # and the run replays under either placement
+    sim = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "simulate", str(run_dir)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout.splitlines()[-1])["measured_placement"] == "partial"
     # the untrained policy never names the colour: dynamic sampling starves, the step goes on masked
     assert all(r["rollout/valid_group_rate"] == 0.0 and r["rollout/padded_groups"] == 4 for r in steps)
     # an in-process judge cannot run beside the in-process rollout engine: refused at start

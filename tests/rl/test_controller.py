@@ -28,14 +28,19 @@ class ScriptedEngine:
     def prompt_text(self, request) -> str:
         return self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
 
-    def generate(self, requests, sampling: SamplingConfig, on_finished=None) -> GenerationResult:
+    def generate(self, requests, sampling: SamplingConfig, on_finished=None, on_sample=None) -> GenerationResult:
         self.calls.append(len(requests))
         keys = [r.messages[0]["content"][-1]["text"].split("#")[-1] for r in requests]
         responses = []
-        for key in keys:
+        for p, key in enumerate(keys):
             texts = self.script[key][: sampling.n]
             ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
             responses.append([Response(i, t, [-0.5] * len(i), "stop") for i, t in zip(ids, texts)])
+            for j, r in enumerate(responses[-1]):
+                if on_sample is not None:
+                    on_sample(p, j, r)
+            if on_finished is not None:
+                on_finished(p, responses[-1])
         return GenerationResult(responses, 0.01, 0, sum(len(r.token_ids) for g in responses for r in g))
 
 

@@ -76,17 +76,23 @@ def build_judges(weighted: list[WeightedJudge], comm=None) -> Judges:
 def shared_server_judge(cfg: JudgeConfig, comm) -> ServerJudge | None:
     """This rank's client of the judge's server; the rank that should start it starts it. A
     collective over all ranks (their nodes and the servers' addresses cross on gloo)."""
+    import os
+
     import torch
     import torch.distributed as dist
 
-    places = torch.tensor([comm.node, int(comm.leader)])
-    everyone = [torch.zeros(2, dtype=places.dtype) for _ in range(comm.world)]
+    places = torch.tensor([comm.node, int(comm.leader), os.getpid()])
+    everyone = [torch.zeros(3, dtype=places.dtype) for _ in range(comm.world)]
     dist.all_gather(everyone, places, group=comm.world_cpu)
-    leaders_here = [r for r, (node, leader) in enumerate(t.tolist() for t in everyone) if leader and node == comm.node]
+    places_of = [t.tolist() for t in everyone]
+    leaders_here = [r for r, (node, leader, _) in enumerate(places_of) if leader and node == comm.node]
     starter = comm.rank if cfg.server_per == "dp_group" else min(leaders_here)
     judge = None
     if comm.leader and starter == comm.rank:
         judge = served_judge(cfg)
+        # the processes whose generation shares the node with this server (partial colocation
+        # splits the node's cores between them and the server: yatt_mm/rl/split_runner.py)
+        judge.node_pids = [pid for node, _, pid in places_of if node == comm.node]
         users = 1 if cfg.server_per == "dp_group" else len(leaders_here)
         print(f"judge {cfg.name}: vLLM server at {judge.base_url} (node {comm.node}) for {users} controller(s)",
               flush=True)

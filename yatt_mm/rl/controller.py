@@ -13,11 +13,13 @@ import torch
 from yatt_mm.engines.engine import RolloutEngine, SamplingConfig
 from yatt_mm.reward.rewarder import Rewarder
 from yatt_mm.reward.rules import RuleFn
+from yatt_mm.rl import cpu_pinning
 from yatt_mm.rl.algorithms import AlgorithmConfig, advantages
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, StepGroups
 from yatt_mm.rl.placement import PhaseRunner
 from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, TrainSample
 from yatt_mm.rl.stats import RolloutStats
+from yatt_mm.simulate.replay import Wave, busy_seconds
 
 
 PROBE_TOKENS = 4  # answer length of the weight-sync probe
@@ -35,57 +37,86 @@ class Controller:
         self.algorithm = algorithm
         self.phases = phases
         self.probe_prompt: Prompt | None = None  # checks each weight sync: an eval prompt, else the first trained
+        self._waves: list[Wave] = []  # this step's, for the device split
+        self._wave_seconds = 0.0
 
     def _wave(self, n: int, step: int, stats: RolloutStats) -> list[Group]:
         prompts = self.source.take(n)
         requests = [p.request() for p in prompts]
+        done: dict[tuple[int, int], float] = {}  # when each sample finished: the timeline, the split, the replay
+        servers = self._judge_server_pids()  # CPU seconds of each side, for the simulator's utilisation
         if self.phases.plan.overlaps("rollout", "judge"):  # partial colocation: judge while generating
             with self.phases.phase("rollout_reward", step):
                 stream = self.rewarder.stream(prompts)
+
+                def sample_done(i: int, j: int, response) -> None:
+                    done[(i, j)] = time.time()
+                    stream.add_sample(i, j, response)
+
+                own, judge_cpu = cpu_pinning.own_cpu_seconds(), cpu_pinning.cpu_seconds(servers)
                 start = time.time()
-                result = self.engine.generate(requests, self.sampling, on_finished=stream.add)
+                result = self.engine.generate(requests, self.sampling, on_finished=stream.add, on_sample=sample_done)
                 end = time.time()
+                own = cpu_pinning.own_cpu_seconds() - own
                 scored = stream.results()
-            self._record_generation(step, start, end, stream.sent, result.responses)
+                judge_cpu = cpu_pinning.cpu_seconds(servers) - judge_cpu
+            self._record_generation(step, start, end, done, result.responses, own)
             spans = stream.judge_spans()
             for span in spans:
                 self.phases.timeline.record("judge", step, span["start"], span["end"], prompt=span["prompt"],
-                                            judge=span["judge"])
+                                            sample=span["sample"], judge=span["judge"], handed=span["handed"])
+            if servers:
+                self.phases.timeline.record("judging", step, start, time.time(), cpu=judge_cpu, responses=len(done))
             stats.add_overlap(spans, end)
+            self._waves.append(measured_wave(start, end, done, spans))
+            self._wave_seconds += time.time() - start
         else:
-            finished: dict[int, float] = {}  # when each prompt's responses were done, for the timeline
             with self.phases.phase("rollout", step):
+                own = cpu_pinning.own_cpu_seconds()
                 start = time.time()
                 result = self.engine.generate(requests, self.sampling,
-                                              on_finished=lambda i, _: finished.__setitem__(i, time.time()))
+                                              on_sample=lambda i, j, _: done.__setitem__((i, j), time.time()))
                 end = time.time()
+                own = cpu_pinning.own_cpu_seconds() - own
             with self.phases.phase("reward", step):
-                judged = time.time()
+                judged, judge_cpu = time.time(), cpu_pinning.own_cpu_seconds() + cpu_pinning.cpu_seconds(servers)
                 scored = self.rewarder.score(prompts, result.responses)
-            self._record_generation(step, start, end, finished, result.responses)
+                judge_cpu = cpu_pinning.own_cpu_seconds() + cpu_pinning.cpu_seconds(servers) - judge_cpu
+            self._record_generation(step, start, end, done, result.responses, own)
             if self.rewarder.judges:
-                self.phases.timeline.record("judge_batch", step, judged, time.time(),
+                self.phases.timeline.record("judge_batch", step, judged, time.time(), cpu=judge_cpu,
                                             responses=sum(len(r) for r in result.responses))
         groups = [Group(p, rs, total, parts) for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds)
         return groups
 
-    def _record_generation(self, step: int, start: float, end: float, finished: dict[int, float], responses) -> None:
-        """The wave's generation, request by request, in the timeline: when each prompt's
-        responses were done (the judge's start in partial colocation; `yatt-mm simulate` replays
-        them under the other placement)."""
+    def _judge_server_pids(self) -> list[int]:
+        """The processes of the judge servers this controller started (none: clients only)."""
+        servers = [getattr(j, "server", None) for _, j, _ in self.rewarder.judges]
+        return [pid for s in servers if s is not None and s.proc is not None
+                for pid in cpu_pinning.session_pids(s.proc.pid)]
+
+    def _record_generation(self, step: int, start: float, end: float, done: dict[tuple[int, int], float],
+                           responses, cpu: float) -> None:
+        """The wave's generation, sample by sample, in the timeline: when each finished (the
+        judges' start in partial colocation; `yatt-mm simulate` replays them under the other
+        placement), and the CPU seconds this process spent meanwhile."""
         timeline = self.phases.timeline
-        timeline.record("generate", step, start, end, prompts=len(responses))
-        for i, done in sorted(finished.items()):
-            timeline.record("generated", step, start, done, prompt=i,
-                            tokens=sum(len(r.token_ids) for r in responses[i]))
+        timeline.record("generate", step, start, end, prompts=len(responses),
+                        samples=sum(len(r) for r in responses), cpu=cpu)
+        for (i, j), finished in sorted(done.items()):
+            timeline.record("generated", step, start, finished, prompt=i, sample=j,
+                            tokens=len(responses[i][j].token_ids))
 
     def step(self, step: int, target: int) -> tuple[list[list[TrainSample]], RolloutStats]:
         """Rollout, reward and dynamic sampling until `target` groups, then their training
         samples with advantages; and what it took (this DP group's counts)."""
         stats = RolloutStats()
+        self._waves, self._wave_seconds = [], 0.0
         chosen = self.sampler.collect(target, lambda n: self._wave(n, step, stats))
         stats.add_choice(chosen)
+        # partial colocation: the next step's device split, from what this one's waves measured
+        stats.add_split(self.phases.decide_split(step, self._waves, self._wave_seconds))
         if self.probe_prompt is None and chosen.groups:
             self.probe_prompt = chosen.groups[0].prompt
         stats.reward_counts = self.rewarder.take_counts()
@@ -120,3 +151,11 @@ class Controller:
             adv = advantages(self.algorithm, rewards, [0] * len(group.rewards))
             out.append(self.builder.build(group, adv.tolist(), masked, stale=i < chosen.from_buffer))
         return out
+
+
+def measured_wave(start: float, end: float, done: dict[tuple[int, int], float], judge_spans: list[dict]) -> Wave:
+    """A partial-colocation wave as the replay models it: each sample's finish time, and the
+    judges' cost per response (the seconds some judge request was open, per response judged)."""
+    busy = busy_seconds([(s["start"], s["end"]) for s in judge_spans])
+    return Wave(generation_seconds=end - start, sample_ends=sorted(t - start for t in done.values()),
+                judge_seconds_per_response=busy / max(len(done), 1))

@@ -24,7 +24,9 @@ LEVELS = ("none", "weights", "all")
 class Phase:
     name: str
     roles: tuple[str, ...]  # "role" (all of it) or "role:weights"; roles absent are released
-    devices: str = "all"  # full colocation: every phase has all of the rank's devices
+    # "all": every role of the phase may use all of the node's devices; "split": the roles share
+    # them out as the device split says (partial colocation, yatt_mm/rl/split_runner.py)
+    devices: str = "all"
 
     def levels(self) -> dict[str, str]:
         return dict((r.split(":") + ["all"])[:2] for r in self.roles)
@@ -92,6 +94,12 @@ class PhaseRunner:
         # roles start resident, but those in `released` (already released by the caller)
         self.level: dict[str, str] = {role: "none" if role in released else "all" for role in self.resources}
         self.switch_seconds = 0.0
+        self.split = None  # a SplitRunner (yatt_mm/rl/split_runner.py): the devices each phase gives its roles
+
+    def decide_split(self, step: int, waves, seconds: float):
+        """After a step's rollout and judging: the next step's device split (a Decision), or None
+        where this rank decides none."""
+        return self.split.decide(step, waves, seconds) if self.split is not None else None
 
     @contextmanager
     def phase(self, name: str, step: int):
@@ -106,5 +114,7 @@ class PhaseRunner:
                 if LEVELS.index(level) > LEVELS.index(self.level[role]):
                     self.switch_seconds += sum(obj.acquire(level) for obj in self.resources[role])
                     self.level[role] = level
+            if self.split is not None:
+                self.split.enter(self.phases[name])
         with self.timeline.phase(name, step):
             yield

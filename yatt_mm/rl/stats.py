@@ -12,6 +12,7 @@ import torch.distributed as dist
 from yatt_mm.metrics import Timeline
 from yatt_mm.reward.rewarder import reward_metrics
 from yatt_mm.rl.distributed import sum_across
+from yatt_mm.simulate.replay import busy_seconds
 
 
 @dataclass
@@ -31,6 +32,13 @@ class RolloutStats:
     from_buffer: float = 0.0
     judge_busy: float = 0.0  # partial colocation: seconds some judge request was open
     judge_busy_generating: float = 0.0  # of which while the rollout engine was still generating
+    judged: float = 0.0  # partial colocation: responses streamed to the judges
+    split_units: float = 0.0  # the devices split between rollout and judges (partial colocation's deciding ranks)
+    split_judge_units: float = 0.0  # of which the judges had this step
+    split_next_judge_units: float = 0.0  # of which the judges get next step
+    split_moves: float = 0.0  # notches moved toward the judges (negative: away)
+    split_backlog: float = 0.0  # responses still waiting for the judges when generation ended
+    split_reason: str = ""  # why the split is what it is next step (this rank's decision; not summed)
     reward_counts: dict[str, float] = field(default_factory=dict)  # the rewarder's; same keys on every group
 
     def add_wave(self, groups, seconds: float) -> None:
@@ -45,14 +53,22 @@ class RolloutStats:
     def add_overlap(self, judge_spans: list[dict], generation_end: float) -> None:
         """The union of the judge requests' open intervals, and its part before the end of
         generation."""
-        merged: list[list[float]] = []
-        for a, b in sorted((s["start"], s["end"]) for s in judge_spans):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        self.judge_busy += sum(b - a for a, b in merged)
-        self.judge_busy_generating += sum(max(0.0, min(b, generation_end) - a) for a, b in merged)
+        intervals = [(s["start"], s["end"]) for s in judge_spans]
+        self.judge_busy += busy_seconds(intervals)
+        self.judge_busy_generating += busy_seconds(intervals, until=generation_end)
+        self.judged += len({(s["prompt"], s.get("sample", 0)) for s in judge_spans})
+
+    def add_split(self, decision) -> None:
+        """The device split this step ran with and the one chosen for the next (a Decision of
+        yatt_mm/rl/split.py; None where this rank does not decide one)."""
+        if decision is None:
+            return
+        self.split_units += decision.split.units
+        self.split_judge_units += decision.split.judge
+        self.split_next_judge_units += decision.next.judge
+        self.split_moves += decision.move
+        self.split_backlog += decision.backlog
+        self.split_reason = decision.reason
 
     def add_choice(self, chosen) -> None:
         """The dynamic sampler's outcome (a StepGroups)."""
@@ -63,16 +79,22 @@ class RolloutStats:
 
     def summed(self, group) -> "RolloutStats":
         """The sum over every DP group (a collective over `group`, the groups' leaders)."""
-        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "reward_counts"}
+        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("reward_counts", "split_reason")}
         total = sum_across({**numbers, **{f"reward_counts/{k}": v for k, v in self.reward_counts.items()}}, group)
         counts = {k.split("/", 1)[1]: v for k, v in total.items() if k.startswith("reward_counts/")}
-        return RolloutStats(**{k: total[k] for k in numbers}, reward_counts=counts)
+        return RolloutStats(**{k: total[k] for k in numbers}, reward_counts=counts, split_reason=self.split_reason)
 
     def metrics(self, rule_names: list[str], judge_names: list[str]) -> dict[str, float]:
         out = {"rollout/groups_generated": self.groups, "rollout/padded_groups": self.padded,
                "rollout/waves": self.waves, "rollout/from_buffer": self.from_buffer}
         if self.judge_busy:  # partial colocation: the share of judging done while generation ran
             out["placement/judge_overlap"] = self.judge_busy_generating / self.judge_busy
+            out["placement/judge_seconds_per_response"] = self.judge_busy / max(self.judged, 1)
+        if self.split_units:  # the devices' split between rollout and judges, and its decision
+            out |= {"placement/judge_share": self.split_judge_units / self.split_units,
+                    "placement/next_judge_share": self.split_next_judge_units / self.split_units,
+                    "placement/judge_units": self.split_judge_units, "placement/resplit": self.split_moves,
+                    "placement/judge_backlog": self.split_backlog, "placement/reason": self.split_reason}
         out.update(reward_metrics(self.reward_counts, rule_names, judge_names))
         if not self.responses:  # the whole step came from dynamic sampling's buffer
             return out

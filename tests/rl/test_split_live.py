@@ -1,0 +1,101 @@
+"""The dynamic split on real components: the controller with a real vLLM rollout engine and a
+real judge server process, partial colocation, the split measured, decided and applied (the
+processes pinned) between steps. A slow judge (16 votes per response) must draw the split toward
+the judges, a fast one (1 vote, while generation is long) away from them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from PIL import Image
+
+from yatt_mm.engines.engine import EngineConfig, RolloutEngine, SamplingConfig
+from yatt_mm.engines.server import JudgeServer
+from yatt_mm.metrics import Timeline
+from yatt_mm.reward.genrm import JudgeConfig, ServerJudge
+from yatt_mm.reward.judges import Judges
+from yatt_mm.reward.rewarder import RewardConfig, Rewarder
+from yatt_mm.rl import cpu_pinning
+from yatt_mm.rl.algorithms import AlgorithmConfig
+from yatt_mm.rl.controller import Controller
+from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
+from yatt_mm.rl.placement import Phase, PhaseRunner, partial_colocation
+from yatt_mm.rl.samples import Prompt, SampleBuilder
+from yatt_mm.rl.split import SplitConfig, cpu_cores
+from yatt_mm.rl.split_runner import SplitRunner
+
+pytestmark = [pytest.mark.slow,  # a judge server start (20-60 s) and a few steps
+              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_policy):
+    """The untrained tiny policy never stops early: with 4 sequences at a time, a wave's samples
+    finish in rounds spread over the generation."""
+    return RolloutEngine(EngineConfig(model=str(tiny_policy), max_num_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def server():
+    from models.tiny import tiny_model_dir
+
+    with JudgeServer(JudgeConfig(name="genrm", model=str(tiny_model_dir("judge")), backend="server")) as s:
+        yield s
+
+
+class Prompts:
+    def __init__(self):
+        self.n = 0
+
+    def take(self, n):
+        self.n += n
+        colours = ["red", "green", "blue", "yellow"]
+        return [Prompt(f"k{self.n}-{i}", "What colour is it?", colours[i % 4],
+                       images=[Image.new("RGB", (56, 56), colours[i % 4])]) for i in range(n)]
+
+
+def _steps(engine, server, votes: int, judge_tokens: int, max_tokens: int, steps: int = 2):
+    """`steps` controller steps of 4 prompts x 4 responses; the split's decisions."""
+    from transformers import AutoProcessor
+
+    cfg = JudgeConfig(name="genrm", model=server.cfg.model, backend="server", votes=votes, max_tokens=judge_tokens)
+    judges = Judges([("genrm", ServerJudge(cfg, server.base_url, server.model_name, server=server), 1.0)])
+    timeline = Timeline(0)
+    phases = PhaseRunner(partial_colocation(), {}, timeline)
+    phases.split = SplitRunner(SplitConfig(), "partial", judges, timeline)
+    processor = AutoProcessor.from_pretrained(engine.cfg.model)
+    ctrl = Controller(Prompts(), engine, Rewarder(RewardConfig(), judges),
+                      DynamicSampler(DynamicSamplingConfig(enabled=False)), SamplingConfig(n=4, max_tokens=max_tokens),
+                      SampleBuilder(processor, engine.prompt_text), AlgorithmConfig(), phases)
+    cores, threads = cpu_pinning.usable_cores(), cpu_pinning.torch_threads()
+    try:
+        for step in range(steps):
+            ctrl.step(step, 4)
+            # the decided split is what the next rollout_reward phase applies, to every thread
+            phases.split.enter(Phase("rollout_reward", ("rollout", "judge"), devices="split"))
+            rollout, judge = cpu_cores(phases.split.split, cores)
+            assert cpu_pinning.cores_of(os.getpid()) == rollout
+            assert cpu_pinning.cores_of(server.proc.pid) == judge
+            phases.split.enter(Phase("train", ("train",)))  # and every core back for training
+            assert cpu_pinning.cores_of(os.getpid()) == cores == cpu_pinning.cores_of(server.proc.pid)
+    finally:  # never leave the test process pinned
+        cpu_pinning.pin([os.getpid()], cores)
+        cpu_pinning.set_torch_threads(threads)
+    records = [s for s in timeline.spans if s["phase"] == "split"]
+    assert len(records) == steps and all(r["reason"] for r in records)
+    return phases.split.decisions
+
+
+def test_a_slow_judge_draws_the_split_toward_it(engine, server):
+    decisions = _steps(engine, server, votes=16, judge_tokens=16, max_tokens=4)
+    assert decisions[0].split.judge == 1.0  # one core each at the start
+    assert decisions[-1].next.judge > decisions[0].split.judge, [d.reason for d in decisions]
+    assert decisions[0].move == 1 and decisions[0].reason.startswith("toward the judges")
+    assert decisions[0].backlog > 0
+
+
+def test_a_fast_judge_gives_cores_back_to_the_rollout(engine, server):
+    decisions = _steps(engine, server, votes=1, judge_tokens=1, max_tokens=64)
+    assert decisions[-1].next.judge < decisions[0].split.judge, [d.reason for d in decisions]
+    assert decisions[0].move == -1 and decisions[0].reason.startswith("away from the judges")
