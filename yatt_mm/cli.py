@@ -46,6 +46,20 @@ def _plan(args: argparse.Namespace) -> int:
     return run_plan(args.config, args.overrides, cluster, assume)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from yatt_mm.simulate.cluster import ClusterWorkload
+    from yatt_mm.simulate.command import run_simulate
+
+    work = ClusterWorkload(policy_params_b=args.policy_b, judge_params_b=args.judge_b, max_tokens=args.max_tokens,
+                           prompt_tokens=args.prompt_tokens, responses_per_step=args.responses,
+                           judge_tokens=args.judge_tokens, votes=args.votes)
+    try:
+        return run_simulate(args.run_dir, args.placement, args.profile, args.gpus, args.rank, args.png, work)
+    except ValueError as e:  # a run dir it cannot replay, a bad profile or workload: the message names the fix
+        print(f"yatt-mm simulate: {e}", file=sys.stderr)
+        return 2
+
+
 def _model_parity(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -57,6 +71,12 @@ def _model_parity(args: argparse.Namespace) -> int:
         return subprocess.call([sys.executable, "-m", "models.qwen2vl.parity", args.hf_dir])  # output streams through
     return relaunch("models.qwen2vl.parity", args.tp * args.pp,
                     [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)])
+
+
+def ClusterWorkloadDefaults():  # noqa: N802 - the dataclass's defaults, without importing the simulator
+    from yatt_mm.simulate.cluster import ClusterWorkload
+
+    return ClusterWorkload()
 
 
 COMMANDS_WITH_OWN_PARSER = {"rl": "yatt_mm.rl.train", "sft": "yatt_mm.sft.train"}
@@ -96,6 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frame-tokens", type=int, default=0, help="merged tokens per image/frame (default: data.media)")
     p.add_argument("overrides", nargs="*", help="key=value settings for the RL config, e.g. run.micro_batch_tokens=8192")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("simulate", help="replay a run's measured timings under full and partial colocation, here "
+                       "or (with a GPU profile) on a cluster: step time, idle share, utilisation per role, a PNG")
+    p.add_argument("run_dir", help="the run directory of a `yatt-mm rl` run (its timeline_rank*.jsonl)")
+    p.add_argument("--placement", choices=["full", "partial", "both"], default="both")
+    p.add_argument("--profile", default=None, help="device profile YAML (configs/profiles/): a CPU calibration, or "
+                   "a GPU node's published figures to scale the run to a cluster")
+    p.add_argument("--gpus", type=int, default=0, help="GPU profile: GPUs in the cluster (default: one node)")
+    p.add_argument("--rank", type=int, default=None, help="whose timeline (a DP group's controller; default 0)")
+    p.add_argument("--png", default=None, help="where to draw the timelines (default: RUN_DIR/simulated_*.png)")
+    cluster = ClusterWorkloadDefaults()
+    p.add_argument("--policy-b", type=float, default=cluster.policy_params_b, help="GPU: policy size, B parameters")
+    p.add_argument("--judge-b", type=float, default=cluster.judge_params_b, help="GPU: judge size, B parameters")
+    p.add_argument("--max-tokens", type=int, default=cluster.max_tokens, help="GPU: the run's max_tokens scaled to")
+    p.add_argument("--prompt-tokens", type=int, default=cluster.prompt_tokens, help="GPU: tokens per prompt")
+    p.add_argument("--responses", type=int, default=cluster.responses_per_step, help="GPU: responses per step")
+    p.add_argument("--judge-tokens", type=int, default=cluster.judge_tokens, help="GPU: judge answer tokens per vote")
+    p.add_argument("--votes", type=int, default=cluster.votes, help="GPU: judge votes per response")
+    p.set_defaults(func=_simulate)
 
     p = sub.add_parser("plot", help="write PNGs of a run: reward curve, phase timeline per rank")
     p.add_argument("run_dir")

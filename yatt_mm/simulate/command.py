@@ -1,0 +1,123 @@
+"""`yatt-mm simulate RUN_DIR`: a run replayed under full and partial colocation.
+
+Without a profile, or with a CPU profile (its calibration), the run's own steps are replayed on
+the machine it ran on (yatt_mm/simulate/predict.py); with a GPU profile, the run's length mix
+is scaled to a cluster of `--gpus` GPUs (yatt_mm/simulate/cluster.py). Prints, per placement,
+the rollout+reward and step seconds, each role's idle share and utilisation, draws the
+simulated timelines as a PNG, and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from yatt_mm.simulate.cluster import ClusterResult, ClusterWorkload, best_partial, simulate_cluster
+from yatt_mm.simulate.draw import draw_timelines
+from yatt_mm.simulate.predict import PlacementResult, best_split, predict
+from yatt_mm.simulate.profile import DeviceProfile, load_profile
+from yatt_mm.simulate.trace import RunTrace, read_run
+
+
+def run_simulate(run_dir: str, placement: str = "both", profile_path: str | None = None, gpus: int = 0,
+                 rank: int | None = None, out: str | None = None, workload: ClusterWorkload | None = None) -> int:
+    trace = read_run(run_dir, rank)
+    profile = load_profile(profile_path) if profile_path else None
+    png = Path(out) if out else Path(run_dir) / f"simulated_{'cluster' if profile and profile.kind == 'gpu' else 'here'}.png"
+    if profile is not None and profile.kind == "gpu":
+        summary = _cluster(trace, profile, gpus or profile.devices_per_node, placement, workload or ClusterWorkload(), png)
+    else:
+        summary = _here(trace, profile, placement, png)
+    print(f"timelines: {png}")
+    print(json.dumps(summary))
+    return 0
+
+
+def _placements(placement: str) -> list[str]:
+    if placement not in ("full", "partial", "both"):
+        raise ValueError(f"--placement must be full, partial or both, got {placement!r}")
+    return ["full", "partial"] if placement == "both" else [placement]
+
+
+def _here(trace: RunTrace, profile: DeviceProfile | None, placement: str, png: Path) -> dict:
+    cal = profile.calibration if profile is not None else None
+    measured = statistics.median(s.rollout_reward_seconds for s in trace.steps)
+    print(f"{trace.run_dir}: {len(trace.steps)} steps under {trace.placement} colocation on {trace.units} "
+          f"{trace.kind} cores, rollout+reward measured {measured:.2f} s/step (median)")
+    if cal is None:
+        print("no CPU profile: the replay assumes a streamed response costs the judge server what batched "
+              "in-process judging costs, and generation runs as fast beside it (pass --profile "
+              "configs/profiles/cpu_2core.yaml for this machine's measured factors)")
+    results: list[PlacementResult] = []
+    for p in _placements(placement):
+        results.append(predict(trace, "full", cal) if p == "full" else best_split(trace, cal))
+    print(f"{'placement':<10} {'judges':>8} {'rollout+reward s':>17} {'step s':>8} {'idle rollout':>13} "
+          f"{'idle judges':>12} {'util rollout':>13} {'util judges':>12}")
+    summary = {"run_dir": str(trace.run_dir), "measured_placement": trace.placement,
+               "measured_rollout_reward_seconds": round(measured, 3), "units": trace.units}
+    for r in results:
+        (idle_r, idle_j), (util_r, util_j) = r.idle_share(), r.utilisation()
+        rr, step = statistics.median(r.rollout_reward_seconds), statistics.median(r.step_seconds)
+        judges = f"{r.judge_units:g} cores" if r.placement == "partial" else "all"
+        print(f"{r.placement:<10} {judges:>8} {rr:>17.2f} {step:>8.2f} {idle_r:>13.0%} {idle_j:>12.0%} "
+              f"{util_r:>13.0%} {util_j:>12.0%}")
+        summary[r.placement] = {"rollout_reward_seconds": round(rr, 3), "step_seconds": round(step, 3),
+                                "judge_units": r.judge_units, "idle_rollout": round(idle_r, 3),
+                                "idle_judges": round(idle_j, 3), "utilisation_rollout": round(util_r, 3),
+                                "utilisation_judges": round(util_j, 3)}
+    if len(results) == 2:
+        summary["ratio"] = round(summary["partial"]["rollout_reward_seconds"]
+                                 / summary["full"]["rollout_reward_seconds"], 3)
+    rows = []
+    middle = len(trace.steps) // 2
+    for r in results:
+        waves_per_step = max(1, len(r.waves) // len(trace.steps))
+        base, replay = r.waves[middle * waves_per_step]
+        lanes = {"rollout": [(0.0, replay.generation_seconds)], "judges": list(replay.judging)}
+        if r.placement == "full" and replay.judging:
+            lanes["switch"] = [(replay.generation_seconds, replay.judging[0][0])]
+        rows.append((f"{r.placement} colocation" + (f", judges on {r.judge_units:g} cores" if r.placement == "partial"
+                                                     else ""), lanes))
+    draw_timelines(rows, png, f"simulated step {trace.steps[middle].step + 1} of {trace.run_dir.name}")
+    return summary
+
+
+def _cluster(trace: RunTrace, profile: DeviceProfile, gpus: int, placement: str, work: ClusterWorkload,
+             png: Path) -> dict:
+    work.validate()
+    max_tokens = trace.config.get("rollout", {}).get("sampling", {}).get("max_tokens") or max(
+        t for s in trace.steps for w in s.waves for t in w.wave.sample_tokens)
+    lengths = [t / max_tokens for s in trace.steps for w in s.waves for t in w.wave.sample_tokens]
+    tail = sum(x >= 1 for x in lengths) / len(lengths)
+    print(f"{trace.run_dir}: {len(lengths)} responses, median {statistics.median(lengths):.0%} of max_tokens, "
+          f"{tail:.0%} at max_tokens; scaled to {work.policy_params_b:g}B policy, {work.judge_params_b:g}B judge, "
+          f"max_tokens {work.max_tokens}, {work.responses_per_step} responses a step on {gpus} x {profile.name}")
+    results: list[ClusterResult] = []
+    for p in _placements(placement):
+        results.append(simulate_cluster(lengths, work, profile, gpus, "full") if p == "full"
+                       else best_partial(lengths, work, profile, gpus))
+    print(f"{'placement':<10} {'judge GPUs':>11} {'rollout+reward s':>17} {'generation s':>13} {'switch s':>9} "
+          f"{'idle rollout':>13} {'idle judges':>12} {'util rollout':>13} {'util judges':>12}")
+    summary = {"run_dir": str(trace.run_dir), "profile": profile.name, "gpus": gpus,
+               "workload": work.__dict__}
+    for r in results:
+        print(f"{r.placement:<10} {r.judge_gpus:>11} {r.seconds:>17.1f} {r.generation_seconds:>13.1f} "
+              f"{r.switch_seconds:>9.1f} {r.rollout_idle:>13.0%} {r.judge_idle:>12.0%} {r.rollout_utilisation:>13.0%} "
+              f"{r.judge_utilisation:>12.0%}")
+        summary[r.placement] = {"rollout_reward_seconds": round(r.seconds, 2), "judge_gpus": r.judge_gpus,
+                                "generation_seconds": round(r.generation_seconds, 2),
+                                "switch_seconds": round(r.switch_seconds, 2),
+                                "idle_rollout": round(r.rollout_idle, 3), "idle_judges": round(r.judge_idle, 3),
+                                "utilisation_rollout": round(r.rollout_utilisation, 3),
+                                "utilisation_judges": round(r.judge_utilisation, 3)}
+    if len(results) == 2:
+        full, partial = results
+        summary["ratio"] = round(partial.seconds / full.seconds, 3)
+        winner = "partial" if partial.seconds < full.seconds else "full"
+        print(f"{winner} colocation wins: partial/full rollout+reward {summary['ratio']:.2f} "
+              f"(partial takes {abs(1 - summary['ratio']):.0%} {'less' if winner == 'partial' else 'more'} time)")
+    rows = [(f"{r.placement} colocation, judges on {r.judge_gpus} of {gpus} GPUs",
+             {"rollout": r.rollout_busy, "judges": r.judge_busy}) for r in results]
+    draw_timelines(rows, png, f"simulated step on {gpus} x {profile.name}")
+    return summary
