@@ -6,7 +6,8 @@ side under partial colocation, relative to each alone on every core (full coloca
 Outside the RL loop, in one process: the rollout engine (in-process vLLM) and, for full
 colocation, the in-process judge, then a judge server (a real vLLM server process). Each round
 draws one batch of prompts and runs it alone (generation, then in-process judging of the whole
-batch) and beside the server at each split of the cores (this process pinned to the rollout
+batch, at 1 and at 2 torch threads: full colocation takes each role's faster) and beside the
+server at each split of the cores (this process pinned to the rollout
 cores, the server's processes to the judge cores, every sample streamed to the server as it
 finishes). Rounds interleave the settings; each figure is the median over rounds.
 """
@@ -45,7 +46,8 @@ def _measure(args) -> dict:
     server = JudgeServer(JudgeConfig(**{**judge_cfg.__dict__, "backend": "server"})).start()
     served = Rewarder(RewardConfig(), Judges([("genrm", ServerJudge(judge_cfg, server.base_url, "genrm"), 1.0)]))
     splits = [k * 0.5 for k in range(1, 2 * len(cores))]
-    alone_gen, alone_cost = [], []
+    alone_gen = {t: [] for t in (1, 2)}  # full colocation runs each role with its best thread count
+    alone_cost = {t: [] for t in (1, 2)}
     beside_gen = {j: [] for j in splits}
     beside_cost = {j: [] for j in splits}
     try:
@@ -54,12 +56,15 @@ def _measure(args) -> dict:
             requests = [p.request() for p in prompts]
             cpu_pinning.pin([os.getpid()], cores)
             cpu_pinning.pin(cpu_pinning.session_pids(server.proc.pid), cores)
-            start = time.time()
-            result = engine.generate(requests, sampling, on_sample=lambda *_: None)
-            alone_gen.append(time.time() - start)
-            start = time.time()
-            in_process.score(prompts, result.responses)
-            alone_cost.append((time.time() - start) / sum(len(g) for g in result.responses))
+            for threads in (1, 2):
+                cpu_pinning.set_torch_threads(threads)
+                start = time.time()
+                result = engine.generate(requests, sampling, on_sample=lambda *_: None)
+                alone_gen[threads].append(time.time() - start)
+                start = time.time()
+                in_process.score(prompts, result.responses)
+                alone_cost[threads].append((time.time() - start) / sum(len(g) for g in result.responses))
+            cpu_pinning.set_torch_threads(args.threads)
             for j in splits:
                 rollout, judge = cpu_cores(Split(len(cores), j, 0.5), cores)
                 cpu_pinning.pin([os.getpid()], rollout)
@@ -78,13 +83,15 @@ def _measure(args) -> dict:
                 wave = measured_wave(start, end, done, stream.judge_spans())
                 beside_gen[j].append(wave.generation_seconds)
                 beside_cost[j].append(wave.judge_seconds_per_response)
-            print(f"round {r + 1}/{args.rounds}: alone gen {alone_gen[-1]:.2f} s, judge {alone_cost[-1] * 1e3:.0f} ms/resp; "
+            print(f"round {r + 1}/{args.rounds}: alone gen {alone_gen[1][-1]:.2f}/{alone_gen[2][-1]:.2f} s (1/2 threads), "
+                  f"judge {alone_cost[1][-1] * 1e3:.0f}/{alone_cost[2][-1] * 1e3:.0f} ms/resp; "
                   + "; ".join(f"judges {j:g}: gen {beside_gen[j][-1]:.2f} s, {beside_cost[j][-1] * 1e3:.0f} ms/resp"
                               for j in splits), flush=True)
     finally:
         cpu_pinning.pin([os.getpid()], cores)
         server.stop()
-    gen, cost = statistics.median(alone_gen), statistics.median(alone_cost)
+    gen = min(statistics.median(v) for v in alone_gen.values())
+    cost = min(statistics.median(v) for v in alone_cost.values())
     return {"rollout_speed": {j: round(gen / statistics.median(beside_gen[j]), 3) for j in splits},
             "judge_cost": {j: round(statistics.median(beside_cost[j]) / cost, 3) for j in splits},
             "cores": len(cores)}
