@@ -1,14 +1,27 @@
 """Partial vs full colocation on this machine: rollout + reward seconds per RL step.
 
-One DP group (one rank), the demo's warm-started policy and its GenRM judge (2 votes), longer
-answers than the demo (`max_tokens` 48: the warm policy mostly answers in a few tokens, some
-answers run to the limit: a long tail), the engine batching at most 16 sequences at once (with
-64 responses a step, prompts finish in turn, as under a GPU's batch limit). Full colocation:
-rollout, then the in-process judge on the whole batch. Partial colocation: the judge as a vLLM
-server process beside the rollout engine, each prompt's responses sent to it the moment they
-finish. Runs alternate (full, partial, full, ...); the first step of each run is left out
-(start-up). Overlap: `placement/judge_overlap`, the share of judging time that ran while the
-engine was still generating, from the request timeline.
+One DP group (one rank) on this 2-core machine, 8 prompts x 8 responses a step, every group
+trained (no dynamic sampling) and the learning rate 0 (with learning the answers grew from 16 to
+46 tokens in 5 steps, and the placements' runs would compare different work). The policy is the
+demo's warm start cut to 4 of its 12 SFT steps: it has learnt to stop, not yet always, which
+gives a long-tailed length mix (mean about 21 tokens, median about 10, a few of the 64
+responses running to `max_tokens` 96); the judge is the demo's GenRM (2 votes). The engine
+batches at most 8 sequences, as a GPU's batch limit would with long sequences.
+
+- Full colocation: rollout, then the in-process judge on the whole batch, each with the torch
+  thread count that was fastest for its role in a first pass (1 or 2; `split.rollout_threads`,
+  `split.judge_threads`).
+- Partial colocation: the judge as a vLLM server process beside the rollout engine, every sample
+  sent to it the moment it finishes, the cores split between the two sides by the dynamic split
+  (starting at one core each; `placement/*` metrics, yatt_mm/rl/split.py).
+
+First this machine's CPU profile is measured for the same workload (configs/profiles/cpu_2core.yaml,
+`python -m yatt_mm.simulate.calibrate`, outside the RL loop). Runs alternate (full, partial,
+full, ...); the first step of each run is left out (start-up). At the end `yatt-mm simulate`'s
+model predicts each placement from the other's timelines (benchmarks/validate_simulator.py).
+Overlap: the share of judging time that ran while the engine was still generating, from the
+request timeline (`placement/judge_overlap`). The runs are kept under runs/bench-placement for
+`yatt-mm simulate` and benchmarks/validate_simulator.py.
 
 Last line: JSON with rollout_reward_seconds_full, rollout_reward_seconds_partial, ratio
 (partial / full, medians over steps) and overlap.
@@ -17,22 +30,46 @@ Last line: JSON with rollout_reward_seconds_full, rollout_reward_seconds_partial
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rl import ROOT, demo_rl_records  # noqa: E402
 
-COMMON = ["rollout.sampling.max_tokens=48", "rollout.engine.max_num_seqs=16", "dynamic_sampling.max_waves=1",
-          "run.check_sync=false"]
+POLICY_STEPS = 4  # of the demo policy's 12 warm-start steps: a long tail of lengths
+COMMON = ["rollout.sampling.max_tokens=96", "rollout.sampling.n=8", "rollout.prompts_per_step=8",
+          "rollout.engine.max_num_seqs=8", "dynamic_sampling.enabled=false", "run.check_sync=false",
+          "policy.trainer.lr=0"]  # the policy does not learn here: every step has the same length mix
 JUDGE = "{name: genrm, model: 'warmstart:judge', votes: 2, max_tokens: 6%s}"
-SETTINGS = {
-    "full": COMMON + ["run.placement=full", f"reward.judges=[{{judge: {JUDGE % ''}, weight: 0.5}}]"],
-    "partial": COMMON + ["run.placement=partial", f"reward.judges=[{{judge: {JUDGE % ', backend: server'}, weight: 0.5}}]"],
-}
+IN_PROCESS = f"reward.judges=[{{judge: {JUDGE % ''}, weight: 0.5}}]"
+SERVED = f"reward.judges=[{{judge: {JUDGE % ', backend: server'}, weight: 0.5}}]"
 KEEP = ROOT / "runs" / "bench-placement"  # the runs' timelines, for `yatt-mm simulate`
+# this machine's calibration (python -m yatt_mm.simulate.calibrate, the same workload): the split's
+# decisions use its measured speeds of each side at each split instead of proportional ones
+PROFILE = ROOT / "configs" / "profiles" / "cpu_2core.yaml"
+
+
+def models() -> tuple[str, str]:
+    """The policy (the long-tailed warm start) and the demo's judge, built or found cached."""
+    from yatt_mm.demo import DATA, make_data
+    from yatt_mm.demo.warmstart import warm_start
+
+    os.chdir(ROOT)
+    make_data()
+    return (str(warm_start("policy", DATA / "train", steps=POLICY_STEPS, quiet=True)),
+            str(warm_start("judge", DATA / "train", quiet=True)))
+
+
+def calibrate(policy: str, judge: str) -> None:
+    """This machine's CPU profile for the same workload, measured first, outside the RL loop:
+    the split's decisions and the simulator's validation below use it."""
+    subprocess.run([sys.executable, "-m", "yatt_mm.simulate.calibrate", str(PROFILE), "--policy", policy, "--judge",
+                    judge, "--max-tokens", "96", "--max-num-seqs", "8", "--prompts", "8", "--n", "8", "--votes", "2",
+                    "--rounds", "5"], check=True, cwd=ROOT)
 
 
 def rollout_reward_seconds(record: dict) -> float:
@@ -40,28 +77,63 @@ def rollout_reward_seconds(record: dict) -> float:
                                             "time/switch:rollout", "time/switch:reward", "time/switch:rollout_reward"))
 
 
-def main(rounds: int = 2, steps: int = 4) -> None:
-    seconds = {mode: [] for mode in SETTINGS}
-    overlap, tokens = [], []
+def run(steps: int, settings: list[str], keep: Path | None) -> list[dict]:
+    copy = (lambda d: shutil.copytree(d, keep, ignore=shutil.ignore_patterns("checkpoints", "tb"))) if keep else None
+    records = demo_rl_records(steps, *COMMON, *settings, nproc=1, inspect=copy)
+    return [x for x in records if "rollout/reward_mean" in x][1:]  # the first step pays the start-up
+
+
+def best_threads(policy: str, steps: int) -> tuple[int, int]:
+    """Full colocation's torch threads for rollout and for judging: whichever of 1 and 2 was
+    faster for that role's phase in a short run of each."""
+    times = {}
+    for threads in (1, 2):
+        done = run(steps, [f"policy.model={policy}", "run.placement=full", IN_PROCESS,
+                           f"split.rollout_threads={threads}", f"split.judge_threads={threads}"], None)
+        times[threads] = (statistics.median(x["time/rollout"] for x in done),
+                          statistics.median(x["time/reward"] for x in done))
+        print(f"full colocation, {threads} thread(s): rollout {times[threads][0]:.2f} s, "
+              f"judging {times[threads][1]:.2f} s", flush=True)
+    return min(times, key=lambda t: times[t][0]), min(times, key=lambda t: times[t][1])
+
+
+def main(rounds: int = 3, steps: int = 5) -> None:
+    policy, judge = models()
+    calibrate(policy, judge)
+    rollout_threads, judge_threads = best_threads(policy, 3)
+    settings = {
+        "full": [f"policy.model={policy}", "run.placement=full", IN_PROCESS, f"split.rollout_threads={rollout_threads}",
+                 f"split.judge_threads={judge_threads}"],
+        "partial": [f"policy.model={policy}", "run.placement=partial", SERVED, f"split.profile={PROFILE}"],
+    }
+    seconds = {mode: [] for mode in settings}
+    overlap, shares, lengths = [], [], []
     shutil.rmtree(KEEP, ignore_errors=True)
     for r in range(rounds):
-        for mode, settings in SETTINGS.items():
-            keep = KEEP / f"{mode}-{r}"
-            records = demo_rl_records(steps, *settings, nproc=1,
-                                      inspect=lambda run: shutil.copytree(run, keep, ignore=shutil.ignore_patterns(
-                                          "checkpoints", "tb")))
-            steps_done = [x for x in records if "rollout/reward_mean" in x][1:]
-            seconds[mode] += [rollout_reward_seconds(x) for x in steps_done]
-            overlap += [x["placement/judge_overlap"] for x in steps_done if "placement/judge_overlap" in x]
-            tokens += [x.get("rollout/response_length", 0.0) for x in steps_done]
-            print(f"round {r} {mode}: " + " ".join(f"{s:.2f}" for s in seconds[mode][-len(steps_done):]) + " s",
+        for mode, extra in settings.items():
+            done = run(steps, extra, KEEP / f"{mode}-{r}")
+            seconds[mode] += [rollout_reward_seconds(x) for x in done]
+            overlap += [x["placement/judge_overlap"] for x in done if "placement/judge_overlap" in x]
+            shares += [x["placement/judge_share"] for x in done if "placement/judge_share" in x]
+            lengths += [x["rollout/response_length"] for x in done]
+            print(f"round {r} {mode}: " + " ".join(f"{s:.2f}" for s in seconds[mode][-len(done):]) + " s"
+                  + (f" (judge share {' '.join(f'{x:.2f}' for x in shares[-len(done):])})" if mode == "partial" else ""),
                   flush=True)
     full, partial = statistics.median(seconds["full"]), statistics.median(seconds["partial"])
     result = {"rollout_reward_seconds_full": round(full, 3), "rollout_reward_seconds_partial": round(partial, 3),
               "ratio": round(partial / full, 3), "overlap": round(statistics.median(overlap), 3) if overlap else 0.0,
-              "steps_each": len(seconds["full"]), "runs_kept": str(KEEP.relative_to(ROOT))}
+              "steps_each": len(seconds["full"]), "full_threads": {"rollout": rollout_threads, "judge": judge_threads},
+              "judge_share_median": round(statistics.median(shares), 3) if shares else None,
+              "response_length_mean": round(statistics.mean(lengths), 2),
+              "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": str(KEEP.relative_to(ROOT))}
+    from validate_simulator import validate
+
+    check = validate(str(PROFILE))  # the simulator's prediction of these runs from the other placement's
+    result["simulator"] = {k: check[k] for k in ("predicted_full_from_partial", "error_full",
+                                                 "predicted_partial_from_full", "error_partial", "within_15pct")}
     print(f"rollout + reward per step: full {full:.2f} s, partial {partial:.2f} s, ratio {partial / full:.2f} "
-          f"(paper: <= 0.84); judging overlapped generation {result['overlap']:.0%}")
+          f"(paper: 0.76-0.84); judging overlapped generation {result['overlap']:.0%}; simulator's prediction "
+          f"off by {check['error_full']:+.0%} (full) and {check['error_partial']:+.0%} (partial)")
     print(json.dumps(result))
 
 

@@ -1,0 +1,96 @@
+"""Does `yatt-mm simulate` predict what bench_placement measured? Each kept run is replayed
+under the other placement with this machine's CPU profile (configs/profiles/cpu_2core.yaml,
+measured by `python -m yatt_mm.simulate.calibrate`, outside the RL loop), and the prediction is
+compared with the median the other placement's own runs measured: full colocation predicted
+from the partial runs' timelines, partial colocation (at the splits those runs used) from the
+full runs' timelines. The first step of each run is left out, as bench_placement does.
+
+Run after benchmarks/bench_placement.py (which keeps its runs under runs/bench-placement).
+Writes benchmarks/results/simulator_validation.png. Last line: JSON with the measured and
+predicted medians and the errors.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from yatt_mm.simulate.predict import predict  # noqa: E402
+from yatt_mm.simulate.profile import load_profile  # noqa: E402
+from yatt_mm.simulate.trace import read_run  # noqa: E402
+
+RUNS = ROOT / "runs" / "bench-placement"
+FIGURE = ROOT / "benchmarks" / "results" / "simulator_validation.png"
+
+
+def validate(profile_path: str = str(ROOT / "configs" / "profiles" / "cpu_2core.yaml")) -> dict:
+    """The kept runs replayed under the other placement; measured vs predicted medians."""
+    cal = load_profile(profile_path).calibration
+    traces = {}
+    for run in sorted(RUNS.glob("*-*")):
+        trace = read_run(run)
+        trace.steps = trace.steps[1:]  # the first step pays the start-up
+        traces.setdefault(trace.placement, []).append(trace)
+    if set(traces) != {"full", "partial"}:
+        sys.exit(f"need runs of both placements under {RUNS}: run benchmarks/bench_placement.py first")
+    measured = {p: statistics.median(s.rollout_reward_seconds for t in ts for s in t.steps) for p, ts in traces.items()}
+    splits = [w.judge_units for t in traces["partial"] for s in t.steps for w in s.waves]
+    split = statistics.median(splits)
+    predicted = {
+        "full": statistics.median(x for t in traces["partial"] for x in predict(t, "full", cal).rollout_reward_seconds),
+        "partial": statistics.median(x for t in traces["full"]
+                                     for x in predict(t, "partial", cal, split).rollout_reward_seconds),
+    }
+    same = {p: statistics.median(x for t in ts for x in predict(t, p, cal, split if p == "partial" else None)
+                                 .rollout_reward_seconds) for p, ts in traces.items()}
+    error = {p: predicted[p] / measured[p] - 1 for p in measured}
+    for p in ("full", "partial"):
+        other = "partial" if p == "full" else "full"
+        print(f"{p}: measured {measured[p]:.2f} s/step; predicted from the {other} runs {predicted[p]:.2f} s "
+              f"({error[p]:+.0%}); replayed from its own runs {same[p]:.2f} s")
+    _figure(measured, predicted, split)
+    result = {"measured_full": round(measured["full"], 3), "predicted_full_from_partial": round(predicted["full"], 3),
+              "error_full": round(error["full"], 3), "measured_partial": round(measured["partial"], 3),
+              "predicted_partial_from_full": round(predicted["partial"], 3), "error_partial": round(error["partial"], 3),
+              "judge_cores": split, "within_15pct": all(abs(e) <= 0.15 for e in error.values()),
+              "measured_ratio": round(measured["partial"] / measured["full"], 3),
+              "predicted_ratio": round(predicted["partial"] / predicted["full"], 3),
+              "profile": str(Path(profile_path).relative_to(ROOT)) if Path(profile_path).is_relative_to(ROOT)
+              else profile_path, "figure": str(FIGURE.relative_to(ROOT))}
+    return result
+
+
+def main(*args: str) -> None:
+    print(json.dumps(validate(*args)))
+
+
+def _figure(measured: dict, predicted: dict, split: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    places = ["full", "partial"]
+    ax.bar([i - 0.18 for i in range(2)], [measured[p] for p in places], 0.36, label="measured (its own runs)",
+           color="#4c72b0")
+    ax.bar([i + 0.18 for i in range(2)], [predicted[p] for p in places], 0.36,
+           label="predicted from the other placement's runs", color="#dd8452")
+    for i, p in enumerate(places):
+        ax.text(i + 0.18, predicted[p], f"{predicted[p] / measured[p] - 1:+.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(2), ["full colocation", f"partial ({split:g} judge cores)"])
+    ax.set_ylabel("rollout + reward, s/step (median)")
+    ax.set_title("yatt-mm simulate vs bench_placement (2-core CPU)", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    FIGURE.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(FIGURE, dpi=110)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
