@@ -12,12 +12,11 @@ What is measured, per config, on rank 0 (the planner's own formula is never used
   train_step (forward, backward, optimizer), from torch.profiler's memory events: the running
   sum of every allocation and free the step makes, i.e. what it allocated and has not freed yet.
   That is the CPU counterpart of torch.cuda.max_memory_allocated: every tensor the step makes,
-  saved activations and transients (logits' gradients, weight-gradient temporaries, Adam's
-  temporaries) alike. Process RSS is not used: glibc keeps freed memory in its arenas and the
+  saved activations and transients (logits' gradients, weight-gradient temporaries) alike. Process RSS is not used: glibc keeps freed memory in its arenas and the
   safetensors files stay mapped, so it says more about the allocator than about the tensors.
 
-measured = persistent + step. planned = the plan's weights + gradients + optimizer + max(peak
-activations, Adam step temporaries) for the same model, settings and micro-batch (CPU kernels,
+measured = persistent + step. planned = the plan's weights + gradients + optimizer + peak
+activations (Adam runs fused: no temporaries) for the same model, settings and micro-batch (CPU kernels,
 see `plan.Kernels`; no allocator slack, which is a CUDA caching-allocator margin). The models are
 random Qwen2-VL / Qwen2.5-VL directories of a few to ~30 M parameters built offline; each
 micro-batch holds images (the vision tower runs) and scores a response span like RL does.
@@ -27,8 +26,8 @@ micro-batch holds images (the vision tower runs) and scores a response span like
 Prints a table, then one JSON line: {"configs": [{"name", "planned_gb", "measured_gb", "rel_err",
 "step_rel_err", ...}], "max_rel_err", "within_15pct", "max_step_rel_err", "params_exact",
 "activation_calibration"}. rel_err is of the whole trainer (persistent state included, which the
-plan counts exactly); step_rel_err of the step's peak alone, the part the activation formula and
-Adam's temporaries predict.
+plan counts exactly); step_rel_err of the step's peak alone, the part the activation formula
+predicts.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ LAYOUTS = {
         ("M bf16 full", "M", "bf16", "full", False, 4, 512, 128, 128),
         ("S bf16 selective", "S", "bf16", "selective", False, 2, 768, 128, 128),
         ("S fp32 none long", "S", "fp32", "none", False, 1, 1024, 192, 256),
-        ("M fp32 short", "M", "fp32", "none", False, 1, 64, 16, 16),  # Adam's temporaries are the peak
+        ("M fp32 short", "M", "fp32", "none", False, 1, 64, 16, 16),  # the weight gradients' transients dominate
         ("Q25 fp32 none", "Q25", "fp32", "none", False, 2, 224, 64, 64),
     ]),
     "tp1dp2": (2, 1, [
@@ -194,7 +193,7 @@ def measure(name, model, dtype, recompute, distopt, rows, seq, media, scored, tp
     return {"name": f"{name} TP{tp}xDP{world // tp}", "params": params, "planned_params": planned.params.total,
             "measured_persistent": persistent, "planned_persistent": planned.persistent, "measured_step": step,
             "planned_step": planned.step_extra, "planned_activations": planned.activations.peak,
-            "planned_adam_temp": planned.adam_temp, "step_seconds": round(seconds, 1)}
+            "step_seconds": round(seconds, 1)}
 
 
 def worker(layout: str) -> None:
@@ -233,20 +232,19 @@ def main() -> int:
         r["planned_gb"] = (r["planned_persistent"] + r["planned_step"]) / 1e9
         r["rel_err"] = round((r["planned_gb"] - r["measured_gb"]) / r["measured_gb"], 4)
         r["step_rel_err"] = round((r["planned_step"] - r["measured_step"]) / r["measured_step"], 4)
-        r["by"] = "activations" if r["planned_activations"] >= r["planned_adam_temp"] else "Adam"
     header = f"{'config':<34}{'params':>10}{'persistent MB':>20}{'step peak MB':>20}{'total MB':>20}{'err':>8}"
-    print(header + "\n" + " " * 44 + "measured / planned  " * 3 + "   (step: activations or Adam temporaries)")
+    print(header + "\n" + " " * 44 + "measured / planned  " * 3)
     for r in results:
         print(f"{r['name']:<34}{r['params']:>10}"
               f"{r['measured_persistent'] / 1e6:>11.1f} /{r['planned_persistent'] / 1e6:>7.1f}"
               f"{r['measured_step'] / 1e6:>11.1f} /{r['planned_step'] / 1e6:>7.1f}"
               f"{r['measured_gb'] * 1e3:>11.1f} /{r['planned_gb'] * 1e3:>7.1f}{r['rel_err']:>+8.1%}"
-              f"   step {r['step_rel_err']:+.1%} ({r['by']})")
+              f"   step {r['step_rel_err']:+.1%}")
     from yatt_mm.plan import ACTIVATION_CALIBRATION
 
     # the constant that makes planned activations match the measured peaks on the median config
-    fitted = statistics.median(r["measured_step"] / r["planned_activations"] for r in results
-                               if r["by"] == "activations") * ACTIVATION_CALIBRATION
+    fitted = statistics.median(r["measured_step"] / r["planned_activations"] for r in results) \
+        * ACTIVATION_CALIBRATION
     worst = max(abs(r["rel_err"]) for r in results)
     worst_step = max(abs(r["step_rel_err"]) for r in results)
     params_exact = all(r["params"] == r["planned_params"] for r in results)

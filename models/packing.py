@@ -4,11 +4,11 @@ samples spends much of its compute on pads).
 
 Each sample keeps its own M-RoPE positions (the padded batch's, which `rope_index` made per
 row), and attention stays within each sample: Megatron's `PackedSeqParams` carry the samples'
-boundaries (cu_seqlens) to `SampleAttention`, which runs causal attention per sample, so a packed
-row costs the sum of its samples' attention, not the square of its length. The media need
-nothing: their tokens keep their order, so the vision features land where they did. The
-trainer scores the packed row and scatters the per-token results back to the padded layout, so
-losses and everything after them see the same [b, s] tensors either way.
+boundaries (cu_seqlens) to the core attention (models/attention.py), which runs causal attention
+per sample, so a packed row costs the sum of its samples' attention, not the square of its
+length. The media need nothing: their tokens keep their order, so the vision features land where
+they did. The trainer scores the packed row and scatters the per-token results back to the
+padded layout, so losses and everything after them see the same [b, s] tensors either way.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from models.qwen2vl.model import VLMInputs
 
@@ -48,23 +46,3 @@ def pack(inputs: VLMInputs) -> PackedRow:
     packed = replace(inputs, input_ids=ids[rows, cols][None], position_ids=inputs.position_ids[:, rows, cols][:, None],
                      attention_mask=None)
     return PackedRow(packed, params, rows, cols)
-
-
-class SampleAttention(DotProductAttention):
-    """Megatron's local core attention, plus packed rows: with `packed_seq_params`, causal
-    attention within each sample (torch's scaled_dot_product_attention: flash/memory-efficient
-    kernels where the device has them), one call per sample."""
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
-        # [s, 1, heads, d] -> [heads, s, d]; grouped KV heads repeated for each query head
-        q = query[:, 0].transpose(0, 1)
-        repeat = query.shape[2] // key.shape[2]
-        k = key[:, 0].transpose(0, 1).repeat_interleave(repeat, 0)
-        v = value[:, 0].transpose(0, 1).repeat_interleave(repeat, 0)
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        out = torch.cat([F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
-                                                        scale=self.softmax_scale) for a, b in zip(cu, cu[1:])], 1)
-        return out.transpose(0, 1).reshape(query.shape[0], 1, -1)  # [s, 1, heads * d]

@@ -231,17 +231,15 @@ def rl_micro_batch(cfg, seq_len: int = 0, media_tokens: int = -1, frame_tokens: 
 class Kernels:
     """The kernels whose memory differs between CUDA and CPU (torch 2.13): torch.rms_norm keeps
     its input and rstd on CUDA (fused kernel) but fp32 copies of the input and the normalised
-    input on CPU (composite); torch's Adam (Megatron's fallback without TransformerEngine or
-    Apex) runs its foreach path on CUDA, one fp32 temporary the size of all the state, and
-    tensor by tensor on CPU, two temporaries the size of one parameter."""
+    input on CPU (composite). (Adam runs fused on both, models/optimizer.py: updates in place,
+    no temporaries the size of the state.)"""
 
     name: str
     fused_rms_norm: bool
-    foreach_adam: bool
 
 
-CUDA = Kernels("cuda", fused_rms_norm=True, foreach_adam=True)
-CPU = Kernels("cpu", fused_rms_norm=False, foreach_adam=False)
+CUDA = Kernels("cuda", fused_rms_norm=True)
+CPU = Kernels("cpu", fused_rms_norm=False)
 
 
 @dataclass(frozen=True)
@@ -257,8 +255,6 @@ class Block:
     gated: bool
     rms: bool  # RMSNorm, else LayerNorm
     rope_rows: int  # rows of the rotary cos/sin tensors
-    scores: int  # attention scores on this rank: heads x sum over sequences of length^2
-    mask: int  # bytes of the attention mask it keeps
 
 
 def _norm_bytes(n: int, h: int, e: int, rms: bool, kernels: Kernels) -> int:
@@ -269,11 +265,11 @@ def _norm_bytes(n: int, h: int, e: int, rms: bool, kernels: Kernels) -> int:
 
 
 def _core_attention_bytes(b: Block, e: int) -> int:
-    """Q and K (K expanded to every query head under GQA), V (its own copy when expanded, else a
-    view that keeps the whole fused QKV output), softmax probabilities in fp32 plus the copy in
-    the model's dtype that multiplies V, and the mask."""
-    v = b.q if b.q > b.kv else b.q + 2 * b.kv
-    return b.tokens * (2 * b.q + v) * e + b.scores * (4 + (e if e < 4 else 0)) + b.mask
+    """torch's attention kernel (models/attention.py) keeps its inputs (Q and K after the rotary
+    embedding, V as a view that keeps the whole fused QKV output; grouped K and V are not
+    expanded), its output (the output projection's input, a view of it, counted there) and one
+    fp32 log-sum-exp per head and query: no s x s scores."""
+    return _recomputed_core_bytes(b, e) + 4 * b.tokens * (b.q // b.head_dim)
 
 
 def _recomputed_core_bytes(b: Block, e: int) -> int:
@@ -295,8 +291,7 @@ def language_block(spec, shape: MicroBatchShape, tp: int) -> Block:
     hd = spec.head_dim
     return Block(tokens=shape.tokens, hidden=spec.hidden_size, q=spec.num_heads // tp * hd,
                  kv=max(1, spec.num_kv_heads // tp) * hd, ffn=spec.intermediate_size // tp, head_dim=hd, gated=True,
-                 rms=True, rope_rows=shape.tokens, scores=spec.num_heads // tp * shape.rows * shape.seq**2,
-                 mask=shape.seq**2)
+                 rms=True, rope_rows=shape.tokens)
 
 
 def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
@@ -306,12 +301,9 @@ def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
     patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
     hv, heads = spec.vision_embed_dim, spec.vision_heads // tp
     hd = hv // spec.vision_heads
-    if spec.is_qwen25:
-        scores, rope_rows, ffn = heads * patches**2, patches, spec.vision_intermediate_size
-    else:
-        scores, rope_rows, ffn = heads * (patches // max(frame, 1)) * frame**2, frame, int(hv * spec.vision_mlp_ratio)
+    rope_rows, ffn = (patches, spec.vision_intermediate_size) if spec.is_qwen25 else (frame, int(hv * spec.vision_mlp_ratio))
     return Block(tokens=patches, hidden=hv, q=heads * hd, kv=heads * hd, ffn=ffn // tp, head_dim=hd,
-                 gated=spec.is_qwen25, rms=spec.is_qwen25, rope_rows=rope_rows, scores=scores, mask=0)
+                 gated=spec.is_qwen25, rms=spec.is_qwen25, rope_rows=rope_rows)
 
 
 @dataclass(frozen=True)
@@ -339,7 +331,7 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
         saved += spec.vision_depth * layer_bytes(vis, e, kernels, _vision_recompute(spec, recompute))
         saved += patches * spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * e  # pixel values
         saved += _norm_bytes(patches, vis.hidden, e, spec.is_qwen25, kernels) + 2 * patches * vis.hidden * e  # merger
-        saved += 2 * patches**2 if spec.is_qwen25 else 8 * patches  # window and full masks / frame order
+        saved += 8 * patches**2 if spec.is_qwen25 else 8 * patches  # fp32 window and full masks / frame order
     return saved
 
 
@@ -356,8 +348,8 @@ def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recom
                                                   else [])
     if recompute == "full":
         return max(layer_bytes(b, e, kernels, "none") for b in blocks)
-    if recompute == "selective":
-        return max(_core_attention_bytes(b, e) - _recomputed_core_bytes(b, e) for b in blocks)
+    if recompute == "selective":  # the attention output and its log-sum-exp come back
+        return max(_core_attention_bytes(b, e) - _recomputed_core_bytes(b, e) + b.tokens * b.q * e for b in blocks)
     return 0
 
 
@@ -403,7 +395,6 @@ class TrainerMemory:
     grads: int
     optimizer: int
     activations: Activations
-    adam_temp: int  # the optimizer step's temporaries
 
     @property
     def persistent(self) -> int:
@@ -411,9 +402,9 @@ class TrainerMemory:
 
     @property
     def step_extra(self) -> int:
-        """What the train phase adds to the persistent state at its peak: the backward's
-        activations or the optimizer step's temporaries, whichever is larger."""
-        return max(self.activations.peak, self.adam_temp)
+        """What the train phase adds to the persistent state at its peak: the forward and
+        backward's activations (fused Adam, models/optimizer.py, updates in place)."""
+        return self.activations.peak
 
     @property
     def peak(self) -> int:
@@ -440,11 +431,9 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     state_per_param = 8 + (4 if e == 2 else 0)
     shards = dp if trainer.distributed_optimizer else 1  # ZeRO-1: sharded over the DP group
     optimizer = params.total * state_per_param // shards
-    adam_temp = 4 * params.total // shards if kernels.foreach_adam else 8 * params.largest
     return TrainerMemory(params=params, stage=stage, model_params=param_counts(spec).total, weights=params.total * e,
                          grads=params.total * 4, optimizer=optimizer,
-                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage),
-                         adam_temp=adam_temp)
+                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage))
 
 
 # --- vLLM engines --------------------------------------------------------------------------------
@@ -583,7 +572,7 @@ def _trainer_lines(phase: str, level: str, t: TrainerMemory, cfg, offloads: bool
     lines = [Line("trainer weights", t.weights), Line("gradients (fp32 DDP buffer)", t.grads),
              Line("optimizer state", t.optimizer)]
     if phase == "train":
-        lines.append(Line("activations / Adam step temporaries (peak)", t.step_extra))
+        lines.append(Line("activations (peak)", t.step_extra))
     elif phase == "logprobs":
         lines.append(Line("forward-only logits", t.activations.forward_only))
         if cfg.algorithm.kl_coef > 0:
@@ -839,8 +828,7 @@ def format_plan(plan: Plan) -> str:
            f"media tokens = {s.media_tokens * spec.spatial_merge_size**2} vision patches in frames of "
            f"{s.frame_tokens} tokens (--seq-len, --media-tokens, --frame-tokens)",
            f"trainer per GPU (GiB): weights {_gib(t.weights)}, gradients {_gib(t.grads)}, optimizer "
-           f"{_gib(t.optimizer)}, activations {_gib(t.activations.peak)} at the peak ({_gib(t.activations.saved)} "
-           f"saved), Adam step temporaries {_gib(t.adam_temp)}"]
+           f"{_gib(t.optimizer)}, activations {_gib(t.activations.peak)} at the peak ({_gib(t.activations.saved)} saved)"]
     for e in [plan.rollout, *plan.judges.values()]:
         out.append(f"{e.name} (vLLM): share {e.share:g} = {_gib(e.total)} GiB: weights {_gib(e.weights)}, KV cache "
                    f"{_gib(e.kv_cache)} GiB = {e.kv_tokens} tokens = {e.kv_tokens // max(e.max_model_len, 1)} "

@@ -87,10 +87,10 @@ class Qwen2VLModel(nn.Module):
         self.config = language_config(spec, dtype, tp, recompute, pp)
         if self.pre_process:
             self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp, recompute))
-        from models.packing import SampleAttention
+        from models.attention import CoreAttention
 
         layer = get_gpt_layer_local_spec(normalization="RMSNorm")
-        layer.submodules.self_attention.submodules.core_attention = SampleAttention  # packed rows too
+        layer.submodules.self_attention.submodules.core_attention = CoreAttention  # torch's kernel; packed rows too
         self.language = GPTModel(
             config=self.config,
             transformer_layer_spec=layer,
@@ -155,7 +155,10 @@ class Qwen2VLModel(nn.Module):
         """Causal attention over each row (with right padding real tokens never see pads, so no
         padding mask is needed); with `packed_seq_params`, over each sample of a packed row
         (models/packing.py)."""
-        decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
-        logits = self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
-                               decoder_input=decoder_input, packed_seq_params=packed_seq_params)
+        from models.rotary import angles_computed_once
+
+        with angles_computed_once():  # every layer's rotary cos/sin from one computation
+            decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
+            logits = self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
+                                   decoder_input=decoder_input, packed_seq_params=packed_seq_params)
         return logits  # GPTModel returns [b, s, v] when no labels are given (hidden states before the last stage)

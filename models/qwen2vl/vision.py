@@ -26,12 +26,13 @@ def vision_layer_spec():
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from models.attention import CoreAttention
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -42,7 +43,7 @@ def vision_layer_spec():
                 params={"attn_mask_type": AttnMaskType.arbitrary},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
+                    core_attention=CoreAttention,
                     linear_proj=RowParallelLinear,
                 ),
             ),
@@ -99,6 +100,11 @@ def window_attention_mask(grid_thw: torch.Tensor, merge: int, window_merged: int
     return (window[:, None] != window[None, :])[None, None]
 
 
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = masked) as the additive one attention kernels take: 0 or -inf."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+
+
 class PatchMerger(nn.Module):
     def __init__(self, embed_dim: int, out_dim: int, merge: int, dtype: torch.dtype, rms_norm: bool = False):
         super().__init__()
@@ -146,13 +152,15 @@ class Qwen2VisionModel(nn.Module):
         if not self.spec.is_qwen25:
             return self.merger(self._frames_as_batch(x, grid_thw))
         x = x[:, None, :]  # [s, b=1, h]: Megatron's layout
-        mask = frame_attention_mask(grid_thw, x.device)
         rotary = self.rotary(grid_thw).to(x.device)
         # Qwen2.5-VL: a different mask per block (window or full), so the layers run one by one
-        # (the block has no final norm and nothing else to do between layers)
-        window = window_attention_mask(grid_thw, self.spec.spatial_merge_size,
-                                       self.spec.window_size // self.spec.spatial_merge_size // self.spec.patch_size,
-                                       x.device)
+        # (the block has no final norm and nothing else to do between layers). Additive masks,
+        # made once: the attention kernel would otherwise make (and keep) one from a boolean
+        # mask in every layer.
+        mask = additive(frame_attention_mask(grid_thw, x.device), x.dtype)
+        window = additive(window_attention_mask(grid_thw, self.spec.spatial_merge_size,
+                                                self.spec.window_size // self.spec.spatial_merge_size
+                                                // self.spec.patch_size, x.device), x.dtype)
         for i, layer in enumerate(self.decoder.layers):
             x, _ = layer(hidden_states=x, attention_mask=mask if i in self.spec.fullatt_block_indexes else window,
                          rotary_pos_emb=rotary)
