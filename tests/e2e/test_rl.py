@@ -223,6 +223,7 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
 
 
+@pytest.mark.slow  # ~50 s; the trainer's PP equality and parity tests run in make test
 def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp_path, warm_policy):
     """PP=2 on 2 ranks: one DP group whose controller (stage 0) broadcasts the samples to stage 1;
     old logprobs go through the pipeline forward only, the update through Megatron's 1F1B
