@@ -77,6 +77,8 @@ def _steps(engine, server, votes: int, judge_tokens: int, max_tokens: int, steps
             rollout, judge = cpu_cores(phases.split.split, cores)
             assert cpu_pinning.cores_of(os.getpid()) == rollout
             assert cpu_pinning.cores_of(server.proc.pid) == judge
+            # torch threads only for the cores the rollout side has to itself
+            assert cpu_pinning.torch_threads() == min(threads, max(1, int(phases.split.split.rollout)))
             phases.split.enter(Phase("train", ("train",)))  # and every core back for training
             assert cpu_pinning.cores_of(os.getpid()) == cores == cpu_pinning.cores_of(server.proc.pid)
     finally:  # never leave the test process pinned

@@ -12,6 +12,7 @@ applied (see yatt_mm/rl/split.py).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -71,7 +72,9 @@ class SplitRunner:
             cpu_pinning.pin(self.rollout_pids, rollout)
             for server in self.servers:
                 cpu_pinning.pin(cpu_pinning.session_pids(server.proc.pid), judge)
-            cpu_pinning.set_torch_threads(min(self.start_threads, len(rollout)))
+            # threads only for the cores the rollout side has to itself: a thread on the core it
+            # shares with the judges would make every parallel kernel wait for it
+            cpu_pinning.set_torch_threads(min(self.start_threads, max(1, math.floor(self.split.rollout))))
             self.pinned = True
             return
         if self.pinned:  # every core back, for training and the rest
