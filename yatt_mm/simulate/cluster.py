@@ -13,7 +13,8 @@ Full colocation: every GPU generates, the engines sleep and the judges wake (wei
 host link), every GPU judges, then the judges sleep. Partial colocation: j GPUs of each node
 judge while the others generate; each response reaches a judge replica when it finishes; the
 wake and sleep of the two roles happen side by side on their own GPUs. Training is the same in
-both and is left out of the comparison (rollout + reward only).
+both: it is estimated (6 x parameters x tokens at the profile's compute efficiency) for the step
+time and left out of the placements' ratio (rollout + reward only).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class ClusterResult:
     gpus: int
     judge_gpus: int  # partial: the judges' GPUs in the cluster; full: every GPU
     seconds: float  # rollout + reward of one step
+    train_seconds: float  # the step's training, the same under either placement: 6 x params x tokens at compute_efficiency
     generation_seconds: float
     switch_seconds: float
     rollout_utilisation: float  # tokens x full-batch cost / (GPU-seconds the role holds): 1 = batches always full
@@ -227,10 +229,12 @@ def simulate_cluster(lengths: list[float], work: ClusterWorkload, profile: Devic
         held_rollout, held_judge = held * rollout_gpus, held * judge_gpus
         rollout_busy_time, judge_busy_time = gen.seconds, sum(b - a for a, b in judged.busy)
         switch_seconds = 2 * wake
+    tokens = work.responses_per_step * (work.prompt_tokens + sum(decode) / len(decode))
+    train = 6 * policy.params * tokens / (gpus * profile.bf16_tflops * 1e12 * profile.compute_efficiency)
     rollout_util = gen.full_batch_seconds * rollout_replicas * policy.tp / max(held_rollout, 1e-9)
     judge_util = judged.full_batch_seconds * judge_replicas * judge.tp / max(held_judge, 1e-9)
     held_time = held_rollout / rollout_gpus
-    return ClusterResult(placement, gpus, judge_gpus, seconds, gen.seconds, switch_seconds, min(1.0, rollout_util),
+    return ClusterResult(placement, gpus, judge_gpus, seconds, train, gen.seconds, switch_seconds, min(1.0, rollout_util),
                          min(1.0, judge_util), 1 - rollout_busy_time / max(held_time, 1e-9),
                          1 - judge_busy_time / max(held_judge / judge_gpus, 1e-9),
                          [(a + (0 if placement == "full" else wake), b + (0 if placement == "full" else wake))

@@ -97,15 +97,17 @@ def _cluster(trace: RunTrace, profile: DeviceProfile, gpus: int, placement: str,
     for p in _placements(placement):
         results.append(simulate_cluster(lengths, work, profile, gpus, "full") if p == "full"
                        else best_partial(lengths, work, profile, gpus))
-    print(f"{'placement':<10} {'judge GPUs':>11} {'rollout+reward s':>17} {'generation s':>13} {'switch s':>9} "
-          f"{'idle rollout':>13} {'idle judges':>12} {'util rollout':>13} {'util judges':>12}")
+    print(f"{'placement':<10} {'judge GPUs':>11} {'rollout+reward s':>17} {'step s':>8} {'generation s':>13} "
+          f"{'switch s':>9} {'idle rollout':>13} {'idle judges':>12} {'util rollout':>13} {'util judges':>12}")
     summary = {"run_dir": str(trace.run_dir), "profile": profile.name, "gpus": gpus,
                "workload": work.__dict__}
     for r in results:
-        print(f"{r.placement:<10} {r.judge_gpus:>11} {r.seconds:>17.1f} {r.generation_seconds:>13.1f} "
+        print(f"{r.placement:<10} {r.judge_gpus:>11} {r.seconds:>17.1f} {r.seconds + r.train_seconds:>8.1f} "
+              f"{r.generation_seconds:>13.1f} "
               f"{r.switch_seconds:>9.1f} {r.rollout_idle:>13.0%} {r.judge_idle:>12.0%} {r.rollout_utilisation:>13.0%} "
               f"{r.judge_utilisation:>12.0%}")
         summary[r.placement] = {"rollout_reward_seconds": round(r.seconds, 2), "judge_gpus": r.judge_gpus,
+                                "step_seconds": round(r.seconds + r.train_seconds, 2),
                                 "generation_seconds": round(r.generation_seconds, 2),
                                 "switch_seconds": round(r.switch_seconds, 2),
                                 "idle_rollout": round(r.rollout_idle, 3), "idle_judges": round(r.judge_idle, 3),
