@@ -57,6 +57,12 @@ class TrainerConfig:
             raise ValueError(f"{world_size} ranks: must be a positive multiple of {prefix}.tensor_parallel x "
                              f"{prefix}.pipeline_parallel = {self.tensor_parallel} x {self.pipeline_parallel}")
 
+    def check_model(self, hf_dir: str, prefix: str) -> None:
+        """Whether the model in `hf_dir` splits into this layout (before any rank starts)."""
+        from models.qwen2vl.config import check_layout
+
+        check_layout(Qwen2VLSpec.from_hf_dir(hf_dir), self.tensor_parallel, self.pipeline_parallel, f"{prefix}.")
+
     def validate(self) -> None:
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {self.tensor_parallel} and "

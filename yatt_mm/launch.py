@@ -149,7 +149,8 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
             return 2
     try:
         cfg.resolve_models(resolve_model)  # under torchrun without the launcher, every rank (cached, locked)
-    except (ConfigError, FileNotFoundError) as e:
+        cfg.check_model()
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     if not launching:

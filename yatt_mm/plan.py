@@ -685,7 +685,12 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
     cfg.check_world(cluster.world)
     spec = load_spec(cfg.policy.model)
     tp, pp = cfg.policy.trainer.tensor_parallel, cfg.policy.trainer.pipeline_parallel
-    _check_layout(spec, tp, pp)
+    from models.qwen2vl.config import check_layout
+
+    try:
+        check_layout(spec, tp, pp, "policy.trainer.")
+    except ValueError as e:
+        raise PlanError(str(e)) from e
     shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens)
     trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // (tp * pp), shape, kernels)
     engine = cfg.rollout.engine
@@ -701,15 +706,6 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
                 gpu_phases(cfg, cluster, trainer, rollout, judges), host_lines(cfg, cluster, trainer, rollout, judges))
     plan.notes = _notes(plan)
     return plan
-
-
-def _check_layout(spec, tp: int, pp: int) -> None:
-    """The model's own divisibility checks (models/qwen2vl/), before any number is wrong."""
-    if spec.vocab_size % tp or spec.num_kv_heads % tp or spec.vision_heads % tp:
-        raise PlanError(f"policy.trainer.tensor_parallel={tp}: the vocabulary ({spec.vocab_size}), KV heads "
-                        f"({spec.num_kv_heads}) and vision heads ({spec.vision_heads}) must divide by it")
-    if spec.num_layers % pp:
-        raise PlanError(f"policy.trainer.pipeline_parallel={pp}: the {spec.num_layers} layers must divide by it")
 
 
 def _notes(plan: Plan) -> list[str]:

@@ -130,6 +130,17 @@ def _common(dtype: torch.dtype, tp: int, recompute: str = "none") -> dict:
     )
 
 
+def check_layout(spec: Qwen2VLSpec, tp: int, pp: int, prefix: str = "") -> None:
+    """Whether the model splits into `tp` tensor-parallel shards and `pp` pipeline stages;
+    `prefix` names where the settings live (e.g. "policy.trainer.") in the error."""
+    if spec.vocab_size % tp or spec.num_kv_heads % tp or spec.vision_heads % tp:
+        raise ValueError(f"{prefix}tensor_parallel={tp}: the vocabulary ({spec.vocab_size}), KV heads "
+                         f"({spec.num_kv_heads}) and vision heads ({spec.vision_heads}) must divide by it")
+    if spec.num_layers % pp:
+        raise ValueError(f"{prefix}pipeline_parallel={pp}: the model's {spec.num_layers} layers must divide evenly "
+                         "into the pipeline stages")
+
+
 def pipeline_settings(pp: int) -> dict:
     """Megatron settings of a language model split over `pp` pipeline stages: every micro-batch
     has its own shape (the schedule sends shapes before tensors). Megatron accepts variable
@@ -143,9 +154,7 @@ def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: i
                     pp: int = 1):
     from megatron.core.transformer import TransformerConfig
 
-    if spec.num_layers % pp:
-        raise ValueError(f"pipeline_parallel={pp}: the model's {spec.num_layers} layers must divide evenly into "
-                         "the pipeline stages")
+    check_layout(spec, tp, pp)
     return TransformerConfig(
         **pipeline_settings(pp),
         num_layers=spec.num_layers,

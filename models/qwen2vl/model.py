@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.qwen2vl.config import Qwen2VLSpec, language_config, vision_config
+from models.qwen2vl.config import Qwen2VLSpec, check_layout, language_config, vision_config
 from models.qwen2vl.rope_index import rope_index
 from models.qwen2vl.vision import Qwen2VisionModel
 
@@ -73,11 +73,7 @@ class Qwen2VLModel(nn.Module):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        if spec.vocab_size % tp:
-            raise ValueError(f"vocab size {spec.vocab_size} must divide by the tensor-parallel size {tp}")
-        if spec.num_kv_heads % tp or spec.vision_heads % tp:
-            raise ValueError(f"attention heads ({spec.num_kv_heads} KV, {spec.vision_heads} vision) "
-                             f"must divide by the tensor-parallel size {tp}")
+        check_layout(spec, tp, pp)
         from megatron.core.enums import ModelType
 
         self.spec = spec

@@ -137,6 +137,10 @@ class RLConfig:
     def check_world(self, world_size: int) -> None:
         self.policy.trainer.check_world(world_size, "policy.trainer")
 
+    def check_model(self) -> None:
+        """After resolve_models: the policy splits into the trainer's TP x PP layout."""
+        self.policy.trainer.check_model(self.policy.model, "policy.trainer")
+
     def resolve_models(self, resolve) -> None:
         """Replace model names (tiny:, warmstart:) by directories; `resolve(name, data_shards)`."""
         self.policy.model = resolve(self.policy.model, self.data.shards)

@@ -57,6 +57,10 @@ class SFTConfig:
     def check_world(self, world_size: int) -> None:
         self.trainer.check_world(world_size, "trainer")
 
+    def check_model(self) -> None:
+        """After resolve_models: the model splits into the trainer's TP x PP layout."""
+        self.trainer.check_model(self.model, "trainer")
+
     def resolve_models(self, resolve) -> None:
         self.model = resolve(self.model, self.data.shards)
 
