@@ -283,8 +283,14 @@ def layer_bytes(b: Block, e: int, kernels: Kernels, recompute: str) -> int:
         return b.tokens * b.hidden * e  # only the layer's input; the rest is recomputed
     core = _recomputed_core_bytes(b, e) if recompute == "selective" else _core_attention_bytes(b, e)
     mlp = (5 if b.gated else 3) * b.tokens * b.ffn * e  # fc1 output (2 halves if gated), activation, product
-    rope = 4 * b.rope_rows * b.head_dim * e  # cos and sin, for Q and for K
-    return 2 * _norm_bytes(b.tokens, b.hidden, e, b.rms, kernels) + rope + core + b.tokens * b.q * e + mlp
+    # (the rotary cos and sin are one pair for all layers: `_rotary_bytes`)
+    return 2 * _norm_bytes(b.tokens, b.hidden, e, b.rms, kernels) + core + b.tokens * b.q * e + mlp
+
+
+def _rotary_bytes(b: Block, e: int, recompute: str) -> int:
+    """The rotary cos and sin, computed once per forward and kept by every layer's Q and K
+    products (models/rotary.py); none kept inside layers that full recompute runs again."""
+    return 0 if recompute == "full" else 2 * b.rope_rows * b.head_dim * e
 
 
 def language_block(spec, shape: MicroBatchShape, tp: int) -> Block:
@@ -320,7 +326,7 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
     the embeddings, pixels and patch merger, on the last the final norm)."""
     lm, vis = language_block(spec, shape, tp), vision_block(spec, shape, tp)
     n, first, last = shape.tokens, stage == 0, stage == pp - 1
-    saved = spec.num_layers // pp * layer_bytes(lm, e, kernels, recompute)
+    saved = spec.num_layers // pp * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
     saved += 9 * n  # token ids, media mask
     if last:
         saved += _norm_bytes(n, spec.hidden_size, e, True, kernels)  # the final norm
@@ -328,7 +334,9 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
         saved += n * spec.head_dim * 4  # the rotary angles, kept once as an input of every checkpoint
     if shape.media_tokens and first:
         patches = vis.tokens
-        saved += spec.vision_depth * layer_bytes(vis, e, kernels, _vision_recompute(spec, recompute))
+        vision_recompute = _vision_recompute(spec, recompute)
+        saved += spec.vision_depth * layer_bytes(vis, e, kernels, vision_recompute) + _rotary_bytes(vis, e,
+                                                                                                  vision_recompute)
         saved += patches * spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * e  # pixel values
         saved += _norm_bytes(patches, vis.hidden, e, spec.is_qwen25, kernels) + 2 * patches * vis.hidden * e  # merger
         saved += 8 * patches**2 if spec.is_qwen25 else 8 * patches  # fp32 window and full masks / frame order
