@@ -7,7 +7,8 @@ only ever slow a round down, so the best round is the least disturbed), medians 
 
     python benchmarks/bench_train_step.py [--rounds 5] [--steps-per-round 3] [--batch 16]
 
-The last line is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio_to_transformers.
+The last line is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio_to_transformers
+(best rounds), median_round_ratio (the median over rounds of the two back-to-back steps' ratio).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def main() -> int:
     a, b = max(ours), max(theirs)
     print(json.dumps({"tokens_per_s": round(a, 1), "transformers_tokens_per_s": round(b, 1),
                       "ratio_to_transformers": round(a / b, 3),
+                      # each round's pair ran back to back: the median of their ratios is the
+                      # least sensitive to another job starting or stopping between rounds
+                      "median_round_ratio": round(statistics.median(x / y for x, y in zip(ours, theirs)), 3),
                       "median_tokens_per_s": round(statistics.median(ours), 1),
                       "median_transformers_tokens_per_s": round(statistics.median(theirs), 1),
                       "tokens_per_step": tokens, "batch": args.batch,
