@@ -87,7 +87,7 @@ class Controller:
                 self.phases.timeline.record("judge_batch", step, judged, time.time(), cpu=judge_cpu,
                                             responses=sum(len(r) for r in result.responses))
         groups = [Group(p, rs, total, parts) for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
-        stats.add_wave(groups, result.seconds)
+        stats.add_wave(groups, result.seconds, own)
         return groups
 
     def _judge_server_pids(self) -> list[int]:

@@ -26,6 +26,7 @@ class RolloutStats:
     reward_sq_sum: float = 0.0
     response_tokens: float = 0.0
     gen_seconds: float = 0.0
+    gen_cpu: float = 0.0  # CPU seconds the controller's process used while generating
     valid_generated: float = 0.0
     padded: float = 0.0
     waves: float = 0.0
@@ -41,8 +42,9 @@ class RolloutStats:
     split_reason: str = ""  # why the split is what it is next step (this rank's decision; not summed)
     reward_counts: dict[str, float] = field(default_factory=dict)  # the rewarder's; same keys on every group
 
-    def add_wave(self, groups, seconds: float) -> None:
+    def add_wave(self, groups, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.gen_seconds += seconds
+        self.gen_cpu += cpu_seconds
         for g in groups:
             self.groups += 1
             self.responses += len(g.rewards)
@@ -107,6 +109,8 @@ class RolloutStats:
             "rollout/valid_group_rate": self.valid_generated / max(self.groups, 1),
             "rollout/response_length": self.response_tokens / n,
             "rollout/tokens_per_s": self.response_tokens / max(self.gen_seconds, 1e-9),
+            # the cores' worth of CPU generation got (about 1 for one busy thread; less: other processes took it)
+            "placement/rollout_cpu_share": self.gen_cpu / max(self.gen_seconds, 1e-9),
         }
 
 
