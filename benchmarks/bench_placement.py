@@ -141,9 +141,10 @@ def main(rounds: int = 3, steps: int = 5) -> None:
               "judge_share_median": round(statistics.median(shares), 3) if shares else None,
               "response_length_mean": round(statistics.mean(lengths), 2),
               "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": str(KEEP.relative_to(ROOT))}
-    from validate_simulator import validate
+    import validate_simulator
 
-    check = validate(str(PROFILE))  # the simulator's prediction of these runs from the other placement's
+    validate_simulator.main(str(PROFILE))  # its JSON line and the figure
+    check = validate_simulator.validate(str(PROFILE))  # the simulator's prediction of these runs from the other placement's
     result["simulator"] = {k: check[k] for k in ("predicted_full_from_partial", "error_full",
                                                  "predicted_partial_from_full", "error_partial", "within_15pct")}
     print(f"rollout + reward per step: full {full:.2f} s, partial {partial:.2f} s, ratio {partial / full:.2f} "

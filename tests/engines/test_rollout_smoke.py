@@ -85,18 +85,24 @@ def test_each_sample_is_handed_over_once_as_it_finishes_before_its_prompt_is(rol
     assert [[r.token_ids for r in g] for g in plain.responses] == [[r.token_ids for r in g] for g in result.responses]
 
 
-def test_a_prompts_short_samples_are_handed_over_while_its_long_ones_still_generate(warm_policy):
+def test_a_prompts_short_samples_are_handed_over_while_its_long_ones_still_generate(rollout_engine, tiny_policy,
+                                                                                   warm_policy):
     """The warm-started policy stops after a varying number of tokens: samples of one prompt end
     at different engine steps. Handed over as each ends, one prompt's samples are interleaved
-    with other prompts' (vLLM's own n > 1 output would hand a prompt's samples over together)."""
-    from yatt_mm.engines.engine import EngineConfig, RolloutEngine
+    with other prompts' (vLLM's own n > 1 output would hand a prompt's samples over together).
+    The session's engine runs the warm policy's weights for this test (a second engine in this
+    process would, when freed, take vLLM's process groups down with it)."""
+    from safetensors.torch import load_file
 
-    engine = RolloutEngine(EngineConfig(model=str(warm_policy), max_num_seqs=8))
     rng = random.Random(8)
     requests = [_ask("image", s.question, images=[s.image]) for s in (colour_image(rng) for _ in range(4))]
     order: list[int] = []
-    result = engine.generate(requests, SamplingConfig(n=4, max_tokens=8, temperature=1.5, seed=5),
-                             on_sample=lambda i, j, r: order.append(i))
+    rollout_engine.update_weights(load_file(str(warm_policy / "model.safetensors")).items())
+    try:
+        result = rollout_engine.generate(requests, SamplingConfig(n=4, max_tokens=8, temperature=1.5, seed=5),
+                                         on_sample=lambda i, j, r: order.append(i))
+    finally:
+        rollout_engine.update_weights(load_file(str(tiny_policy / "model.safetensors")).items())
     lengths = {len(r.token_ids) for g in result.responses for r in g}
     assert len(lengths) > 1, lengths  # the mix varies, or the test shows nothing
     runs = sum(1 for a, b in zip(order, order[1:]) if a != b) + 1  # stretches of one prompt's samples

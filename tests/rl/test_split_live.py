@@ -29,11 +29,17 @@ pytestmark = [pytest.mark.slow,  # a judge server start (20-60 s) and a few step
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")]
 
 
+# vLLM's shutdown of an in-process engine takes the process's vLLM groups down with it, which
+# the session's engine still uses: this module's engine stays alive to the end of the session
+_KEPT: list = []
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_policy):
     """The untrained tiny policy never stops early: with 4 sequences at a time, a wave's samples
     finish in rounds spread over the generation."""
-    return RolloutEngine(EngineConfig(model=str(tiny_policy), max_num_seqs=4))
+    _KEPT.append(RolloutEngine(EngineConfig(model=str(tiny_policy), max_num_seqs=4)))
+    return _KEPT[-1]
 
 
 @pytest.fixture(scope="module")
