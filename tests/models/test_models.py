@@ -114,6 +114,14 @@ def one_process_training(tmp_path_factory, tiny_policy):
     return out
 
 
+@pytest.fixture(scope="module")
+def tp2_without_pipeline(tmp_path_factory, tiny_policy):
+    """The same run at TP 2, PP 1: what TP 2 x PP 2 must equal step for step."""
+    out = tmp_path_factory.mktemp("tp2-reference")
+    _torchrun("tests/dist/pipeline.py", "--tp", "2", "--pp", "1", "--out", str(out))
+    return out
+
+
 def _training_results(out):
     from safetensors.torch import load_file
 
@@ -121,26 +129,41 @@ def _training_results(out):
             torch.load(out / "old_logprobs.pt"))
 
 
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def _assert_same_steps(got, ref, tol):
+    assert max(_rel(a, b) for a, b in zip(got["sft_losses"], ref["sft_losses"])) < tol, (got, ref)
+    for step, ref_step in zip(got["rl"], ref["rl"]):
+        assert all(_rel(step[k], ref_step[k]) < tol for k in ref_step), (step, ref_step)
+
+
 @pytest.mark.parametrize("tp, pp, nproc", [
     (1, 2, 2),
     pytest.param(2, 2, 4, marks=pytest.mark.slow),  # TP 2 x PP 2
     pytest.param(1, 2, 4, marks=pytest.mark.slow),  # PP 2 x DP 2
 ])
-def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_training, tmp_path):
+def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_training, request, tmp_path):
     """3 SFT steps, then 3 RL steps (the Actor: old and reference logprobs through the pipeline's
     forward-only schedule, a KL-penalised PPO update) on the same global batch: losses, grad
-    norms, KL and logprobs equal the one-process run's (float32 sums in another order), the
-    weights exported over TP and PP equal (lr 1e-4: an Adam step moves a weight 1e-4, so a stage
-    that did not train would be 1e-4 to 6e-4 off), and the bucketed weight sync's buckets, handed
-    from stage to stage, are exactly the export on every rank."""
+    norms, KL and logprobs equal the run without a pipeline at the same TP (float32 sums in
+    another order), the weights exported over TP and PP equal the one-process run's (lr 1e-4: an
+    Adam step moves a weight 1e-4, so a stage that did not train would be 1e-4 to 6e-4 off), and
+    the bucketed weight sync's buckets, handed from stage to stage, are exactly the export on
+    every rank."""
     _torchrun("tests/dist/pipeline.py", "--tp", str(tp), "--pp", str(pp), "--out", str(tmp_path), nproc=nproc)
     ref, ref_weights, ref_lp = _training_results(one_process_training)
     got, weights, lp = _training_results(tmp_path)
     assert (got["tp"], got["pp"], got["dp"]) == (tp, pp, nproc // (tp * pp))
-    rel = lambda a, b: abs(a - b) / abs(b)  # noqa: E731
-    assert max(rel(a, b) for a, b in zip(got["sft_losses"], ref["sft_losses"])) < 1e-5, (got, ref)
-    for step, ref_step in zip(got["rl"], ref["rl"]):
-        assert all(rel(step[k], ref_step[k]) < 1e-5 for k in ref_step), (step, ref_step)
+    if tp == 1:
+        _assert_same_steps(got, ref, 1e-5)
+    else:
+        # TP alone moves the second RL step's grad norm 1.5e-5 from one process (row-parallel
+        # all-reduces and the vocab-parallel loss sum in another order; measured the same at
+        # TP 2 x PP 1), so the pipeline is held to its own TP's run, and TP to a looser bound
+        _assert_same_steps(got, _training_results(request.getfixturevalue("tp2_without_pipeline"))[0], 1e-5)
+        _assert_same_steps(got, ref, 1e-4)
     assert weights.keys() == ref_weights.keys()
     assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) < 1e-5
     if got["dp"] == 1:  # rank 0 scored the whole batch
