@@ -18,10 +18,10 @@ demo: setup
 	$(BIN)/yatt-mm demo
 
 test: setup
-	$(BIN)/python -m pytest tests -q -m "not slow"
+	$(BIN)/python -m pytest tests -q -m "not slow" --durations=15
 
 test-slow: setup  # the tests that take minutes each; CI runs them after `make test`
-	$(BIN)/python -m pytest tests -q -m slow
+	$(BIN)/python -m pytest tests -q -m slow --durations=10
 
 doctor: setup
 	$(BIN)/yatt-mm doctor

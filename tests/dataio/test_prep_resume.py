@@ -48,14 +48,26 @@ def journal_shards(out: str) -> int:
 
 
 def run_until_shards(cmd: list[str], out: str, shards: int, sig: int) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A job a non-interactive shell starts in the background ignores SIGINT, and every process
+    # it starts inherits that (CI launched with `cmd &` does): prep then never sees the Ctrl-C
+    # sent here. The child starts with the default action, as from a terminal; an ignored
+    # SIGINT stays ignored across exec, a default one lets Python install its handler.
+    ignored = sig == signal.SIGINT and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     while proc.poll() is None and journal_shards(out) < shards:
         time.sleep(0.005)
     if proc.poll() is not None:
         out_, err = proc.communicate()
         pytest.fail(f"prep finished before it could be interrupted (make the corpus bigger): {err.decode()[-500:]}")
     proc.send_signal(sig)
-    proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
+    proc.stderr_tail = err.decode()[-2000:]
     return proc
 
 
@@ -103,7 +115,7 @@ def test_resume_after_kill_9(many_videos, tmp_path):
 def test_ctrl_c_exits_cleanly_and_resumes(many_videos, tmp_path):
     out = str(tmp_path / "out")
     proc = run_until_shards(cli(many_videos, "--out", out, *ARGS), out, 1, signal.SIGINT)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, (proc.returncode, journal_shards(out), proc.stderr_tail)
     assert not glob.glob(os.path.join(out, "*.tmp"))  # the shard in flight was removed
     assert assert_visible_shards_complete(out) >= 1
     r = subprocess.run(cli(many_videos, "--out", out, *ARGS), capture_output=True, text=True)
