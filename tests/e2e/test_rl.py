@@ -345,6 +345,7 @@ def test_kill_9_of_a_rank_mid_step_resumes_from_the_checkpoint_bitwise(tmp_path,
     _assert_epoch_drawn_exactly_once(run_dir, keys=24)  # 6 steps x 2 ranks x >= 2 prompts: an epoch
 
 
+@pytest.mark.slow  # ~100 s; the kill -9 mid-step resume runs in make test
 def test_kill_9_while_the_first_checkpoint_is_written_restarts_cleanly(tmp_path, warm_policy):
     """The ranks are killed while their first checkpoint is on its way to disk (the writer held
     between its files by the fault-injection pause). The rerun skips it, saying so, starts from
@@ -475,6 +476,7 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
     assert bad.returncode == 2 and "set backend: server for judge(s) genrm" in bad.stderr
 
 
+@pytest.mark.slow  # ~70 s: two launches and a 30 s watch
 def test_a_live_run_dir_is_refused_and_killing_the_launcher_stops_the_run(tmp_path, tiny_policy):
     """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) must not
     leave torchrun and the ranks writing into the run directory; while the run lives, a second
