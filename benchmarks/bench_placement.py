@@ -4,7 +4,7 @@ One DP group (one rank) on this 2-core machine, 8 prompts x 8 responses a step, 
 trained (no dynamic sampling) and the learning rate 0 (with learning the answers grew from 16 to
 46 tokens in 5 steps, and the placements' runs would compare different work). The policy is the
 demo's warm start cut to 4 of its 12 SFT steps: it has learnt to stop, not yet always, which
-gives a long-tailed length mix (mean about 21 tokens, median about 10, a few of the 64
+gives a long-tailed length mix (mean 21-25 tokens, median about 10, a few of the 64
 responses running to `max_tokens` 96); the judge is the demo's GenRM (2 votes). The engine
 batches at most 8 sequences, as a GPU's batch limit would with long sequences.
 
