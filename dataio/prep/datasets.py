@@ -27,7 +27,7 @@ import json
 import os
 from typing import Iterator
 
-from dataio.prep.inputs import Item
+from dataio.prep.item import Item
 
 PROMPT_COLUMNS = ("problem", "question", "prompt")
 ANSWER_COLUMNS = ("answer", "solution")

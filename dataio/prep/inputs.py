@@ -10,28 +10,14 @@ import csv
 import glob
 import json
 import os
-from dataclasses import dataclass, field
+
+from dataio.prep.datasets import detect_format, read_hf_parquet, read_llava
+from dataio.prep.item import Item
 
 VIDEO_SUFFIXES = {".mp4", ".webm", ".avi", ".mkv", ".mov", ".m4v", ".mpg", ".mpeg", ".ts", ".flv", ".wmv", ".3gp"}
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 LIST_SUFFIXES = {".jsonl", ".csv"}
 TEXT_FIELDS = ("caption", "question", "answer")
-
-
-@dataclass(frozen=True)
-class Item:
-    path: str  # absolute: the media file, or FILE#ROW for a row of a dataset file
-    caption: str | None = None
-    question: str | None = None
-    answer: str | None = None
-    extra: tuple = field(default_factory=tuple)  # other list-file columns, as sorted (name, value) pairs
-    media: tuple[str, ...] = ()  # a dataset row's media files, in prompt order (empty: `path` is the media)
-    conversation: str = ""  # a dataset row's multi-turn conversation, as JSON, kept in the metadata
-    problem: tuple[str, str] | None = None  # (reason, detail) when the row cannot become a sample
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return self.media or (self.path,)
 
 
 def _row_item(row: dict, base: str, where: str) -> Item:
@@ -102,8 +88,6 @@ def expand_inputs(specs: list[str], suffixes: set[str], kind: str = "images", st
     `fmt` forces how .json/.jsonl/.parquet inputs are read (auto: by a look at them); `staging`
     is where a parquet file's image bytes are written; `media_root` is what a dataset file's
     relative media paths start from (default: the file's folder)."""
-    from dataio.prep.datasets import detect_format, read_hf_parquet, read_llava
-
     items: list[Item] = []
     for spec in specs:
         spec = os.path.expanduser(str(spec))

@@ -32,11 +32,98 @@ def _imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("package, forbidden", [
     ("yatt_mm/rl", "yatt_mm.demo"), ("yatt_mm/reward", "yatt_mm.demo"), ("yatt_mm/engines", "yatt_mm.demo"),
     ("yatt_mm/sft", "yatt_mm.demo"), ("models", "yatt_mm"), ("dataio", "yatt_mm"),
+    ("yatt_mm/engines", "yatt_mm.reward"), ("yatt_mm/engines", "yatt_mm.rl"),  # engines serve rollout and judges alike
 ])
 def test_dependencies_point_one_way(package, forbidden):
     bad = {str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n == forbidden or n.startswith(forbidden + "."))
            for p in (ROOT / package).rglob("*.py")}
     assert not {k: v for k, v in bad.items() if v}
+
+
+def _module_graph(packages=("yatt_mm", "models", "dataio")) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports, at any level (function-local and
+    TYPE_CHECKING imports count: a circle hidden in a function is still a circle); relative
+    imports resolved, `from pkg import mod` counted as an import of pkg.mod."""
+    files = {}
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:  # the innermost of our modules that `name` names
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        names = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                names += [f"{base}.{a.name}" for a in node.names]
+        graph[module] = {m for m in map(known, names) if m and m != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a -> ... -> a) per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set(stack[stack.index(v):])
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for component in components:  # a path back to the start through the component (breadth first: shortest)
+        start = min(component)
+        paths = {start: [start]}
+        queue = [start]
+        while queue:
+            v = queue.pop(0)
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    cycles.append(paths[v] + [start])
+                    queue = []
+                    break
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    queue.append(w)
+    return sorted(cycles)
+
+
+def test_no_import_circles():
+    """A circle means two layers that cannot be understood, tested or reused one without the
+    other: break it by moving what both need to the lower layer, not with a function-local import."""
+    cycles = _cycles(_module_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_circle_check_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d", "f"}, "f": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
 
 
 @pytest.mark.parametrize("root", [RLConfig, SFTConfig])

@@ -16,14 +16,28 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Protocol
 
 from models import runtime
 from models.comm import free_port
-from yatt_mm.reward.genrm import JudgeConfig
+
+
+class ServedModel(Protocol):
+    """What the server reads of its config (the reward layer's JudgeConfig has these settings):
+    the engine layer names what it needs instead of importing the layer above it."""
+
+    name: str  # the served model name, which clients ask for
+    model: str  # HF directory
+    host: str
+    port: int  # 0: a free port
+    gpu_memory_utilization: float
+    threads: int  # CPU: OMP_NUM_THREADS of the server (0: inherited)
+    devices: str  # GPUs: CUDA_VISIBLE_DEVICES of the server (empty: inherited)
+    startup_timeout_s: float
 
 
 class JudgeServer:
-    def __init__(self, cfg: JudgeConfig, log_path: str | Path | None = None):
+    def __init__(self, cfg: ServedModel, log_path: str | Path | None = None):
         if not cfg.model:
             raise ValueError(f"judge '{cfg.name}': set reward judge 'model' to an HF model directory")
         self.cfg = cfg

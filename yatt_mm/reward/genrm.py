@@ -60,10 +60,7 @@ class JudgeConfig:
     server_per: Literal["node", "dp_group"] = "node"  # one server a node (its first controller starts it), or one per DP group
     gpu_memory_utilization: float = 0.3  # GPUs: the share of its GPU the judge's vLLM may take (server or in-process)
 
-    def validate(self) -> None:
-        from yatt_mm.reward.judges import JUDGES  # judges.py builds on this module
-
-        JUDGES.get(self.backend)
+    def validate(self) -> None:  # the backend's name is checked where the backends are (WeightedJudge)
         if self.votes < 1:
             raise ValueError(f"votes must be >= 1, got {self.votes}")
         if not 0 < self.gpu_memory_utilization < 1:

@@ -35,6 +35,9 @@ class WeightedJudge:
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the judge's model, prompt, votes and backend
     weight: float = 1.0  # its share of the total reward
 
+    def validate(self) -> None:
+        JUDGES.get(self.judge.backend)
+
 
 @dataclass
 class Judges:
