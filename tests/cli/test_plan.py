@@ -4,6 +4,7 @@ autograd keeps (measured on the tiny Megatron Qwen2-VL in a fresh process)."""
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
@@ -128,3 +129,42 @@ def test_saved_activations_match_autograd(tiny_measured, kind):
     planned = activation_bytes(load_spec(f"tiny:{kind}"), shape, tp=1, e=4, recompute="none", kernels=CPU).saved
     measured = tiny_measured[kind]["saved_bytes"]
     assert abs(planned - measured) <= 0.01 * measured, (planned, measured)
+
+
+def _plan_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` (yatt_mm.plan's) that `path` imports, anywhere in it (function-level
+    imports too): `from yatt_mm.plan import params` imports the module params, `from yatt_mm.plan
+    import make_plan` the package's __init__."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ["yatt_mm", "plan"][:3 - node.level] if node.level else []  # relative to yatt_mm.plan
+            module = ".".join(base + ([node.module] if node.module else []))
+            names |= {f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names}
+    return names & modules
+
+
+def test_plan_package_has_no_import_cycles():
+    package = ROOT / "yatt_mm/plan"
+    modules = {("yatt_mm.plan" if p.stem == "__init__" else f"yatt_mm.plan.{p.stem}"): p
+               for p in package.glob("*.py")}
+    graph = {m: sorted(_plan_imports(p, set(modules)) - {m}) for m, p in modules.items()}
+    assert not [m for m, deps in graph.items() if m != "yatt_mm.plan" and "yatt_mm.plan" in deps], \
+        "a module of the package imports the package itself (its __init__ imports every module)"
+    done, path = set(), []
+
+    def visit(m: str) -> None:
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m in done:
+            return
+        path.append(m)
+        for dep in graph[m]:
+            visit(dep)
+        path.pop()
+        done.add(m)
+
+    for m in graph:
+        visit(m)

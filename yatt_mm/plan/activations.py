@@ -1,0 +1,175 @@
+"""Activation memory of a micro-batch's forward and backward on one TP rank of one pipeline
+stage, tensor by tensor in the form of Korthikanti et al.'s per-layer formula for Megatron
+("Reducing Activation Recomputation in Large Transformer Models", 2022: s*b*h*(34 + 5*a*s/h)
+bytes a layer), with the terms of this model (GQA, SwiGLU, M-RoPE, fp32 softmax, no dropout) and
+the recompute setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yatt_mm.plan.batch import MicroBatchShape
+from yatt_mm.plan.constants import ACTIVATION_CALIBRATION
+
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels whose memory differs between CUDA and CPU (torch 2.13): torch.rms_norm keeps
+    its input and rstd on CUDA (fused kernel) but fp32 copies of the input and the normalised
+    input on CPU (composite). (Adam runs fused on both, models/optimizer.py: updates in place,
+    no temporaries the size of the state.)"""
+
+    name: str
+    fused_rms_norm: bool
+
+
+CUDA = Kernels("cuda", fused_rms_norm=True)
+CPU = Kernels("cpu", fused_rms_norm=False)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One transformer layer on one TP rank: the widths and element counts its saved tensors have."""
+
+    tokens: int  # rows of the layer's [s, b] input
+    hidden: int  # whole on every rank (no sequence parallelism)
+    q: int  # query width on this rank
+    kv: int  # key/value width on this rank
+    ffn: int  # MLP width on this rank (one half of a gated fc1)
+    head_dim: int
+    gated: bool
+    rms: bool  # RMSNorm, else LayerNorm
+    rope_rows: int  # rows of the rotary cos/sin tensors
+
+
+def _norm_bytes(n: int, h: int, e: int, rms: bool, kernels: Kernels) -> int:
+    """A norm's input and output (the next linear keeps the output), plus its statistics."""
+    if rms and not kernels.fused_rms_norm:
+        return n * h * (8 + e) + 4 * n  # composite: fp32 input and normalised input, the output in e
+    return 2 * n * h * e + (4 if rms else 8) * n
+
+
+def _core_attention_bytes(b: Block, e: int) -> int:
+    """torch's attention kernel (models/attention.py) keeps its inputs (Q and K after the rotary
+    embedding, V as a view that keeps the whole fused QKV output; grouped K and V are not
+    expanded), its output (the output projection's input, a view of it, counted there) and one
+    fp32 log-sum-exp per head and query: no s x s scores."""
+    return _recomputed_core_bytes(b, e) + 4 * b.tokens * (b.q // b.head_dim)
+
+
+def _recomputed_core_bytes(b: Block, e: int) -> int:
+    """Selective recompute keeps only core attention's inputs: Q, K and the QKV output V views."""
+    return b.tokens * (b.q + b.kv + b.q + 2 * b.kv) * e
+
+
+def layer_bytes(b: Block, e: int, kernels: Kernels, recompute: str) -> int:
+    """Bytes one layer keeps for its backward pass: the per-layer term of the formula."""
+    if recompute == "full":
+        return b.tokens * b.hidden * e  # only the layer's input; the rest is recomputed
+    core = _recomputed_core_bytes(b, e) if recompute == "selective" else _core_attention_bytes(b, e)
+    mlp = (5 if b.gated else 3) * b.tokens * b.ffn * e  # fc1 output (2 halves if gated), activation, product
+    # (the rotary cos and sin are one pair for all layers: `_rotary_bytes`)
+    return 2 * _norm_bytes(b.tokens, b.hidden, e, b.rms, kernels) + core + b.tokens * b.q * e + mlp
+
+
+def _rotary_bytes(b: Block, e: int, recompute: str) -> int:
+    """The rotary cos and sin, computed once per forward and kept by every layer's Q and K
+    products (models/rotary.py); none kept inside layers that full recompute runs again."""
+    return 0 if recompute == "full" else 2 * b.rope_rows * b.head_dim * e
+
+
+def language_block(spec, shape: MicroBatchShape, tp: int) -> Block:
+    hd = spec.head_dim
+    return Block(tokens=shape.tokens, hidden=spec.hidden_size, q=spec.num_heads // tp * hd,
+                 kv=max(1, spec.num_kv_heads // tp) * hd, ffn=spec.intermediate_size // tp, head_dim=hd, gated=True,
+                 rms=True, rope_rows=shape.tokens)
+
+
+def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
+    """Qwen2-VL attends within each frame (frames of one size run as a batch); Qwen2.5-VL runs
+    all of a micro-batch's patches as one sequence under a mask (models/qwen2vl/vision.py)."""
+    merge = spec.spatial_merge_size**2
+    patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
+    hv, heads = spec.vision_embed_dim, spec.vision_heads // tp
+    hd = hv // spec.vision_heads
+    rope_rows, ffn = (patches, spec.vision_intermediate_size) if spec.is_qwen25 else (frame, int(hv * spec.vision_mlp_ratio))
+    return Block(tokens=patches, hidden=hv, q=heads * hd, kv=heads * hd, ffn=ffn // tp, head_dim=hd,
+                 gated=spec.is_qwen25, rms=spec.is_qwen25, rope_rows=rope_rows)
+
+
+@dataclass(frozen=True)
+class Activations:
+    saved: int  # kept for the backward pass at the end of the forward
+    peak: int  # the most alive at once in the forward and backward (saved tensors and temporaries)
+    forward_only: int  # peak of a no-grad forward (the logprobs phase)
+
+
+def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
+                 pp: int = 1, stage: int = 0) -> int:
+    """What one micro-batch's forward on pipeline `stage` keeps for the backward, but the loss's
+    own part (the sum over the stage's layers of the per-layer formula, plus on the first stage
+    the embeddings, pixels and patch merger, on the last the final norm)."""
+    lm, vis = language_block(spec, shape, tp), vision_block(spec, shape, tp)
+    n, first, last = shape.tokens, stage == 0, stage == pp - 1
+    saved = spec.num_layers // pp * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
+    saved += 9 * n  # token ids, media mask
+    if last:
+        saved += _norm_bytes(n, spec.hidden_size, e, True, kernels)  # the final norm
+    if recompute == "full":
+        saved += n * spec.head_dim * 4  # the rotary angles, kept once as an input of every checkpoint
+    if shape.media_tokens and first:
+        patches = vis.tokens
+        vision_recompute = _vision_recompute(spec, recompute)
+        saved += spec.vision_depth * layer_bytes(vis, e, kernels, vision_recompute) + _rotary_bytes(vis, e,
+                                                                                                  vision_recompute)
+        saved += patches * spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * e  # pixel values
+        saved += _norm_bytes(patches, vis.hidden, e, spec.is_qwen25, kernels) + 2 * patches * vis.hidden * e  # merger
+        saved += 8 * patches**2 if spec.is_qwen25 else 8 * patches  # fp32 window and full masks / frame order
+    return saved
+
+
+def _vision_recompute(spec, recompute: str) -> str:
+    """Qwen2.5-VL's vision layers run one by one outside Megatron's block: "full" recomputes none."""
+    return "none" if recompute == "full" and spec.is_qwen25 else recompute
+
+
+def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
+                            vision: bool = True) -> int:
+    """What comes back during one layer's backward under recompute: the whole layer (full), its
+    core attention (selective); the largest of the language and (with `vision`) vision layers."""
+    blocks = [language_block(spec, shape, tp)] + ([vision_block(spec, shape, tp)] if shape.media_tokens and vision
+                                                  else [])
+    if recompute == "full":
+        return max(layer_bytes(b, e, kernels, "none") for b in blocks)
+    if recompute == "selective":  # the attention output and its log-sum-exp come back
+        return max(_core_attention_bytes(b, e) - _recomputed_core_bytes(b, e) + b.tokens * b.q * e for b in blocks)
+    return 0
+
+
+def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str,
+                     kernels: Kernels = CUDA, pp: int = 1, stage: int = 0) -> Activations:
+    """Activation memory of the forward and backward of micro-batches on one TP rank of pipeline
+    `stage`. On the last stage (the whole model without PP) the peak is the largest of three
+    moments: the end of the forward (logits and the loss alive), the output layer's backward (the
+    loss's softmax freed; the logits' gradient, its contiguous copy when rows > 1, the output
+    weight's and the input's gradients alive), and a layer's recompute. Under 1F1B, stage s runs
+    pp - s micro-batches' forwards before their first backward, so it keeps that many."""
+    n, vocab, h = shape.tokens, spec.vocab_size // tp, spec.hidden_size
+    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage)
+    if stage < pp - 1:
+        held = (pp - stage) * body
+        hidden = 2 * n * h * e  # the hidden states received and sent (or their gradients)
+        c = ACTIVATION_CALIBRATION
+        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, vision=stage == 0)
+        return Activations(saved=int(c * held), peak=int(c * (held + hidden + recomputing)),
+                           forward_only=int(c * hidden))
+    loss = shape.scored * vocab * 4  # the fp32 softmax of the scored positions (vocab-parallel cross entropy)
+    logits = n * vocab * e
+    end_of_forward = body + loss + logits + shape.scored * vocab * e  # the logits and the scored rows picked
+    output_backward = body + logits * (2 if shape.rows > 1 else 1) + vocab * h * e + n * h * e
+    recomputing = body + _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels)
+    forward_only = logits + shape.scored * vocab * (e + 8)  # logits; the scored rows and their fp32 copies
+    c = ACTIVATION_CALIBRATION
+    return Activations(saved=int(c * (body + loss)), peak=int(c * max(end_of_forward, output_backward, recomputing)),
+                       forward_only=int(c * forward_only))

@@ -1,0 +1,76 @@
+"""Which architecture a model setting names: a checkpoint's config.json, the tiny models, or
+the built-in table of published configs (new model families join here)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from yatt_mm.plan.constants import PlanError
+
+
+# The published config.json numbers of the Qwen2-VL and Qwen2.5-VL Instruct checkpoints:
+# (model_type, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+#  num_key_value_heads, vocab_size, tie_word_embeddings, vision intermediate_size (Qwen2.5-VL)).
+# The vision towers: Qwen2-VL depth 32, embed_dim 1280, mlp_ratio 4, num_heads 16; Qwen2.5-VL
+# depth 32, hidden_size 1280, num_heads 16, window_size 112, full attention in blocks 7/15/23/31;
+# both patch 14, spatial merge 2, temporal patch 2, out width = the LLM's hidden_size.
+KNOWN_MODELS = {
+    "Qwen/Qwen2-VL-2B-Instruct": ("qwen2_vl", 1536, 8960, 28, 12, 2, 151936, True, 0),
+    "Qwen/Qwen2-VL-7B-Instruct": ("qwen2_vl", 3584, 18944, 28, 28, 4, 152064, False, 0),
+    "Qwen/Qwen2-VL-72B-Instruct": ("qwen2_vl", 8192, 29568, 80, 64, 8, 152064, False, 0),
+    "Qwen/Qwen2.5-VL-3B-Instruct": ("qwen2_5_vl", 2048, 11008, 36, 16, 2, 151936, True, 3420),
+    "Qwen/Qwen2.5-VL-7B-Instruct": ("qwen2_5_vl", 3584, 18944, 28, 28, 4, 152064, False, 3420),
+    "Qwen/Qwen2.5-VL-72B-Instruct": ("qwen2_5_vl", 8192, 29568, 80, 64, 8, 152064, False, 3456),
+}
+
+
+def known_hf_config(model_id: str) -> dict:
+    """The table row of `model_id` as a config.json (transformers 4.x layout, as published)."""
+    kind, hidden, inter, layers, heads, kv, vocab, tie, vision_inter = KNOWN_MODELS[model_id]
+    vision = dict(depth=32, num_heads=16, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
+    if kind == "qwen2_vl":
+        vision.update(embed_dim=1280, mlp_ratio=4, hidden_size=hidden)
+    else:
+        vision.update(hidden_size=1280, intermediate_size=vision_inter, out_hidden_size=hidden, window_size=112,
+                      fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
+    return dict(model_type=kind, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tie,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_config=vision)
+
+
+def spec_from_hf_config(config: dict):
+    """A config.json mapping read by the trainer's own parser (Qwen2VLSpec.from_hf_dir), so the
+    table is read exactly as a checkpoint on disk would be."""
+    from models.qwen2vl.config import Qwen2VLSpec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        return Qwen2VLSpec.from_hf_dir(tmp)
+
+
+def load_spec(model: str):
+    """The architecture (models.qwen2vl.config.Qwen2VLSpec) of a model setting: see resolve_model."""
+    return resolve_model(model)[0]
+
+
+def resolve_model(model: str):
+    """(architecture, where it came from) of a model setting: a directory with config.json,
+    tiny:KIND or warmstart:KIND (the tiny model's architecture; built offline, cached), or a
+    known HF id or a path whose last part is a known model's name (/models/Qwen2-VL-7B-Instruct)."""
+    from models.qwen2vl.config import Qwen2VLSpec
+
+    if model.startswith(("tiny:", "warmstart:")):
+        from models.tiny import tiny_model_dir
+
+        return Qwen2VLSpec.from_hf_dir(tiny_model_dir(model.split(":", 1)[1])), "the tiny model's config.json"
+    if (Path(model) / "config.json").is_file():
+        return Qwen2VLSpec.from_hf_dir(model), "its config.json"
+    name = model.rstrip("/").split("/")[-1]
+    for model_id in KNOWN_MODELS:
+        if model == model_id or name == model_id.split("/")[-1]:
+            return spec_from_hf_config(known_hf_config(model_id)), f"built-in table: {model_id}"
+    raise PlanError(f"model {model!r}: no config.json there and not a known model; give its HF directory, or a "
+                    f"known id or a directory named like one: {', '.join(KNOWN_MODELS)}")

@@ -1,0 +1,46 @@
+"""`yatt-mm plan`: plan, print, advise; the exit code says whether it fits."""
+
+from __future__ import annotations
+
+from yatt_mm.plan.advice import advise, over_limit
+from yatt_mm.plan.cluster import Assumptions, Cluster
+from yatt_mm.plan.constants import PlanError
+from yatt_mm.plan.planner import make_plan
+from yatt_mm.plan.report import format_plan, gib
+
+
+def run_plan(config: str | None, overrides: list[str], cluster: Cluster, assume: Assumptions = Assumptions()) -> int:
+    """`yatt-mm plan`: print the plan; 0 if every phase fits, 1 if not, 2 on a config error."""
+    import sys
+
+    from yatt_mm.config import ConfigError, load
+    from yatt_mm.rl.config import RLConfig
+
+    try:
+        cfg = load(RLConfig, config, overrides)
+        plan = make_plan(cfg, cluster, assume)
+    except (ConfigError, PlanError, ValueError) as e:
+        print(f"yatt-mm plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    print()
+    if plan.fits:
+        print("verdict: fits")
+        return 0
+    print("verdict: DOES NOT FIT")
+    for problem in plan.problems:
+        print(f"  {problem}")
+    singles, combined, together = advise(cfg, cluster, assume)
+    if singles and singles[0][1].fits:
+        print("change one of these settings (each fits alone):")
+    elif singles:
+        print("no single setting fits alone; each of these helps:")
+    for change, p in singles[:6]:
+        worst = max(p.phases, key=lambda q: q.total - q.limit)
+        print(f"  {change:<56} worst: {worst.phase} on {worst.gpus}, {gib(worst.total)} GiB")
+    if combined:
+        verdict = "fits" if together.fits else f"still {gib(over_limit(together))} GiB over"
+        print(f"together: {' '.join(combined)} ({verdict})")
+    if not singles:
+        print("no setting helps: more GPUs (--gpus-per-node, --nodes), GPUs with more memory, or a smaller model")
+    return 1

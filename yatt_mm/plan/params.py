@@ -1,0 +1,69 @@
+"""Parameter counts, tensor by tensor as models/qwen2vl/model.py + vision.py lay them out, on
+one tensor-parallel rank of one pipeline stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameter counts on one tensor-parallel rank (tp=1: the whole model)."""
+
+    vision: int
+    language: int
+    largest: int  # the largest single parameter tensor (Adam's per-tensor temporaries on CPU)
+
+    @property
+    def total(self) -> int:
+        return self.vision + self.language
+
+
+def _column(n_in: int, n_out: int, tp: int, bias: bool) -> list[int]:
+    """ColumnParallelLinear: output rows (and bias) split over TP."""
+    return [n_out // tp * n_in] + ([n_out // tp] if bias else [])
+
+
+def _row(n_in: int, n_out: int, tp: int, bias: bool) -> list[int]:
+    """RowParallelLinear: input columns split over TP; the bias is whole on every rank."""
+    return [n_out * (n_in // tp)] + ([n_out] if bias else [])
+
+
+def _language_layer(spec, tp: int) -> list[int]:
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return ([h, h]  # input and pre-MLP RMSNorm weights, whole on every rank
+            + _column(h, q + 2 * kv, tp, bias=True) + _row(q, h, tp, bias=False)
+            + _column(h, 2 * spec.intermediate_size, tp, bias=False) + _row(spec.intermediate_size, h, tp, bias=False))
+
+
+def _vision_layer(spec, tp: int) -> list[int]:
+    hv = spec.vision_embed_dim
+    norms = [hv, hv] if spec.is_qwen25 else [hv, hv, hv, hv]  # RMSNorm: weight; LayerNorm: weight and bias
+    fc1 = 2 * spec.vision_intermediate_size if spec.is_qwen25 else int(hv * spec.vision_mlp_ratio)
+    ffn = spec.vision_intermediate_size if spec.is_qwen25 else fc1
+    return (norms + _column(hv, 3 * hv, tp, bias=True) + _row(hv, hv, tp, bias=True)
+            + _column(hv, fc1, tp, bias=True) + _row(ffn, hv, tp, bias=True))
+
+
+def _vision_ends(spec) -> list[int]:
+    """Patch embedding and patch merger: plain nn.Linear, whole on every TP rank."""
+    hv, merged = spec.vision_embed_dim, spec.vision_embed_dim * spec.spatial_merge_size**2
+    patch = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
+    ln_q = [hv] if spec.is_qwen25 else [hv, hv]
+    return [hv * patch] + ln_q + [merged * merged, merged, spec.hidden_size * merged, spec.hidden_size]
+
+
+def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0) -> Params:
+    """Parameters of this rank's shard of the Megatron Qwen2-VL (models/qwen2vl/model.py): its TP
+    shard of pipeline `stage` (pp=1: the whole model). The first stage holds the vision tower and
+    the embedding, the last the final norm and the output layer (with tied embeddings and more
+    than one stage, the last keeps its own copy of the embedding as the output layer)."""
+    vocab, h = spec.vocab_size, spec.hidden_size
+    first, last = stage == 0, stage == pp - 1
+    lm_ends = (([vocab // tp * h] if first else []) + ([h] if last else [])
+               + ([vocab // tp * h] if last and not (spec.tie_word_embeddings and first) else []))
+    lm_layer, v_layer, v_ends = _language_layer(spec, tp), _vision_layer(spec, tp), _vision_ends(spec)
+    vision = spec.vision_depth * sum(v_layer) + sum(v_ends) if first else 0
+    return Params(vision=vision, language=spec.num_layers // pp * sum(lm_layer) + sum(lm_ends),
+                  largest=max(lm_layer + lm_ends + (v_layer + v_ends if first else [])))

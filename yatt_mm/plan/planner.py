@@ -1,0 +1,94 @@
+"""make_plan: one config on one cluster, every module's numbers together in a Plan, its problems
+(what does not fit) and notes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from yatt_mm.plan.activations import CUDA, Kernels
+from yatt_mm.plan.architectures import load_spec
+from yatt_mm.plan.batch import MicroBatchShape, rl_micro_batch
+from yatt_mm.plan.cluster import Assumptions, Cluster
+from yatt_mm.plan.constants import GIB, JUDGE_SERVER_MAX_MODEL_LEN, PlanError
+from yatt_mm.plan.engines import EngineMemory, engine_memory
+from yatt_mm.plan.phases import GpuPhase, Line, gpu_phases, host_lines
+from yatt_mm.plan.trainer import TrainerMemory, trainer_memory
+
+
+@dataclass
+class Plan:
+    cfg: object
+    cluster: Cluster
+    spec: object
+    shape: MicroBatchShape
+    trainer: TrainerMemory
+    rollout: EngineMemory
+    judges: dict[str, EngineMemory]
+    phases: list[GpuPhase]
+    host: list[Line]  # per node
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dp(self) -> int:
+        return self.cluster.world // self.cfg.policy.trainer.model_parallel
+
+    @property
+    def host_total(self) -> int:
+        return sum(line.nbytes for line in self.host)
+
+    @property
+    def problems(self) -> list[str]:
+        out = [f"phase {p.phase} on {p.gpus}: {p.total / GIB:.1f} GiB > {p.limit / GIB:.1f} GiB"
+               for p in self.phases if not p.fits]
+        for e in [self.rollout, *self.judges.values()]:
+            if not e.starts:
+                out.append(f"{e.name}: KV cache of {e.kv_tokens} tokens cannot hold one sequence of "
+                           f"{e.max_model_len} (vLLM will not start)")
+        if self.cluster.host_memory_gib and self.host_total > self.cluster.host_memory_gib * GIB:
+            out.append(f"host memory per node: {self.host_total / GIB:.1f} GiB > {self.cluster.host_memory_gib:.1f} GiB")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernels: Kernels = CUDA) -> Plan:
+    """The memory plan of an RLConfig on `cluster`."""
+    cfg.check_world(cluster.world)
+    spec = load_spec(cfg.policy.model)
+    tp, pp = cfg.policy.trainer.tensor_parallel, cfg.policy.trainer.pipeline_parallel
+    from models.qwen2vl.config import check_layout
+
+    try:
+        check_layout(spec, tp, pp, "policy.trainer.")
+    except ValueError as e:
+        raise PlanError(str(e)) from e
+    shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens)
+    trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // (tp * pp), shape, kernels)
+    engine = cfg.rollout.engine
+    rollout = engine_memory("rollout engine", spec, engine.gpu_memory_utilization, cluster.gpu_bytes,
+                            engine.tensor_parallel_size, engine.max_model_len)
+    judges = {}
+    for wj in cfg.reward.judges:
+        j = wj.judge
+        max_len = JUDGE_SERVER_MAX_MODEL_LEN if j.backend == "server" else 2048  # EngineConfig's default
+        judges[j.name] = engine_memory(f"judge {j.name}", load_spec(j.model or cfg.policy.model),
+                                       j.gpu_memory_utilization, cluster.gpu_bytes, 1, max_len)
+    plan = Plan(cfg, cluster, spec, shape, trainer, rollout, judges,
+                gpu_phases(cfg, cluster, trainer, rollout, judges), host_lines(cfg, cluster, trainer, rollout, judges))
+    plan.notes = _notes(plan)
+    return plan
+
+
+def _notes(plan: Plan) -> list[str]:
+    cfg, out = plan.cfg, []
+    wanted = cfg.rollout.prompts_per_step * cfg.rollout.sampling.n
+    in_flight = plan.rollout.kv_tokens // max(cfg.rollout.engine.max_model_len, 1)
+    if plan.rollout.starts and in_flight < wanted:
+        out.append(f"the rollout KV cache holds {in_flight} sequences of max_model_len at once, a step samples "
+                   f"{wanted} per DP group: it runs in waves (slower, not out of memory)")
+    for j in (wj.judge for wj in cfg.reward.judges):
+        if j.backend == "server" and j.server_per == "dp_group" and not j.devices:
+            out.append(f"judge {j.name}: server_per=dp_group without devices puts every DP group's server on GPU 0")
+    return out

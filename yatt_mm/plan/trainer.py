@@ -1,0 +1,63 @@
+"""One trainer rank's memory: weights, the fp32 DDP gradient buffer, Adam's state (sharded over
+DP by the distributed optimizer) and activations, on the pipeline stage that needs the most."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yatt_mm.plan.activations import CUDA, Activations, Kernels, activation_bytes
+from yatt_mm.plan.batch import MicroBatchShape
+from yatt_mm.plan.params import Params, param_counts
+
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """One rank's trainer, in bytes."""
+
+    params: Params  # on this TP rank of its pipeline stage
+    stage: int  # the pipeline stage (the one with the largest peak; 0 without PP)
+    model_params: int  # of the whole model
+    weights: int
+    grads: int
+    optimizer: int
+    activations: Activations
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def step_extra(self) -> int:
+        """What the train phase adds to the persistent state at its peak: the forward and
+        backward's activations (fused Adam, models/optimizer.py, updates in place)."""
+        return self.activations.peak
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + self.step_extra
+
+    @property
+    def host_offload(self) -> int:
+        """What release() moves to host memory: weights and optimizer state (gradients are dropped)."""
+        return self.weights + self.optimizer
+
+
+def trainer_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels = CUDA) -> TrainerMemory:
+    """`trainer`: models.trainer.TrainerConfig; `dp`: the data-parallel size. Under pipeline
+    parallelism, the stage whose rank needs the most."""
+    stages = [stage_memory(spec, trainer, dp, shape, kernels, s) for s in range(trainer.pipeline_parallel)]
+    return max(stages, key=lambda t: t.peak)
+
+
+def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels, stage: int) -> TrainerMemory:
+    tp, pp = trainer.tensor_parallel, trainer.pipeline_parallel
+    params = param_counts(spec, tp, pp, stage)
+    e = 2 if trainer.dtype == "bf16" else 4
+    # Adam's m and v in fp32; bf16 adds fp32 master weights (fp32 steps the weights themselves)
+    state_per_param = 8 + (4 if e == 2 else 0)
+    shards = dp if trainer.distributed_optimizer else 1  # ZeRO-1: sharded over the DP group
+    optimizer = params.total * state_per_param // shards
+    return TrainerMemory(params=params, stage=stage, model_params=param_counts(spec).total, weights=params.total * e,
+                         grads=params.total * 4, optimizer=optimizer,
+                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage))
