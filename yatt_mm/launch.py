@@ -142,6 +142,12 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return 2
     if not under_torchrun():
+        try:  # optional packages the settings ask for (metrics.wandb: wandb), before any rank starts
+            if (metrics := getattr(cfg, "metrics", None)) is not None:
+                metrics.check_installed()
+        except RuntimeError as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return 2
         try:
             cfg.check_world(args.nproc * nodes.nnodes if launching else 1)
         except ValueError as e:

@@ -11,6 +11,7 @@ from typing import Literal
 from dataio.reader import DataConfig
 from models.trainer import TrainerConfig
 from yatt_mm.engines.engine import EngineConfig, SamplingConfig
+from yatt_mm.metrics import MetricsConfig
 from yatt_mm.reward.rewarder import RewardConfig
 from yatt_mm.rl.algorithms import AlgorithmConfig
 from yatt_mm.rl.dynamic_sampling import DynamicSamplingConfig
@@ -98,6 +99,7 @@ class RLConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)  # trainer -> rollout engine weight sync
     eval: EvalConfig = field(default_factory=EvalConfig)  # greedy held-out reward
     split: SplitConfig = field(default_factory=SplitConfig)  # how the phases' roles share a node's devices (rl/split.py)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # TensorBoard and Weights & Biases beside metrics.jsonl
 
     def validate(self) -> None:
         self._check_gpu_shares()

@@ -22,6 +22,7 @@ from yatt_mm.config import save
 from yatt_mm.engines.engine import RolloutEngine
 from yatt_mm.launch import run_command
 from yatt_mm.metrics import MetricsWriter, Timeline
+from yatt_mm.plot import plot_run
 from yatt_mm.reward.judges import build_judges
 from yatt_mm.reward.rewarder import Rewarder
 from yatt_mm.reward.rules import get_rule
@@ -51,7 +52,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ranks.rank == 0:
             save(cfg, self.run_dir / "config.yaml")
-        self.metrics = MetricsWriter(self.run_dir, ranks.rank)
+        self.metrics = MetricsWriter(self.run_dir, ranks.rank, cfg.metrics.tensorboard, cfg.metrics.wandb, cfg, plot_run)
         self.timeline = Timeline(ranks.rank, self.run_dir / f"timeline_rank{ranks.rank}.jsonl")
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", ranks.rank, ranks.world,
                                          cfg.run.keep_checkpoints, attempt_id())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dataio.reader import DataConfig
 from models.trainer import TrainerConfig
+from yatt_mm.metrics import MetricsConfig
 
 
 @dataclass
@@ -43,6 +44,7 @@ class SFTConfig:
     run_dir: str | None = None  # metrics and the summary; default runs/sft-TIME
     output_dir: str | None = None  # the exported HF directory; default RUN_DIR/hf
     log_every: int = 1  # steps between progress lines
+    metrics: MetricsConfig = field(default_factory=lambda: MetricsConfig(tensorboard=False))  # W&B, TensorBoard
 
     def validate(self) -> None:
         from yatt_mm.sft.examples import get_builder

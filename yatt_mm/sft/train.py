@@ -52,7 +52,7 @@ class SFTRun:
         processor = AutoProcessor.from_pretrained(str(self.source))
         processor.tokenizer.padding_side = "right"
         self.collator = Collator(processor, self.trainer.spec)
-        self.metrics = MetricsWriter(self.run_dir, rank=self.rank, tensorboard=False)
+        self.metrics = MetricsWriter(self.run_dir, self.rank, cfg.metrics.tensorboard, cfg.metrics.wandb, cfg)
         build = get_builder(cfg.examples)
         holdout = cfg.eval.holdout_fraction if not cfg.eval.shards else 0.0
         self.eval_batches = self._held_out(build.eval_builder, holdout)
