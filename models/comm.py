@@ -11,7 +11,7 @@ Two kinds of group, never mixed:
 Every collective in `yatt_mm/` names a group from here; `is_cpu_group` tells which kind a group is.
 
 Under torchrun the default group comes from its environment (NCCL on a GPU, gloo otherwise); a
-plain `python` process gets a one-rank group on a free local port, so single-process tools
+plain `python` process gets a one-rank group on an in-memory store, so single-process tools
 (parity, doctor, the GPU check, tests, benchmarks) run the same code as the ranks of a job.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import struct
 from dataclasses import dataclass
@@ -30,8 +31,24 @@ from safetensors.torch import save as st_save
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port nobody listens on right now, for a child process to bind. It is drawn below the
+    kernel's ephemeral range: the OS hands ports of that range to every outgoing connection, so a
+    port from it (what binding port 0 gives) can be taken between this check and the child's bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(ephemeral_low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free below the range: let the OS pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -54,7 +71,8 @@ def init_distributed() -> None:
     if "RANK" in os.environ:
         dist.init_process_group(backend)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        # one rank: an in-memory store, no port to pick or to lose to another process
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 @dataclass(frozen=True)

@@ -5,21 +5,55 @@ folder."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import models  # noqa: F401 - installs the CPU runtime hooks before any test imports torchvision
+# A hermetic cache: tiny models, warm starts and decompressed shards are built by this session
+# (and inherited by every child it starts), never read from a user's ~/.cache/yatt-mm, so a test
+# run costs what a new machine pays and a bad entry from an earlier run cannot leak in.
+# YATT_MM_TEST_CACHE names a folder to use instead (.ci/run passes one fresh folder to both of its
+# pytest runs, so the slow run does not rebuild what the first one built).
+_own_cache = not os.environ.get("YATT_MM_TEST_CACHE")
+os.environ["YATT_MM_CACHE"] = os.environ.get("YATT_MM_TEST_CACHE") or tempfile.mkdtemp(prefix="yatt-mm-test-cache-")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the Ray prep test: no usage report
+
+import models  # noqa: E402,F401 - installs the CPU runtime hooks before any test imports torchvision
+
+_cache_seconds: dict[str, float] = {}
+
+
+def _timed(what: str, build):
+    start = time.perf_counter()
+    try:
+        return build()
+    finally:
+        _cache_seconds[what] = time.perf_counter() - start
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _cache_seconds:
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in _cache_seconds.items())
+        terminalreporter.write_line(f"test cache {os.environ['YATT_MM_CACHE']}: built {parts}")
+
+
+def pytest_unconfigure(config):
+    if _own_cache:
+        shutil.rmtree(os.environ["YATT_MM_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_policy():
     from models.tiny import tiny_model_dir
 
-    return tiny_model_dir("policy", seed=0)
+    return _timed("tiny policy", lambda: tiny_model_dir("policy", seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -39,4 +73,4 @@ def warm_policy(tmp_path_factory):
 
     data = tmp_path_factory.mktemp("warm-data") / "train"
     write_shards(str(data), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
-    return warm_start("policy", data, quiet=True)
+    return _timed("warm policy", lambda: warm_start("policy", data, quiet=True))

@@ -147,6 +147,7 @@ def test_judge_warm_start_chains_its_stages(colour_shards, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # its child's own limit is 1500 s
 def test_tiny_judge_agrees_with_the_rule_reward(tmp_path):
     """The demo's judge, built as the demo builds it (about 3 min), graded with vLLM on fresh pairs."""
     from dataio.synth import write_shards

@@ -88,13 +88,13 @@ def test_kl_estimators_match_hand_computed_values():
         kl_penalty(p, p_ref, "k4")
 
 
-def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted(monkeypatch):
+def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted():
     """Equal rewards, but one response far from the reference: with kl_in=reward its advantage
     goes negative and its group mate's positive; rows out of the loss keep theirs."""
     from types import SimpleNamespace
 
     from models.trainer import MicroBatch
-    from yatt_mm.rl import actor as actor_mod
+    from gloo_threads import on_ranks
     from yatt_mm.rl.actor import Actor
 
     mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
@@ -103,8 +103,8 @@ def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted(monkeypa
     mb = MicroBatch(None, {"loss_mask": mask, "old_logprobs": old, "rewards": torch.tensor([1.0, 1.0, 0.0]),
                            "advantages": torch.tensor([0.0, 0.0, 0.7])}, ["g", "g", "g"])
     reference = SimpleNamespace(logprobs=lambda mbs: [ref])
-    trainer = SimpleNamespace(cfg=SimpleNamespace(dtype="fp32"), dp_cpu=None)
-    monkeypatch.setattr(actor_mod, "sum_across", lambda values, group: values)  # one DP rank
+    (one_rank,) = on_ranks(1, lambda rank, group: group)  # the DP group of a one-group run
+    trainer = SimpleNamespace(cfg=SimpleNamespace(dtype="fp32"), dp_cpu=one_rank)
     actor = Actor(trainer, AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_in="reward"), 4096, 0,
                   reference=reference)
     metrics = actor._reference_logprobs([mb])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yatt_mm.rl import stats as stats_mod
+from gloo_threads import on_ranks
 from yatt_mm.rl.algorithms import AlgorithmConfig, aggregate, loss_normalizer, policy_loss
 from yatt_mm.rl.stats import RolloutStats
 
@@ -40,34 +40,36 @@ def test_normaliser_counts():
     assert float(aggregate(torch.ones(3, 3), mask, "token")) == pytest.approx(1.0)
 
 
-def test_rollout_stats_sum_across_groups_into_metrics(monkeypatch):
+def test_rollout_stats_sum_across_groups_into_metrics():
     a = RolloutStats(groups=4, responses=16, reward_sum=8, reward_sq_sum=8, response_tokens=64, gen_seconds=2,
                      valid_generated=3, waves=1, reward_counts={"exact_match/sum": 8, "exact_match/n": 16})
-    # two DP groups that happen to report the same: the sum doubles every count, keys intact
-    monkeypatch.setattr(stats_mod, "sum_across", lambda values, group: {k: 2 * v for k, v in values.items()})
-    total = a.summed(group=None)
-    assert total.responses == 32 and total.reward_counts == {"exact_match/sum": 16, "exact_match/n": 32}
+    b = RolloutStats(groups=2, responses=8, reward_sum=8, reward_sq_sum=8, response_tokens=32, gen_seconds=1,
+                     valid_generated=0, waves=2, reward_counts={"exact_match/sum": 8, "exact_match/n": 8})
+    # two DP groups over a real gloo group: every count summed, keys intact, on both ranks
+    totals = on_ranks(2, lambda rank, group: (a, b)[rank].summed(group=group))
+    assert totals[0] == totals[1]
+    total = totals[0]
+    assert total.responses == 24 and total.reward_counts == {"exact_match/sum": 16, "exact_match/n": 24}
     m = total.metrics(["exact_match"], [])
-    assert m["rollout/reward_mean"] == 0.5 and m["rollout/reward_std"] == pytest.approx(0.5)
-    assert m["rollout/valid_group_rate"] == pytest.approx(6 / 8) and m["rollout/tokens_per_s"] == 32
-    assert m["reward/exact_match"] == 0.5
+    assert m["rollout/reward_mean"] == pytest.approx(16 / 24) and m["reward/exact_match"] == pytest.approx(16 / 24)
+    assert m["rollout/reward_std"] == pytest.approx((16 / 24 - (16 / 24) ** 2) ** 0.5)
+    assert m["rollout/valid_group_rate"] == pytest.approx(3 / 6) and m["rollout/tokens_per_s"] == pytest.approx(96 / 3)
     from_buffer = RolloutStats(from_buffer=4).metrics([], [])
     assert "rollout/reward_mean" not in from_buffer and from_buffer["rollout/from_buffer"] == 4
 
 
-def test_sync_guard_stops_when_vllm_sampled_with_other_weights(monkeypatch):
+def test_sync_guard_stops_when_vllm_sampled_with_other_weights():
     from types import SimpleNamespace
 
     from models.trainer import MicroBatch
-    from yatt_mm.rl import actor as actor_mod
     from yatt_mm.rl.actor import Actor
 
-    monkeypatch.setattr(actor_mod, "sum_across", lambda values, group: values)  # one DP rank
+    (one_rank,) = on_ranks(1, lambda rank, group: group)  # the DP group of a one-group run
     fresh = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
     rollout = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
 
     def actor_seeing(trainer_lp, dtype="fp32", limit=0.0):
-        trainer = SimpleNamespace(cfg=SimpleNamespace(dtype=dtype), dp_cpu=None,
+        trainer = SimpleNamespace(cfg=SimpleNamespace(dtype=dtype), dp_cpu=one_rank,
                                   logprobs=lambda mbs, with_entropy: [(trainer_lp, torch.zeros_like(trainer_lp))])
         return Actor(trainer, AlgorithmConfig(mini_batches=2), 4096, 0, limit)  # not fused: a separate pass
 
