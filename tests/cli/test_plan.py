@@ -5,6 +5,7 @@ autograd keeps (measured on the tiny Megatron Qwen2-VL in a fresh process)."""
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 from subproc import run_json
 from yatt_mm.cli import main
 from yatt_mm.config import load
-from yatt_mm.plan import Cluster, MicroBatchShape, activation_bytes, load_spec, make_plan, param_counts, trainer_memory
+from yatt_mm.plan import (Assumptions, Cluster, MicroBatchShape, PlanError, activation_bytes, input_problems, load_spec,
+                          make_plan, param_counts, trainer_memory)
 from yatt_mm.rl.config import RLConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +70,60 @@ def test_known_models_have_their_published_sizes():
     assert param_counts(load_spec("/models/Qwen2-VL-7B-Instruct")).total == 8_291_375_616  # matched by name
     with pytest.raises(ValueError, match="not a known model"):
         load_spec("/models/Llama-3-8B")
+
+
+# Impossible cluster figures and assumptions: (the flags, the message that names the flag).
+BAD_FIGURES = [
+    (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be > 0, not 0.0"),
+    (["--gpu-memory-gb", "-8"], "--gpu-memory-gb must be > 0, not -8.0"),
+    (["--gpu-memory-gb", "nan"], "--gpu-memory-gb must be a finite number, not nan"),
+    (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must be a finite number, not inf"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be >= 1, not 0"),
+    (["--gpus-per-node", "-4"], "--gpus-per-node must be >= 1, not -4"),
+    (["--nodes", "0"], "--nodes must be >= 1, not 0"),
+    (["--host-memory-gb", "-1"], "--host-memory-gb must be >= 0, not -1.0"),
+    (["--seq-len", "-1"], "--seq-len must be >= 0, not -1"),
+    (["--media-tokens", "-2"], "--media-tokens must be >= -1, not -2"),
+    (["--frame-tokens", "-1"], "--frame-tokens must be >= 0, not -1"),
+]
+
+
+def test_impossible_cluster_figures_are_refused_naming_the_flag_before_any_work(capsys, monkeypatch):
+    import yatt_mm.config
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the config was read before the cluster figures were checked")
+
+    monkeypatch.setattr(yatt_mm.config, "load", no_work)  # run_plan imports it when it runs
+    for args, message in BAD_FIGURES:
+        assert main(["plan", "--config", str(ROOT / RECIPES[0]), *args]) == 2, args
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"yatt-mm plan: {message} (") and captured.err.count("\n") == 1, captured.err
+        assert captured.out == ""
+    # several at once: one line each, every flag named
+    assert main(["plan", "--gpus-per-node", "0", "--nodes", "0", "--gpu-memory-gb", "-1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split()[2] for line in err] == ["--gpus-per-node", "--gpu-memory-gb", "--nodes"], err
+    # argparse refuses what is not a number of the flag's type, with its usage exit code 2
+    with pytest.raises(SystemExit) as refused:
+        main(["plan", "--nodes", "1.5"])
+    assert refused.value.code == 2 and "argument --nodes: invalid int value: '1.5'" in capsys.readouterr().err
+    # the library refuses the same figures (before it looks at the config), and the defaults pass
+    with pytest.raises(PlanError, match="--gpu-memory-gb must be > 0, not 0 .*Cluster.gpu_memory_gib"):
+        make_plan(None, Cluster(gpu_memory_gib=0))
+    with pytest.raises(PlanError, match="--nodes must be a whole number, not 1.5"):
+        make_plan(None, Cluster(nodes=1.5))
+    assert input_problems(Cluster(), Assumptions()) == []
+    assert input_problems(Cluster(gpus_per_node=1, gpu_memory_gib=0.5, host_memory_gib=0),
+                          Assumptions(seq_len=1, media_tokens=0, frame_tokens=1)) == []
+
+
+def test_the_command_exits_2_on_an_impossible_cluster():
+    out = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "plan", "--gpu-memory-gb", "0", "--nodes", "-1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2, out
+    assert "--gpu-memory-gb must be > 0" in out.stderr and "--nodes must be >= 1" in out.stderr
+    assert out.stdout == ""
 
 
 # Single-process Megatron in a fresh interpreter (never beside the pytest process's other state):

@@ -23,7 +23,7 @@ CUDA overheads below are estimates, not measurements.
 
 The package, one job a module (each imports only those above it in this list):
   constants      GIB, the calibration constant, the estimates, PlanError
-  cluster        the inputs besides the config (Cluster, Assumptions)
+  cluster        the inputs besides the config (Cluster, Assumptions) and their checks
   architectures  a model setting -> its architecture (config.json, tiny models, the built-in table)
   params         parameter counts per TP rank and pipeline stage
   batch          the largest training micro-batch
@@ -34,7 +34,7 @@ The package, one job a module (each imports only those above it in this list):
   planner        make_plan: all of it for one config on one cluster, as a Plan
   advice         which settings make a plan that does not fit fit
   report         the plan as text
-  command        `yatt-mm plan` (run_plan): plan, report, advice, exit code
+  command        `yatt-mm plan` (run_plan): checks, plan, report, advice, exit code
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from yatt_mm.plan.activations import (CPU, CUDA, Activations, Block, Kernels, ac
 from yatt_mm.plan.advice import advise, candidate_changes, over_limit
 from yatt_mm.plan.architectures import KNOWN_MODELS, known_hf_config, load_spec, resolve_model, spec_from_hf_config
 from yatt_mm.plan.batch import MicroBatchShape, media_per_sample, rl_micro_batch
-from yatt_mm.plan.cluster import Assumptions, Cluster
+from yatt_mm.plan.cluster import Assumptions, Cluster, check_inputs, input_problems
 from yatt_mm.plan.command import run_plan
 from yatt_mm.plan.constants import (ACTIVATION_CALIBRATION, ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, GIB,
                                     JUDGE_SERVER_MAX_MODEL_LEN, PROMPT_TEXT_TOKENS, VLLM_ASLEEP_GIB, VLLM_DTYPE_BYTES,
@@ -61,8 +61,8 @@ __all__ = [
     "KNOWN_MODELS", "PROMPT_TEXT_TOKENS", "VLLM_ASLEEP_GIB", "VLLM_DTYPE_BYTES", "VLLM_RESERVE_GIB",
     "Activations", "Assumptions", "Block", "Cluster", "EngineMemory", "GpuPhase", "Kernels", "Line", "MicroBatchShape",
     "Params", "Plan", "PlanError", "TrainerMemory",
-    "activation_bytes", "advise", "candidate_changes", "engine_memory", "format_plan", "gpu_phases",
-    "host_lines", "known_hf_config", "kv_bytes_per_token", "language_block", "layer_bytes",
+    "activation_bytes", "advise", "candidate_changes", "check_inputs", "engine_memory", "format_plan", "gpu_phases",
+    "host_lines", "input_problems", "known_hf_config", "kv_bytes_per_token", "language_block", "layer_bytes",
     "load_spec", "make_plan", "media_per_sample", "over_limit", "param_counts", "resolve_model", "rl_micro_batch",
     "run_plan", "spec_from_hf_config", "stage_memory", "trainer_memory", "vision_block",
 ]

@@ -1,11 +1,13 @@
-"""What the plan is asked about besides the config: the cluster (`Cluster`) and what the config
-does not say about the data (`Assumptions`)."""
+"""What the plan is asked about besides the config: the cluster (`Cluster`), what the config does
+not say about the data (`Assumptions`), and the checks that refuse impossible figures before any
+work (`input_problems`; `check_inputs` raises them as a PlanError)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
-from yatt_mm.plan.constants import GIB
+from yatt_mm.plan.constants import GIB, PlanError
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,40 @@ class Assumptions:
     media_tokens: int = -1
     frame_tokens: int = 0
 
+
+# Each input: its `yatt-mm plan` flag, the least value that makes sense, whether it must be above
+# that value (else at least it), whether it counts things (a whole number), and what it is.
+_INPUTS = {
+    "gpus_per_node": ("--gpus-per-node", 1, False, True, "GPUs per node"),
+    "gpu_memory_gib": ("--gpu-memory-gb", 0, True, False, "memory of one GPU, GiB"),
+    "nodes": ("--nodes", 1, False, True, "nodes"),
+    "host_memory_gib": ("--host-memory-gb", 0, False, False, "host memory per node, GiB; 0: not checked"),
+    "seq_len": ("--seq-len", 0, False, True, "longest training row; 0: rollout.engine.max_model_len"),
+    "media_tokens": ("--media-tokens", -1, False, True, "media tokens per sample; -1: from data.media"),
+    "frame_tokens": ("--frame-tokens", 0, False, True, "merged tokens per image or frame; 0: from data.media"),
+}
+
+
+def input_problems(cluster: Cluster, assume: Assumptions = Assumptions()) -> list[str]:
+    """One message per impossible figure (a count below one, a non-positive GPU memory, a value
+    that is not a finite number...), each naming its flag and its field: empty when all are usable."""
+    out = []
+    for obj in (cluster, assume):
+        for f in fields(obj):
+            flag, least, strict, whole, what = _INPUTS[f.name]
+            value = getattr(obj, f.name)
+            about = f"({what}; {type(obj).__name__}.{f.name})"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                out.append(f"{flag} must be a finite number, not {value!r} {about}")
+            elif whole and value != int(value):
+                out.append(f"{flag} must be a whole number, not {value!r} {about}")
+            elif value < least or (strict and value == least):
+                out.append(f"{flag} must be {'>' if strict else '>='} {least}, not {value!r} {about}")
+    return out
+
+
+def check_inputs(cluster: Cluster, assume: Assumptions = Assumptions()) -> None:
+    """PlanError naming every impossible figure of `cluster` and `assume`."""
+    problems = input_problems(cluster, assume)
+    if problems:
+        raise PlanError("; ".join(problems))

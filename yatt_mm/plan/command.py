@@ -1,17 +1,24 @@
-"""`yatt-mm plan`: plan, print, advise; the exit code says whether it fits."""
+"""`yatt-mm plan`: check the inputs, plan, print, advise; the exit code says whether it fits."""
 
 from __future__ import annotations
 
+import sys
+
 from yatt_mm.plan.advice import advise, over_limit
-from yatt_mm.plan.cluster import Assumptions, Cluster
+from yatt_mm.plan.cluster import Assumptions, Cluster, input_problems
 from yatt_mm.plan.constants import PlanError
 from yatt_mm.plan.planner import make_plan
 from yatt_mm.plan.report import format_plan, gib
 
 
 def run_plan(config: str | None, overrides: list[str], cluster: Cluster, assume: Assumptions = Assumptions()) -> int:
-    """`yatt-mm plan`: print the plan; 0 if every phase fits, 1 if not, 2 on a config error."""
-    import sys
+    """`yatt-mm plan`: print the plan; 0 if every phase fits, 1 if not, 2 on an impossible
+    cluster figure or assumption (checked first, before the config is read) or a config error."""
+    problems = input_problems(cluster, assume)
+    if problems:
+        for problem in problems:
+            print(f"yatt-mm plan: {problem}", file=sys.stderr)
+        return 2
 
     from yatt_mm.config import ConfigError, load
     from yatt_mm.rl.config import RLConfig

@@ -22,4 +22,4 @@ JUDGE_SERVER_MAX_MODEL_LEN = 2048  # engines/server.py starts judge servers with
 
 class PlanError(ValueError):
     """An input the plan cannot work with: an unknown model, a layout the model does not split
-    into. `yatt-mm plan` prints it and exits 2."""
+    into, an impossible cluster figure or assumption. `yatt-mm plan` prints it and exits 2."""

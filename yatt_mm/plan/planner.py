@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from yatt_mm.plan.activations import CUDA, Kernels
 from yatt_mm.plan.architectures import load_spec
 from yatt_mm.plan.batch import MicroBatchShape, rl_micro_batch
-from yatt_mm.plan.cluster import Assumptions, Cluster
+from yatt_mm.plan.cluster import Assumptions, Cluster, check_inputs
 from yatt_mm.plan.constants import GIB, JUDGE_SERVER_MAX_MODEL_LEN, PlanError
 from yatt_mm.plan.engines import EngineMemory, engine_memory
 from yatt_mm.plan.phases import GpuPhase, Line, gpu_phases, host_lines
@@ -54,7 +54,9 @@ class Plan:
 
 
 def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernels: Kernels = CUDA) -> Plan:
-    """The memory plan of an RLConfig on `cluster`."""
+    """The memory plan of an RLConfig on `cluster`. PlanError on an impossible cluster figure or
+    assumption, on a model it cannot resolve, or on a layout the model does not split into."""
+    check_inputs(cluster, assume)
     cfg.check_world(cluster.world)
     spec = load_spec(cfg.policy.model)
     tp, pp = cfg.policy.trainer.tensor_parallel, cfg.policy.trainer.pipeline_parallel
