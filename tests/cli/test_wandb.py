@@ -4,8 +4,6 @@ when wandb is asked for but not installed."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,39 +12,17 @@ import pytest
 from yatt_mm.config import ConfigError, load
 from yatt_mm.metrics import WANDB_MISSING, MetricsWriter, Timeline, WandbConfig
 from yatt_mm.rl.config import RLConfig
+from wandb_offline import assert_holds_metrics_jsonl, offline_env, read_offline_run
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["policy.model=tiny:policy", "reward.judges=[]"]
 
 
-def offline_env(monkeypatch, tmp_path: Path) -> None:
-    """wandb offline and quiet, with everything it keeps (settings, caches) under tmp_path."""
-    for var, sub in (("WANDB_DIR", "wandb-dir"), ("WANDB_CONFIG_DIR", "wandb-config"),
-                     ("WANDB_CACHE_DIR", "wandb-cache"), ("WANDB_DATA_DIR", "wandb-data")):
-        (tmp_path / sub).mkdir(exist_ok=True)
-        monkeypatch.setenv(var, str(tmp_path / sub))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-
-def read_offline_run(run_folder: Path) -> tuple[list[dict], dict]:
-    """(history rows, the run's summary: config, summary, state) of an offline run folder, read
-    with wandb's own reader of the .wandb transaction log."""
-    def inspect(*flags):
-        out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", *flags, str(run_folder)],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout
-
-    rows = [json.loads(ln) for ln in inspect().splitlines() if ln.strip()]
-    history = [r["history"]["item"] for r in rows if r.get("type") == "history"]
-    return history, json.loads(inspect("--summary"))
-
-
 def test_an_offline_wandb_run_holds_every_step_the_config_and_the_plots(tmp_path, monkeypatch):
     from yatt_mm.plot import plot_run
 
-    offline_env(monkeypatch, tmp_path)
+    for var, value in offline_env(tmp_path).items():
+        monkeypatch.setenv(var, value)
     run_dir = tmp_path / "run"
     cfg = RLConfig()
     cfg.run.steps = 2
@@ -61,14 +37,9 @@ def test_an_offline_wandb_run_holds_every_step_the_config_and_the_plots(tmp_path
     m.close()
 
     (folder,) = (run_dir / "wandb").glob("offline-run-*")  # dir defaults to the run directory
-    jsonl = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    history, run = read_offline_run(folder)
-    by_step = {}
-    for row in history:
-        by_step.setdefault(row["_step"], {}).update(row)
-    for record in jsonl:  # every step, under the keys of metrics.jsonl
-        keys = set(record) - {"step", "time"}
-        assert {k: by_step[record["step"]][k] for k in keys} == {k: record[k] for k in keys}
+    by_step, run = read_offline_run(folder)
+    assert_holds_metrics_jsonl(by_step, run_dir)
+    assert sorted(by_step) == [0, 1, 2]
     assert run["state"] == "finished" and run["project"] == "yatt-test" and run["name"] == "run"
     assert run["tags"] == ["unit"]
     assert run["config"]["run"]["steps"] == 2 and run["config"]["metrics"]["wandb"]["mode"] == "offline"
