@@ -24,6 +24,23 @@ def small_ds(tmp_path_factory):
     return str(root)
 
 
+@pytest.fixture(autouse=True)
+def _close_readers(monkeypatch):
+    """Every reader a test opens is closed after it, passed or failed: its worker threads and
+    processes do not outlive the test."""
+    opened = []
+
+    class ClosedAfterTest(DataReader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    monkeypatch.setitem(globals(), "DataReader", ClosedAfterTest)
+    yield
+    for r in opened:
+        r.close()  # idempotent: a test may have closed it already
+
+
 def cfg(ds, **kw):
     base = dict(shards=[ds], seed=7, slice_size=3, shuffle_buffer=4, workers=2, video_isolation="none")
     base.update(kw)

@@ -60,13 +60,18 @@ def run_until_shards(cmd: list[str], out: str, shards: int, sig: int) -> subproc
     finally:
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while proc.poll() is None and journal_shards(out) < shards:
-        time.sleep(0.005)
-    if proc.poll() is not None:
-        out_, err = proc.communicate()
-        pytest.fail(f"prep finished before it could be interrupted (make the corpus bigger): {err.decode()[-500:]}")
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        while proc.poll() is None and journal_shards(out) < shards:
+            time.sleep(0.005)
+        if proc.poll() is not None:
+            out_, err = proc.communicate(timeout=60)
+            pytest.fail(f"prep finished before it could be interrupted (make the corpus bigger): {err.decode()[-500:]}")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:  # a failed or timed-out test leaves no prep running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
     proc.stderr_tail = err.decode()[-2000:]
     return proc
 
@@ -83,7 +88,7 @@ def assert_visible_shards_complete(out: str) -> int:
 
 def test_resume_after_kill_9(many_videos, tmp_path):
     ref = str(tmp_path / "ref")
-    subprocess.run(cli(many_videos, "--out", ref, *ARGS), check=True, capture_output=True)
+    subprocess.run(cli(many_videos, "--out", ref, *ARGS), check=True, capture_output=True, timeout=300)
     ref_shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ref, "*.tar")))
     assert len(ref_shards) == 54  # 40 videos x 4 clips, 3 per shard
 
@@ -94,7 +99,7 @@ def test_resume_after_kill_9(many_videos, tmp_path):
     assert 2 <= done_before < len(ref_shards)
     assert not os.path.exists(os.path.join(out, "index.parquet"))  # written when the run completes
 
-    r = subprocess.run(cli(many_videos, "--out", out, *ARGS), capture_output=True, text=True)
+    r = subprocess.run(cli(many_videos, "--out", out, *ARGS), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed" in r.stdout
     assert not glob.glob(os.path.join(out, "*.tmp"))
@@ -118,7 +123,7 @@ def test_ctrl_c_exits_cleanly_and_resumes(many_videos, tmp_path):
     assert proc.returncode == 130, (proc.returncode, journal_shards(out), proc.stderr_tail)
     assert not glob.glob(os.path.join(out, "*.tmp"))  # the shard in flight was removed
     assert assert_visible_shards_complete(out) >= 1
-    r = subprocess.run(cli(many_videos, "--out", out, *ARGS), capture_output=True, text=True)
+    r = subprocess.run(cli(many_videos, "--out", out, *ARGS), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     from dataio.index import open_dataset
 

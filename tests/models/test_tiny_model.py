@@ -48,7 +48,11 @@ def test_concurrent_first_builds_share_one_and_a_broken_cache_entry_is_rebuilt(t
     env = {**os.environ, "YATT_MM_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:  # none left building if one hangs
+        for p in procs:
+            p.kill()
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     (path,) = {out.strip().splitlines()[-1] for out, _ in outs}
     assert is_built(path, "judge", 0)

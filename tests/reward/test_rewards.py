@@ -68,14 +68,19 @@ def _items():
 
 
 def test_inprocess_judge_scores_image_and_video_items(rollout_engine):
-    judge = InProcessJudge(JudgeConfig(votes=2, max_tokens=8), engine=rollout_engine)
+    cfg = JudgeConfig(votes=2, max_tokens=8, fallback_score=0.25)
+    judge = InProcessJudge(cfg, engine=rollout_engine)
     scores = judge.score(_items())
     assert len(scores) == 2
     for s in scores:
-        assert len(s.texts) == 2  # k votes
-        assert (s.failure is None) == (s.parsed_votes > 0)
+        assert len(s.texts) == 2 and all(s.texts)  # k votes, each a generated answer
+        # each score is what its own votes parse to: their mean, or the fallback, counted by reason
+        parsed = [v for v in (parse_verdict(t, cfg.parse, cfg.score_range) for t in s.texts) if v is not None]
+        assert s.parsed_votes == len(parsed) and (s.failure is None) == bool(parsed)
+        assert s.score == (sum(parsed) / len(parsed) if parsed else 0.25)
     stats = judge.stats.as_metrics("genrm")
-    assert stats["genrm/scored"] + stats["genrm/fallback"] == 2
+    assert stats["genrm/scored"] == sum(s.failure is None for s in scores)
+    assert stats["genrm/fallback"] == sum(s.failure is not None for s in scores)
 
 
 def test_server_judge_killed_mid_step_falls_back_and_counts(tiny_policy, tmp_path):

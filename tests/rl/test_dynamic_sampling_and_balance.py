@@ -54,8 +54,12 @@ def test_exhausted_data_ends_the_step_without_error():
     sampler = DynamicSampler(DynamicSamplingConfig(max_waves=10))
     generate, made = source(0.5, limit=5)
     step = sampler.collect(8, generate)
-    assert step.exhausted and len(made) == 5
-    assert len(step.groups) <= 5
+    assert step.exhausted and len(made) == 5 and step.generated == 5
+    # every group the data had goes in: its valid ones first, then the rest masked as padding
+    valid = [g for g in made if max(g.rewards) > min(g.rewards)]
+    assert 0 < len(valid) < 5  # the seeded source gives both kinds
+    assert [g.id for g in step.groups] == [g.id for g in valid] + [g.id for g in made if g not in valid]
+    assert step.masked == [False] * len(valid) + [True] * (5 - len(valid)) and step.valid_generated == len(valid)
 
 
 def test_state_roundtrip():

@@ -105,8 +105,12 @@ def test_the_calibration_carries_waves_between_placements():
 def test_best_split_searches_only_with_a_calibration(full_run):
     trace = read_run(full_run)
     cal = CpuCalibration(rollout_speed={0.5: 1.0, 1.0: 1.0, 1.5: 0.5}, judge_cost={0.5: 1.0, 1.0: 1.0, 1.5: 1.0})
-    # generation loses nothing until the judges take 1.5 cores: the least judge share that keeps it
-    assert best_split(trace, cal).judge_units in (0.5, 1.0)
+    # generation loses nothing until the judges take 1.5 cores: the split chosen keeps it, and no
+    # other split replays faster (1.5 cores of judges halves generation's speed: strictly slower)
+    best = best_split(trace, cal)
+    seconds = {j: sum(predict(trace, "partial", cal, j).rollout_reward_seconds) for j in (0.5, 1.0, 1.5)}
+    assert best.judge_units in (0.5, 1.0) and sum(best.rollout_reward_seconds) == min(seconds.values())
+    assert seconds[1.5] > min(seconds[0.5], seconds[1.0])
     assert best_split(trace, None).judge_units == trace.units / 2
 
 

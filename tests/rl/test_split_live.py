@@ -26,7 +26,7 @@ from yatt_mm.rl.split import SplitConfig, cpu_cores
 from yatt_mm.rl.split_runner import SplitRunner
 
 pytestmark = [pytest.mark.slow,  # a judge server start (20-60 s) and a few steps
-              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")]
+              pytest.mark.usefixtures("two_cores")]
 
 
 # vLLM's shutdown of an in-process engine takes the process's vLLM groups down with it, which
