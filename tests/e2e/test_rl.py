@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dataio.synth import write_shards
+from wandb_offline import assert_holds_metrics_jsonl, offline_env, read_offline_run
 
 ROOT = Path(__file__).resolve().parents[2]
 # The demo config's judge is a warm start trained on the run's data (minutes); the tests use the
@@ -44,15 +45,18 @@ def _tiny_rl(run_dir, train_dir, *settings: str, policy="tiny:policy", audit=Fal
 @pytest.fixture(scope="module")
 def rl_run(tmp_path_factory, warm_policy):
     """3 steps from the warm start with everything on: the untrained judge beside the rule, a KL
-    penalty to the reference, 4 PPO mini-batches per step, eval after every step."""
+    penalty to the reference, 4 PPO mini-batches per step, eval after every step, and an offline
+    Weights & Biases run (in the run dir)."""
     base = tmp_path_factory.mktemp("rl")
     write_shards(str(base / "train"), images=16, videos=0, samples_per_shard=7, seed=3, tasks=["colour"])
     write_shards(str(base / "eval"), images=4, videos=0, samples_per_shard=4, seed=4, tasks=["colour"])
     run_dir = base / "run"
     cmd = _tiny_rl(run_dir, base / "train", "run.steps=3", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
                    "eval.num_prompts=2", "eval.max_tokens=4", "rollout.prompts_per_step=4", "algorithm.kl_coef=0.05",
-                   "algorithm.mini_batches=4", UNTRAINED_JUDGE, policy=warm_policy, audit=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+                   "algorithm.mini_batches=4", UNTRAINED_JUDGE, "metrics.wandb.project=yatt-e2e",
+                   "metrics.wandb.mode=offline", policy=warm_policy, audit=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, **offline_env(base)})
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     return run_dir, proc.stdout
 
@@ -150,6 +154,17 @@ def test_plot_writes_reward_curve_and_timeline(rl_run):
     written = plot_run(run_dir)
     assert {p.name for p in written} == {"reward_curve.png", "phase_timeline.png"}
     assert all(p.stat().st_size > 5000 for p in written)
+
+
+def test_the_offline_wandb_run_holds_every_step_the_config_and_the_plots(rl_run):
+    run_dir, _ = rl_run
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    by_step, run = read_offline_run(folder)
+    assert_holds_metrics_jsonl(by_step, run_dir)  # eval before step 1, then steps 1-3
+    assert run["state"] == "finished" and run["project"] == "yatt-e2e" and run["name"] == "run"
+    assert run["config"]["run"]["steps"] == 3 and run["config"]["algorithm"]["kl_coef"] == 0.05
+    for name in ("reward_curve", "phase_timeline"):
+        assert (folder / "files" / run["summary"][f"plots/{name}"]["path"]).is_file()
 
 
 def test_mistyped_key_fails_at_start_naming_the_nearest_key():
