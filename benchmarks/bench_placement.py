@@ -15,13 +15,15 @@ batches at most 8 sequences, as a GPU's batch limit would with long sequences.
   sent to it the moment it finishes, the cores split between the two sides by the dynamic split
   (starting at one core each; `placement/*` metrics, yatt_mm/rl/split.py).
 
-First this machine's CPU profile is measured for the same workload (configs/profiles/cpu_2core.yaml,
-`python -m yatt_mm.simulate.calibrate`, outside the RL loop). Runs alternate (full at 1 rollout
+First this machine's CPU profile is measured for the same workload (`python -m
+yatt_mm.simulate.calibrate`, outside the RL loop, into runs/bench-placement.cpu_profile.yaml; the
+committed configs/profiles/cpu_2core.yaml changes only when someone copies a measurement over it). Runs alternate (full at 1 rollout
 thread, full at 2, partial, ...); the first step of each run is left out (start-up). At the end `yatt-mm simulate`'s
 model predicts each placement from the other's timelines (benchmarks/validate_simulator.py).
 Overlap: the share of judging time that ran while the engine was still generating, from the
 request timeline (`placement/judge_overlap`). The runs are kept under runs/bench-placement for
-`yatt-mm simulate` and benchmarks/validate_simulator.py.
+`yatt-mm simulate` and benchmarks/validate_simulator.py, whose figure goes to
+runs/bench-placement/simulator_validation.png. Tracked files are left as they were.
 
 Last line: JSON with rollout_reward_seconds_full, rollout_reward_seconds_partial, ratio
 (partial / full, medians over steps) and overlap.
@@ -52,7 +54,10 @@ KEEP = ROOT / "runs" / "bench-placement"  # the runs' timelines, for `yatt-mm si
 # simulator's validation. The split decides with speeds proportional to cores (the default): a
 # calibration measured under other tenants' load once sent it to 1.5 judge cores, where the
 # rollout, on half a core, then ran at 0.68 of its speed instead of the 0.83 measured
-PROFILE = ROOT / "configs" / "profiles" / "cpu_2core.yaml"
+# Measured into the output folder, never over the committed configs/profiles/cpu_2core.yaml: a
+# benchmark leaves tracked files alone. Adopting a new measurement is an explicit copy (see
+# docs/benchmarks.md).
+PROFILE = ROOT / "runs" / "bench-placement.cpu_profile.yaml"
 
 
 def models() -> tuple[str, str]:
@@ -69,6 +74,7 @@ def models() -> tuple[str, str]:
 def calibrate(policy: str, judge: str) -> None:
     """This machine's CPU profile for the same workload, measured first, outside the RL loop:
     the split's decisions and the simulator's validation below use it."""
+    PROFILE.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "yatt_mm.simulate.calibrate", str(PROFILE), "--policy", policy, "--judge",
                     judge, "--max-tokens", "96", "--max-num-seqs", "8", "--prompts", "8", "--n", "8", "--votes", "2",
                     "--rounds", "5"], check=True, cwd=ROOT)

@@ -6,7 +6,8 @@ from the partial runs' timelines, partial colocation (at the splits those runs u
 full runs' timelines. The first step of each run is left out, as bench_placement does.
 
 Run after benchmarks/bench_placement.py (which keeps its runs under runs/bench-placement).
-Writes benchmarks/results/simulator_validation.png. Last line: JSON with the measured and
+Writes runs/bench-placement/simulator_validation.png (the committed figure in benchmarks/results/
+changes only when someone copies a new one over it). Last line: JSON with the measured and
 predicted medians and the errors.
 """
 
@@ -25,7 +26,7 @@ from yatt_mm.simulate.profile import load_profile  # noqa: E402
 from yatt_mm.simulate.trace import read_run  # noqa: E402
 
 RUNS = ROOT / "runs" / "bench-placement"
-FIGURE = ROOT / "benchmarks" / "results" / "simulator_validation.png"
+FIGURE = RUNS / "simulator_validation.png"  # beside the runs; benchmarks/results/ holds the committed one
 
 
 def uncontended(step, units: int) -> bool:
