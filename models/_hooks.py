@@ -47,9 +47,10 @@ class _PatchAfterLoad(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
         from models import runtime
 
+        runtime.quiet_expected_warnings()  # before: megatron warns while it imports
+        self._loader.exec_module(module)
         if not runtime.has_gpu():
             runtime.patch_megatron_for_cpu()
 

