@@ -26,7 +26,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from yatt_mm.demo import run_demo
 
-    return run_demo(run_dir=args.run_dir, nproc=args.nproc, overrides=args.overrides)
+    return run_demo(run_dir=args.run_dir, nproc=args.nproc, overrides=args.overrides, verbose=args.verbose)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the tiny CPU demo: data, warm starts, then RL with configs/tiny_demo.yaml")
     p.add_argument("--run-dir", default=None, help="where to write outputs (default: runs/tiny-demo-TIME)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (DP groups on CPU)")
+    p.add_argument("--verbose", action="store_true", help="the libraries' log lines (vLLM, Megatron, torch, "
+                   "transformers) on the terminal too, not only in RUN_DIR/logs/")
     p.add_argument("overrides", nargs="*", help="key=value settings for the RL config, e.g. run.steps=10")
     p.set_defaults(func=_demo)
 

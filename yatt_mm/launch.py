@@ -7,6 +7,9 @@ and the core never imports the demo: `tiny:KIND` is the offline tiny model (`mod
 `warmstart:KIND` the tiny model after its cached SFT on the run's first data directory
 (`yatt_mm/demo/warmstart.py`). The resolved config goes to RUN_DIR/config.yaml, which is what
 the ranks load.
+
+Each rank sends its libraries' log lines to RUN_DIR/logs/rankR.log (`route_logs`): the terminal
+shows the command's own progress; `--verbose` shows the libraries' lines there too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,79 @@ from yatt_mm.config import ConfigError, describe, load, save
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+VERBOSE_ENV = "YATT_MM_VERBOSE"  # --verbose sets it; the ranks (torchrun's children) inherit it
+OWN_PACKAGES = {"yatt_mm", "models", "dataio", "__main__"}
+
+
+def route_logs(run_dir: str | Path, rank: int) -> Path:
+    """Where this process's log lines go; a rank calls it first, before vLLM is imported.
+
+    The libraries' records (vLLM, Megatron, torch, transformers, at INFO and up) and Python
+    warnings go to RUN_DIR/logs/rank{rank}.log. The terminal (stderr) gets this project's warnings
+    and the libraries' errors, each distinct message once; with --verbose (YATT_MM_VERBOSE=1), every
+    line the file gets. The commands print their progress themselves (stdout), which this leaves
+    alone. Returns the log file."""
+    import logging
+
+    path = Path(run_dir) / "logs" / f"rank{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    verbose = os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "yatt_mm", False)]:  # a second call replaces the first
+        root.removeHandler(old)
+        old.close()
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_terminal = logging.StreamHandler(sys.stderr)
+    to_terminal.setLevel(logging.INFO if verbose else logging.WARNING)
+    to_terminal.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    if not verbose:
+        to_terminal.addFilter(_OwnWarningsAndLibraryErrorsOnce())
+    for handler in (to_file, to_terminal):
+        handler.yatt_mm = True
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger (each still once per call site)
+    # vLLM and transformers give their loggers a stream handler of their own and stop propagation;
+    # both let them propagate to the handlers above instead. vLLM reads this when it is imported
+    # and at every engine start (a user's own VLLM_CONFIGURE_LOGGING=1 keeps vLLM's handler).
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if os.environ["VLLM_CONFIGURE_LOGGING"] == "0":
+        vllm_logger = logging.getLogger("vllm")
+        for handler in list(vllm_logger.handlers):  # vLLM imported already: undo what it set up
+            vllm_logger.removeHandler(handler)
+        vllm_logger.propagate = True
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        pass
+    else:
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
+    if rank == 0:
+        print(f"library logs (vLLM, Megatron, torch, transformers): {path.parent}/rank*.log"
+              + ("" if verbose else " (--verbose: here too)"), flush=True)
+    return path
+
+
+class _OwnWarningsAndLibraryErrorsOnce:
+    """The terminal's filter: this project's records, and the libraries' errors; each once."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple] = set()
+
+    def filter(self, record) -> bool:
+        import logging
+
+        if record.levelno < logging.ERROR and record.name.split(".")[0] not in OWN_PACKAGES:
+            return False
+        key = (record.name, record.levelno, str(record.msg))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
 
 
 @dataclass
@@ -51,7 +127,10 @@ def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = Non
         raise SystemExit(f"--nproc must be >= 1, got {nproc}")
     cmd = [sys.executable, "-m", "torch.distributed.run", *(nodes or Nodes()).torchrun_args(),
            "--nproc-per-node", str(nproc), "-m", module, *args]
-    return subprocess.call(cmd, preexec_fn=_stop_with_parent)
+    env = dict(os.environ)
+    if nproc > 1:  # what torchrun sets itself when it is unset, less the 4-line banner it prints about it
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(cmd, preexec_fn=_stop_with_parent, env=env)
 
 
 def _stop_with_parent() -> None:
@@ -124,8 +203,12 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
     parser.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
     parser.add_argument("--help-config", action="store_true", help="list every setting with its default and doc")
+    parser.add_argument("--verbose", action="store_true", help="the libraries' log lines (vLLM, Megatron, torch, "
+                        "transformers) on the terminal too, not only in RUN_DIR/logs/")
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. run.steps=5")
     args = parser.parse_intermixed_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # for route_logs, here and in the ranks and warm starts this starts
     if args.help_config:
         print("\n".join(describe(config_cls)))
         return 0

@@ -105,6 +105,8 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     in_job = dist.is_initialized() and "RANK" in os.environ  # torchrun's ranks (a lone process: no RANK)
     kwargs["distributed_executor_backend"] = "external_launcher" if in_job else "uni"
     kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+    # vLLM's progress bar of the weight loading, two lines per engine start: with --verbose only
+    kwargs["use_tqdm_on_load"] = os.environ.get("YATT_MM_VERBOSE", "") not in ("", "0")
     if cfg.tensor_parallel_size > 1 and not in_job:
         raise ValueError("tensor_parallel_size > 1 needs the engine inside a job's ranks (torchrun)")
     if runtime.has_gpu():

@@ -65,6 +65,8 @@ class JudgeServer:
 
     def start(self) -> "JudgeServer":
         env = dict(os.environ)
+        # its own log file: vLLM's own handler writes it (a rank's route_logs turns it off for the rank)
+        env["VLLM_CONFIGURE_LOGGING"] = "1"
         if not runtime.has_gpu():
             for key, value in runtime.VLLM_CPU_ENV.items():
                 env.setdefault(key, value)

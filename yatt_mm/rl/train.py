@@ -7,6 +7,7 @@ and builds training samples. Then all ranks balance, train, and sync weights (rl
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 
@@ -20,7 +21,7 @@ from models.comm import comm, init_parallel
 from models.trainer import ReferencePolicy, VLMTrainer
 from yatt_mm.config import save
 from yatt_mm.engines.engine import RolloutEngine
-from yatt_mm.launch import run_command
+from yatt_mm.launch import route_logs, run_command
 from yatt_mm.metrics import MetricsWriter, Timeline
 from yatt_mm.plot import plot_run
 from yatt_mm.reward.judges import build_judges
@@ -125,6 +126,7 @@ def attempt_id() -> str:
 
 
 def train(cfg: RLConfig) -> int:
+    route_logs(cfg.fix_run_dir(), int(os.environ.get("RANK", 0)))
     run = Run(cfg)
     if run.ranks.rank == 0:
         print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP {run.ranks.tp_size} x PP "

@@ -14,6 +14,7 @@ transformers and vLLM load.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -27,7 +28,7 @@ from dataio.reader import DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
 from models.comm import init_parallel
 from models.trainer import VLMTrainer
-from yatt_mm.launch import run_command
+from yatt_mm.launch import route_logs, run_command
 from yatt_mm.metrics import MetricsWriter
 from yatt_mm.sft.collate import Collator
 from yatt_mm.sft.config import SFTConfig
@@ -174,6 +175,7 @@ def finish(run: SFTRun, summary: dict) -> dict:
 
 
 def _run_and_report(cfg: SFTConfig) -> int:
+    route_logs(cfg.fix_run_dir(), int(os.environ.get("RANK", 0)))
     summary = train(cfg)
     if dist.get_rank() == 0:
         print(json.dumps({k: summary[k] for k in ("first_loss", "last_loss", "eval_before", "eval_after",
