@@ -45,3 +45,40 @@ def test_doctor_live_megatron_check_passes():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT Megatron-Core GPT forward/backward on CPU" in proc.stdout
+    # every command on CPU: Megatron's "Transformer Engine and Apex are not installed" (expected
+    # without CUDA) and its own cuda_graph_scope deprecation are silenced (models/runtime.py)
+    assert "not installed" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr[-3000:]
+
+
+_ROUTED = """
+import logging, sys, warnings
+from yatt_mm.launch import route_logs
+route_logs(sys.argv[1], 0)
+for _ in range(2):
+    logging.getLogger("vllm.worker").warning("a library warning")
+    logging.getLogger("megatron.core").error("a library error")
+logging.getLogger("yatt_mm.rl").warning("our own warning")
+warnings.warn("a python warning")
+print("our progress")
+"""
+
+
+def test_library_logs_go_to_the_run_dir_and_verbose_brings_them_back(tmp_path):
+    """A rank's libraries log to RUN_DIR/logs/rank0.log; the terminal keeps our own lines and the
+    libraries' errors, each once; --verbose (YATT_MM_VERBOSE=1) shows every line there too."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "YATT_MM_VERBOSE"}
+    quiet = subprocess.run([sys.executable, "-c", _ROUTED, str(tmp_path / "q")], capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert "our progress" in quiet.stdout and f"{tmp_path / 'q' / 'logs'}/rank*.log" in quiet.stdout
+    assert quiet.stderr.count("a library error") == 1 and quiet.stderr.count("our own warning") == 1
+    assert "a library warning" not in quiet.stderr and "a python warning" not in quiet.stderr
+    log = (tmp_path / "q" / "logs" / "rank0.log").read_text()
+    assert log.count("WARNING vllm.worker: a library warning") == 2 and log.count("a library error") == 2
+    assert "py.warnings" in log and "a python warning" in log
+    loud = subprocess.run([sys.executable, "-c", _ROUTED, str(tmp_path / "v")], capture_output=True, text=True,
+                          timeout=120, env={**env, "YATT_MM_VERBOSE": "1"})
+    assert loud.returncode == 0, loud.stderr[-2000:]
+    assert loud.stderr.count("a library warning") == 2 and "a python warning" in loud.stderr
