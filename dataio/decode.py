@@ -49,6 +49,12 @@ class MediaConfig:
     video_threads: int = 1  # decord decoding threads per video
     frames_fps: float = 1.0  # frame rate assumed for KEY.000.jpg ... sequences without metadata
 
+    # allowed values, checked when yatt-mm loads a config (yatt_mm/config.py)
+    RANGES = {"factor": ">= 1", "image_min_pixels": ">= 1", "image_max_pixels": ">= 1", "video_min_pixels": ">= 1",
+              "video_max_pixels": ">= 1", "video_frames": ">= 1", "video_fps": "> 0", "video_max_frames": ">= 1",
+              "video_start_s": ">= 0", "video_end_s": "> 0", "video_max_reported_frames": ">= 1", "video_threads": ">= 0",
+              "frames_fps": "> 0"}
+
     def validate(self) -> None:
         if self.factor < 1:
             raise ValueError(f"factor must be >= 1, got {self.factor}")

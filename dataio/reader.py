@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import numpy as np
 
@@ -47,16 +47,21 @@ class DataConfig:
     slice_size: int = 64  # consecutive samples kept together when shuffling the global order
     shuffle_buffer: int = 256  # per-rank shuffle buffer (sample indices, not decoded samples)
     workers: int = 2  # parallel decoders; 0 decodes in the calling thread
-    worker_kind: str = "thread"  # thread: `ordered_thread_map`; process: torchdata ParallelMapper
+    worker_kind: Literal["thread", "process"] = "thread"  # thread: `ordered_thread_map`; process: torchdata ParallelMapper
     # Samples decoded ahead of the consumer: at most 2 * workers + prefetch in flight (threads);
     # for process workers prefetch > 0 adds a torchdata Prefetcher stage.
     prefetch: int = 0
     media: MediaConfig = field(default_factory=MediaConfig)  # image/video decoding and Qwen2-VL resizing
-    video_isolation: str = "process"  # process: decord runs in killable children; none: in the worker
+    video_isolation: Literal["process", "none"] = "process"  # process: decord runs in killable children; none: in the worker
     decode_timeout_s: float = 60.0  # per video, when video_isolation == "process"
     video_decoder: str = VIDEO_DECODER  # module:function run in the video children
     quarantine_log: str | None = None  # JSONL file: one line per skipped sample
     max_open_shards: int = 16  # shard files kept open per decoder (least recently used closed); >= 1
+
+    # allowed values, checked when yatt-mm loads a config (yatt_mm/config.py); validate() checks
+    # them again for a DataReader built without that loader
+    RANGES = {"seed": ">= 0", "slice_size": ">= 1", "shuffle_buffer": ">= 1", "workers": ">= 0", "prefetch": ">= 0",
+              "decode_timeout_s": "> 0", "max_open_shards": ">= 1"}
 
     def validate(self) -> None:
         if self.worker_kind not in ("thread", "process"):

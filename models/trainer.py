@@ -46,6 +46,10 @@ class TrainerConfig:
     # Megatron's DistributedOptimizer (ZeRO-1): Adam state and fp32 master weights sharded over DP
     distributed_optimizer: bool = True
 
+    # allowed values, checked when a config is loaded (yatt_mm/config.py)
+    RANGES = {"tensor_parallel": ">= 1", "pipeline_parallel": ">= 1", "lr": "> 0", "min_lr": ">= 0",
+              "weight_decay": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "clip_grad": ">= 0", "seed": ">= 0"}
+
     @property
     def model_parallel(self) -> int:
         """Ranks one model replica spans: tensor x pipeline parallel."""
@@ -62,11 +66,6 @@ class TrainerConfig:
         from models.qwen2vl.config import check_layout
 
         check_layout(Qwen2VLSpec.from_hf_dir(hf_dir), self.tensor_parallel, self.pipeline_parallel, f"{prefix}.")
-
-    def validate(self) -> None:
-        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
-            raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {self.tensor_parallel} and "
-                             f"{self.pipeline_parallel}")
 
     @property
     def offloads(self) -> bool:

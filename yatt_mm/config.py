@@ -5,7 +5,15 @@ A config is a tree of dataclasses, each sitting with the code it configures. `lo
 dataclasses (an unknown or mistyped key fails at once with its dotted path and the nearest valid
 name), then calls every node's `validate()`, leaves first, so a bad value is reported with the
 setting's full name. A field's documentation is the comment at the end of its line, which
-`describe()` prints (`yatt-mm rl --help-config`).
+`describe()` prints (`yatt-mm rl --help-config`; `markdown()` for `--help-config --markdown`).
+
+A section's numeric settings have their allowed range in the class attribute `RANGES`, beside
+the fields: `RANGES = {"n": ">= 1", "top_p": "(0, 1]", "fallback_score": "any"}` (a bound: >=, >,
+<=, < a number; an interval: [a, b], (a, b), [a, b), (a, b]; any: every finite number). It is
+plain data, so models/ and dataio/ declare theirs without importing yatt_mm; `validate()` checks
+every section's ranges before its own `validate()` (None passes, lists and mappings are checked
+item by item) and names the setting in full: "rollout.sampling.n must be >= 1, got 0".
+`unranged()` lists the numeric settings without a range (the tests keep it empty).
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ import difflib
 import functools
 import inspect
 import io
+import json
+import math
 import os
+import re
 import tokenize
 import types
 import typing
@@ -128,8 +139,6 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 def save(cfg: Any, path: str | Path) -> Path:
     """Write a config tree as YAML that `load` reads back to an equal tree."""
-    import json
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plain = json.loads(json.dumps(to_dict(cfg), default=str))  # tuples -> lists, paths -> str
@@ -165,6 +174,7 @@ def validate(cfg: Any, path: str = "") -> None:
         where = f"{path}.{f.name}" if path else f.name
         for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
             validate(item, where if i is None else f"{where}[{i}]")
+    check_ranges(cfg, path)
     check = getattr(cfg, "validate", None)
     if check is not None:
         try:
@@ -173,6 +183,50 @@ def validate(cfg: Any, path: str = "") -> None:
             raise
         except ValueError as e:
             raise ConfigError(f"{path}: {e}" if path else str(e)) from e
+
+
+_BOUND = re.compile(r"(>=|>|<=|<)\s*(\S+)")
+_INTERVAL = re.compile(r"([\[(])\s*([^,\s]+)\s*,\s*([^\])\s]+)\s*([\])])")
+
+
+def in_range(value: float, spec: str) -> bool:
+    """Whether `value` is a finite number inside `spec` (see RANGES in the module doc)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    if spec == "any":
+        return True
+    if m := _BOUND.fullmatch(spec.strip()):
+        op, bound = m.group(1), float(m.group(2))
+        return {">=": value >= bound, ">": value > bound, "<=": value <= bound, "<": value < bound}[op]
+    if m := _INTERVAL.fullmatch(spec.strip()):
+        left, lo, hi, right = m.group(1), float(m.group(2)), float(m.group(3)), m.group(4)
+        return (value >= lo if left == "[" else value > lo) and (value <= hi if right == "]" else value < hi)
+    raise ValueError(f"range {spec!r}: write >= 1, > 0, [0, 1), (0, 1] ... or any")
+
+
+def range_text(spec: str) -> str:
+    """'>= 1', 'in (0, 1]', 'a finite number': what a setting must be."""
+    return "a finite number" if spec == "any" else f"in {spec}" if spec.strip()[0] in "[(" else spec
+
+
+def check_ranges(cfg: Any, path: str = "") -> None:
+    """The section's settings against its RANGES; the error names the setting in full."""
+    for name, spec in getattr(type(cfg), "RANGES", {}).items():
+        value = getattr(cfg, name)
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        if any(v is not None and not in_range(v, spec) for v in items):
+            raise ConfigError(f"{path + '.' if path else ''}{name} must be {range_text(spec)}, got {value!r}")
+
+
+def _numeric(tp: Any) -> bool:
+    """int or float, optional or as the items of a list, tuple or mapping."""
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if origin is dict:
+        args = args[1:]
+    elif origin not in (typing.Union, types.UnionType, list, tuple):
+        return tp in (int, float)
+    return any(_numeric(a) for a in args)
 
 
 @functools.cache
@@ -205,34 +259,101 @@ def field_docs(cls: type) -> dict[str, str]:
     return {n: trailing.get(n) or above.get(n, "") for n in names if trailing.get(n) or above.get(n)}
 
 
-def _settings(cls: type, prefix: str = ""):
-    """(dotted key, field, its type, its doc, the section's class or None), depth first."""
+@dataclasses.dataclass
+class Setting:
+    key: str  # dotted, with [] for the items of a list of sections: reward.judges[].weight
+    type: Any
+    doc: str
+    default: Any  # of the root's default tree (SFT's trainer.lr is 1e-3, not TrainerConfig's)
+    range: str | None  # from the section's RANGES
+    section: type | None  # the section's class, when this is a section (or a list of them)
+
+
+def _settings(cls: type, prefix: str = "", defaults: Any = None):
+    """Every setting and section of the tree, depth first."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    ranges = getattr(cls, "RANGES", {})
+    if defaults is None:
+        try:
+            defaults = cls()
+        except TypeError:  # a required field: the fields' own defaults
+            pass
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
         section = tp if dataclasses.is_dataclass(tp) else item if dataclasses.is_dataclass(item) else None
         key = f"{prefix}{f.name}"
-        yield key, f, tp, docs.get(f.name, ""), section
+        default = getattr(defaults, f.name) if defaults is not None else f.default if (
+            f.default is not dataclasses.MISSING) else f.default_factory() if (
+            f.default_factory is not dataclasses.MISSING) else None
+        yield Setting(key, tp, docs.get(f.name, ""), default, ranges.get(f.name), section)
         if section is not None:
-            yield from _settings(section, key + ("[]." if section is item else "."))
+            yield from _settings(section, key + ("[]." if section is item else "."),
+                                 default if section is tp else None)
 
 
 def describe(cls: type) -> list[str]:
     """One line per setting of the tree: dotted key, type, default, and its doc."""
     lines = []
-    for key, f, tp, doc, section in _settings(cls):
-        if section is not None:
-            lines.append(f"{key}:{' list of' if section is not tp else ''}  {doc}".rstrip())
+    for s in _settings(cls):
+        if s.section is not None:
+            lines.append(f"{s.key}:{' list of' if s.section is not s.type else ''}  {s.doc}".rstrip())
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        name = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-        lines.append(f"{key} ({name}, default {default!r}): {doc}")
+        name = getattr(s.type, "__name__", None) or str(s.type).replace("typing.", "")
+        lines.append(f"{s.key} ({name}, default {s.default!r}): {s.doc}")
     return lines
+
+
+def type_name(tp: Any) -> str:
+    """int, str | None, list[str], dict[str, int]; a Literal is the type of its choices."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return " | ".join(dict.fromkeys(type(a).__name__ for a in args))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else type_name(a) for a in args)}]"
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def markdown(cls: type, title: str) -> str:
+    """A Markdown section: `## title`, then a table of every setting of the tree (dotted name,
+    type, default as YAML/JSON, allowed values, doc), from the same sources as `describe()`."""
+
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    rows = ["| Setting | Type | Default | Allowed | Description |", "|---|---|---|---|---|"]
+    for s in _settings(cls):
+        if s.section is not None:
+            kind = "list of sections" if s.section is not s.type else "section"
+            rows.append(f"| **`{s.key}`** | {kind} | | | {cell(s.doc)} |")
+            continue
+        choices = typing.get_args(s.type) if typing.get_origin(s.type) is typing.Literal else ()
+        allowed = ", ".join(f"`{c}`" for c in choices) if choices else range_text(s.range) if s.range else ""
+        rows.append(f"| `{s.key}` | {cell(type_name(s.type))} | `{cell(json.dumps(s.default))}` | {cell(allowed)} | "
+                    f"{cell(s.doc)} |")
+    return f"## {title}\n\n" + "\n".join(rows)
 
 
 def undocumented(cls: type) -> list[str]:
     """Dotted keys of the tree with no doc comment (the tests keep this empty)."""
-    return [key for key, _, _, doc, _ in _settings(cls) if not doc]
+    return [s.key for s in _settings(cls) if not s.doc]
+
+
+def unranged(cls: type) -> list[str]:
+    """Dotted keys of the tree's numeric settings without a range, and RANGES entries that name
+    no setting or do not parse (the tests keep this empty)."""
+    bad = [s.key for s in _settings(cls) if s.section is None and _numeric(s.type) and not s.range]
+    sections = [(cls, "")] + [(s.section, s.key + ".") for s in _settings(cls) if s.section is not None]
+    for section, prefix in sections:
+        names = {f.name for f in dataclasses.fields(section)}
+        for name, spec in getattr(section, "RANGES", {}).items():
+            try:
+                in_range(0, spec)
+            except ValueError as e:
+                bad.append(f"{prefix}{name}: {e}")
+            if name not in names:
+                bad.append(f"{prefix}{name} (in RANGES, not a setting)")
+    return bad

@@ -5,13 +5,14 @@ the shared entry point takes options and overrides in any order."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from yatt_mm.config import ConfigError, load, undocumented
+from yatt_mm.config import ConfigError, load, undocumented, unranged
 from yatt_mm.rl.config import RLConfig
 from yatt_mm.sft.config import SFTConfig
 
@@ -144,17 +145,91 @@ def test_help_config_lists_every_setting_with_its_doc():
     ("run.placement=partial", "served by vLLM servers"),
     ("dynamic_sampling.filter=no_such_filter", "unknown rollout filter 'no_such_filter'; registered: reward_spread"),
     ("reward.functions=[{name: exactmatch}]", "reward.functions\\[0\\]: unknown reward function 'exactmatch'"),
-    ("rollout.prompts_per_step=0", "rollout: prompts_per_step must be >= 1"),
+    ("rollout.prompts_per_step=0", "rollout.prompts_per_step must be >= 1, got 0"),
     ("reward.judges=[{judge: {backend: grpc}}]", "unknown judge backend 'grpc'"),
     # vLLM takes its GPU share at start, and a rank's engines start together: they must fit
     ("rollout.engine.gpu_memory_utilization=0.8", "shares on one GPU add up to 1.10 > 0.95 \\(rollout.engine 0.8, "
                                                   "judge genrm 0.3\\): lower a gpu_memory_utilization"),
     ("rollout.engine.tensor_parallel_size=2", "tensor_parallel_size=2: an engine spans 1 rank or the ranks of one DP"),
-    ("rollout.engine.gpu_memory_utilization=1.5", "rollout.engine: gpu_memory_utilization must be in \\(0, 1\\)"),
+    ("rollout.engine.gpu_memory_utilization=1.5", "rollout.engine.gpu_memory_utilization must be in \\(0, 1\\), got 1.5"),
 ])
 def test_bad_values_fail_at_load_naming_the_setting(override, message):
     with pytest.raises(ConfigError, match=message):
         load(RLConfig, ROOT / "configs/tiny_demo.yaml", [override])
+
+
+@pytest.mark.parametrize("root", [RLConfig, SFTConfig])
+def test_every_numeric_setting_has_a_range(root):
+    assert unranged(root) == []
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_config_file_loads(name):
+    load(SFTConfig if "sft" in name else RLConfig, ROOT / "configs" / name)
+
+
+RL, SFT = (RLConfig, "tiny_demo.yaml"), (SFTConfig, "tiny_sft.yaml")
+
+
+@pytest.mark.parametrize("root, override, error", [
+    (RL, "rollout.sampling.n=0", "rollout.sampling.n must be >= 1, got 0"),
+    (RL, "rollout.sampling.max_tokens=-1", "rollout.sampling.max_tokens must be >= 1, got -1"),
+    (RL, "rollout.sampling.temperature=-2", "rollout.sampling.temperature must be >= 0, got -2.0"),
+    (RL, "rollout.sampling.top_p=1.5", "rollout.sampling.top_p must be in (0, 1], got 1.5"),
+    (RL, "rollout.sampling.seed=-1", "rollout.sampling.seed must be >= 0, got -1"),
+    (RL, "rollout.engine.max_model_len=0", "rollout.engine.max_model_len must be >= 1, got 0"),
+    (RL, "rollout.engine.limit_mm_per_prompt={image: -1}", "rollout.engine.limit_mm_per_prompt must be >= 0, got {'image': -1}"),
+    (RL, "rollout.engine.max_num_seqs=0", "rollout.engine.max_num_seqs must be >= 1, got 0"),
+    (RL, "policy.trainer.lr=-1", "policy.trainer.lr must be > 0, got -1.0"),
+    (RL, "policy.trainer.adam_beta2=1", "policy.trainer.adam_beta2 must be in [0, 1), got 1.0"),
+    (RL, "policy.trainer.clip_grad=-1", "policy.trainer.clip_grad must be >= 0, got -1.0"),
+    (RL, "policy.trainer.pipeline_parallel=0", "policy.trainer.pipeline_parallel must be >= 1, got 0"),
+    (RL, "run.steps=0", "run.steps must be >= 1, got 0"),
+    (RL, "run.checkpoint_every=-1", "run.checkpoint_every must be >= 0, got -1"),
+    (RL, "run.patch_weight=-0.5", "run.patch_weight must be >= 0, got -0.5"),
+    (RL, "data.workers=-1", "data.workers must be >= 0, got -1"),
+    (RL, "data.shuffle_buffer=0", "data.shuffle_buffer must be >= 1, got 0"),
+    (RL, "data.media.video_fps=0", "data.media.video_fps must be > 0, got 0.0"),
+    (RL, "data.media.factor=0", "data.media.factor must be >= 1, got 0"),
+    (RL, "algorithm.clip_low=1.5", "algorithm.clip_low must be in [0, 1], got 1.5"),
+    (RL, "algorithm.kl_coef=-0.1", "algorithm.kl_coef must be >= 0, got -0.1"),
+    (RL, "algorithm.epochs=0", "algorithm.epochs must be >= 1, got 0"),
+    (RL, "dynamic_sampling.ema=0", "dynamic_sampling.ema must be in (0, 1], got 0.0"),
+    (RL, "dynamic_sampling.max_buffer=-1", "dynamic_sampling.max_buffer must be >= 0, got -1"),
+    (RL, "sync.bucket_mb=0", "sync.bucket_mb must be > 0, got 0.0"),
+    (RL, "eval.every=-1", "eval.every must be >= 0, got -1"),
+    (RL, "eval.max_tokens=0", "eval.max_tokens must be >= 1, got 0"),
+    (RL, "split.judge_share=1", "split.judge_share must be in (0, 1), got 1.0"),
+    (RL, "split.cores=-1", "split.cores must be >= 0, got -1"),
+    (RL, "reward.functions=[{weight: .nan}]", "reward.functions[0].weight must be a finite number, got nan"),
+    (RL, "reward.judges=[{judge: {votes: 0}}]", "reward.judges[0].judge.votes must be >= 1, got 0"),
+    (RL, "reward.judges=[{judge: {port: 70000}}]", "reward.judges[0].judge.port must be in [0, 65535], got 70000"),
+    (RL, "reward.judges=[{judge: {timeout_s: 0}}]", "reward.judges[0].judge.timeout_s must be > 0, got 0.0"),
+    (RL, "reward.judges=[{judge: {score_range: [1, 0]}}]", "reward.judges[0].judge: score_range must be [lo, hi] with lo < hi"),
+    (RL, "data.worker_kind=fork", "data.worker_kind: 'fork' is not one of 'thread', 'process'"),
+    (RL, "run.placement=half", "run.placement: 'half' is not one of 'full', 'partial'"),
+    (SFT, "steps=0", "steps must be >= 1, got 0"),
+    (SFT, "batch_size=0", "batch_size must be >= 1, got 0"),
+    (SFT, "warmup_steps=-1", "warmup_steps must be >= 0, got -1"),
+    (SFT, "trainer.lr=0", "trainer.lr must be > 0, got 0.0"),
+    (SFT, "eval.holdout_fraction=1", "eval.holdout_fraction must be in [0, 1), got 1.0"),
+    (SFT, "eval.stop_at=2", "eval.stop_at must be in [0, 1], got 2.0"),
+    (SFT, "data.prefetch=-1", "data.prefetch must be >= 0, got -1"),
+])
+def test_out_of_range_settings_fail_at_load_naming_the_setting(root, override, error):
+    cls, config = root
+    with pytest.raises(ConfigError) as e:
+        load(cls, ROOT / "configs" / config, [override])
+    assert str(e.value).startswith(error)
+
+
+def test_a_bad_setting_stops_the_launcher_before_anything_starts():
+    out = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
+                          "rollout.sampling.n=0"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "yatt-mm rl: config error: rollout.sampling.n must be >= 1, got 0"
+    # no warm start built, no torchrun, no rank: nothing on stdout, and no rank's lines on stderr
+    assert out.stdout == "" and not re.search(r"torchrun|torch\.distributed|\brank\b|warm", out.stderr, re.IGNORECASE)
 
 
 PLUGINS = '''

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from yatt_mm.config import validate
 from yatt_mm.rl import cpu_pinning
 from yatt_mm.rl.split import Split, SplitConfig, cpu_cores, decide, gpu_judge_devices, initial_split
 from yatt_mm.rl.stats import RolloutStats
@@ -70,8 +71,8 @@ def test_split_grids_cores_and_gpus():
     assert initial_split(8, 1.0, 0.3) == Split(8, 2.0, 1.0) and initial_split(8, 1.0, 0.99).judge == 7
     assert gpu_judge_devices(Split(8, 2.0, 1.0)) == "6,7"
     assert Split(2, 0.5, 0.5).moved(-1) is None and Split(2, 1.5, 0.5).moved(1) is None
-    with pytest.raises(ValueError, match="judge_share"):
-        SplitConfig(judge_share=1.0).validate()
+    with pytest.raises(ValueError, match="split.judge_share must be in \\(0, 1\\), got 1.0"):
+        validate(SplitConfig(judge_share=1.0), "split")  # the loader's check: the section's RANGES, then validate()
 
 
 def test_placement_metrics_carry_each_decision_and_its_reason():

@@ -30,6 +30,8 @@ class SamplingConfig:
     # ("CPU Generator does not use offset"). RL leaves it unset; tests set it to reproduce.
     seed: int | None = None
 
+    RANGES = {"n": ">= 1", "max_tokens": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "seed": ">= 0"}
+
 
 @dataclass
 class EngineConfig:
@@ -47,12 +49,8 @@ class EngineConfig:
     # GPUs, keep on CPU.
     release: Literal["auto", "sleep", "keep", "shutdown"] = "auto"
 
-    def validate(self) -> None:
-        if not 0 < self.gpu_memory_utilization < 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1:
-            raise ValueError(f"tensor_parallel_size and max_num_seqs must be >= 1, got {self.tensor_parallel_size} "
-                             f"and {self.max_num_seqs}")
+    RANGES = {"max_model_len": ">= 1", "tensor_parallel_size": ">= 1", "gpu_memory_utilization": "(0, 1)",
+              "limit_mm_per_prompt": ">= 0", "seed": ">= 0", "max_num_seqs": ">= 1"}
 
 
 @dataclass

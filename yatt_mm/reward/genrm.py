@@ -60,15 +60,13 @@ class JudgeConfig:
     server_per: Literal["node", "dp_group"] = "node"  # one server a node (its first controller starts it), or one per DP group
     gpu_memory_utilization: float = 0.3  # GPUs: the share of its GPU the judge's vLLM may take (server or in-process)
 
+    RANGES = {"score_range": "any", "votes": ">= 1", "temperature": ">= 0", "max_tokens": ">= 1",
+              "fallback_score": "any", "port": "[0, 65535]", "timeout_s": "> 0", "retries": ">= 0", "backoff_s": ">= 0",
+              "startup_timeout_s": "> 0", "stream_batch": ">= 1", "threads": ">= 0", "gpu_memory_utilization": "(0, 1)"}
+
     def validate(self) -> None:  # the backend's name is checked where the backends are (WeightedJudge)
-        if self.votes < 1:
-            raise ValueError(f"votes must be >= 1, got {self.votes}")
-        if not 0 < self.gpu_memory_utilization < 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
-        if self.stream_batch < 1:
-            raise ValueError(f"stream_batch must be >= 1, got {self.stream_batch}")
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0 (0: inherited), got {self.threads}")
+        if len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]:
+            raise ValueError(f"score_range must be [lo, hi] with lo < hi, got {list(self.score_range)}")
 
 
 @dataclass

@@ -35,6 +35,8 @@ class WeightedJudge:
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the judge's model, prompt, votes and backend
     weight: float = 1.0  # its share of the total reward
 
+    RANGES = {"weight": "any"}
+
     def validate(self) -> None:
         JUDGES.get(self.judge.backend)
 

@@ -25,6 +25,8 @@ class RewardFunction:
     name: str = "exact_match"  # a registered rule (yatt_mm/reward/rules.py) or module:function
     weight: float = 1.0  # its share of the total reward
 
+    RANGES = {"weight": "any"}
+
     def validate(self) -> None:
         get_rule(self.name)
 

@@ -31,11 +31,8 @@ class AlgorithmConfig:
     is_correction: bool = True  # reweight by trainer/rollout probability ratio (truncated)
     is_cap: float = 2.0  # upper clamp on the trainer/rollout IS weight
 
-    def validate(self) -> None:
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.mini_batches < 1 or self.epochs < 1:
-            raise ValueError(f"mini_batches and epochs must be >= 1, got {self.mini_batches} and {self.epochs}")
+    RANGES = {"clip_low": "[0, 1]", "clip_high": ">= 0", "kl_coef": ">= 0", "mini_batches": ">= 1", "epochs": ">= 1",
+              "is_cap": "> 0"}
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -37,12 +37,8 @@ class RunConfig:
     max_logprob_diff: float = 0.0  # stop when the trainer/vLLM logprob gap exceeds it (0: 1e-3 fp32, 0.1 bf16)
     check_sync: bool = True  # after each weight sync, score vLLM's greedy answer to a probe prompt with the trainer
 
-    def validate(self) -> None:
-        for name in ("steps", "micro_batch_tokens", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint_every < 0 or self.max_logprob_diff < 0:
-            raise ValueError("checkpoint_every and max_logprob_diff must be >= 0")
+    RANGES = {"steps": ">= 1", "seed": ">= 0", "micro_batch_tokens": ">= 1", "patch_weight": ">= 0",
+              "checkpoint_every": ">= 0", "keep_checkpoints": ">= 1", "max_logprob_diff": ">= 0"}
 
 
 @dataclass
@@ -57,9 +53,7 @@ class RolloutConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # the vLLM engine
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # responses per prompt, length, temperature
 
-    def validate(self) -> None:
-        if self.prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+    RANGES = {"prompts_per_step": ">= 1"}
 
 
 @dataclass
@@ -68,9 +62,7 @@ class SyncConfig:
     # renamed and loaded before the next is built: a sync holds one bucket beside the model
     bucket_mb: float = 512.0
 
-    def validate(self) -> None:
-        if self.bucket_mb <= 0:
-            raise ValueError(f"sync.bucket_mb must be > 0, got {self.bucket_mb}")
+    RANGES = {"bucket_mb": "> 0"}
 
 
 @dataclass
@@ -80,6 +72,8 @@ class EvalConfig:
     num_prompts: int = 32  # per DP group
     max_tokens: int = 16  # longest greedy answer
     reward: str = "exact_match"  # a rule reward, unfiltered and greedy
+
+    RANGES = {"every": ">= 0", "num_prompts": ">= 1", "max_tokens": ">= 1"}
 
     def validate(self) -> None:
         from yatt_mm.reward.rules import get_rule

@@ -48,14 +48,14 @@ class DynamicSamplingConfig:
     ema: float = 0.5  # weight of the newest wave in the valid-rate estimate
     max_buffer: int = 64  # surplus valid groups kept for later steps
 
+    RANGES = {"max_waves": ">= 1", "oversample": "> 0", "initial_valid_rate": "(0, 1]", "min_valid_rate": "(0, 1]",
+              "max_wave_groups": ">= 1", "ema": "(0, 1]", "max_buffer": ">= 0"}
+
     def validate(self) -> None:
         FILTERS.get(self.filter)
-        if self.max_waves < 1 or self.max_wave_groups < 1:
-            raise ValueError("max_waves and max_wave_groups must be >= 1")
-        if not 0 < self.min_valid_rate <= self.initial_valid_rate <= 1:
-            raise ValueError("need 0 < min_valid_rate <= initial_valid_rate <= 1")
-        if not 0 < self.ema <= 1:
-            raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        if self.min_valid_rate > self.initial_valid_rate:
+            raise ValueError(f"min_valid_rate ({self.min_valid_rate}) must be <= initial_valid_rate "
+                             f"({self.initial_valid_rate})")
 
 
 @dataclass

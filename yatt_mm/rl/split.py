@@ -38,14 +38,10 @@ class SplitConfig:
     # with its cores; empty: in proportion to its cores
     profile: str = ""
 
+    RANGES = {"judge_share": "(0, 1)", "min_gain": "[0, 1)", "cores": ">= 0", "rollout_threads": ">= 0",
+              "judge_threads": ">= 0"}
+
     def validate(self) -> None:
-        if not 0 < self.judge_share < 1:
-            raise ValueError(f"split.judge_share must be in (0, 1), got {self.judge_share}")
-        if self.min_gain < 0:
-            raise ValueError(f"split.min_gain must be >= 0, got {self.min_gain}")
-        for name in ("cores", "rollout_threads", "judge_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"split.{name} must be >= 0 (0: the default), got {getattr(self, name)}")
         if self.profile:
             from yatt_mm.simulate.profile import load_profile
 

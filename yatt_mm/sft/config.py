@@ -19,13 +19,11 @@ class HeldOutConfig:
     shards: list[str] = field(default_factory=list)  # separate held-out shards (then nothing is held out)
     stop_at: float = 0.0  # end training early once held-out accuracy reaches this (0: never; needs every > 0)
 
+    RANGES = {"every": ">= 0", "samples": ">= 0", "holdout_fraction": "[0, 1)", "stop_at": "[0, 1]"}
+
     def validate(self) -> None:
-        if self.every < 0 or self.samples < 0:
-            raise ValueError("every and samples must be >= 0")
         if self.stop_at and not (self.every and self.samples):
             raise ValueError("stop_at needs every > 0 and samples > 0 (it acts on the periodic held-out accuracy)")
-        if not 0.0 <= self.holdout_fraction < 1.0:
-            raise ValueError(f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
 
 
 @dataclass
@@ -46,12 +44,12 @@ class SFTConfig:
     log_every: int = 1  # steps between progress lines
     metrics: MetricsConfig = field(default_factory=lambda: MetricsConfig(tensorboard=False))  # W&B, TensorBoard
 
+    RANGES = {"steps": ">= 1", "batch_size": ">= 1", "micro_batch_size": ">= 1", "warmup_steps": ">= 0", "seed": ">= 0",
+              "log_every": ">= 1"}
+
     def validate(self) -> None:
         from yatt_mm.sft.examples import get_builder
 
-        for name in ("steps", "batch_size", "micro_batch_size", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.micro_batch_size > self.batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must be <= batch_size ({self.batch_size})")
         get_builder(self.examples)  # a clear error for an unknown name, at load time
