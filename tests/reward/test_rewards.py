@@ -73,7 +73,7 @@ def test_inprocess_judge_scores_image_and_video_items(rollout_engine):
     scores = judge.score(_items())
     assert len(scores) == 2
     for s in scores:
-        assert len(s.texts) == 2 and all(s.texts)  # k votes, each a generated answer
+        assert len(s.texts) == 2  # k votes (the untrained judge may answer with nothing at once)
         # each score is what its own votes parse to: their mean, or the fallback, counted by reason
         parsed = [v for v in (parse_verdict(t, cfg.parse, cfg.score_range) for t in s.texts) if v is not None]
         assert s.parsed_votes == len(parsed) and (s.failure is None) == bool(parsed)
