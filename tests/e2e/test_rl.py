@@ -87,9 +87,15 @@ def _steps_logged(run_dir) -> int:
 def _assert_real_updates_reach_vllm(steps):
     """Every step changed the weights, nothing else touched them between steps, and after every
     sync vLLM's logprobs of the probe equal the trainer's (fp32)."""
+    probe = [r["sync/probe_logprob_diff"] for r in steps]
+    gap = [r["train/logprob_diff_vs_rollout"] for r in steps]
+    print("sync probe |trainer - vLLM| logprob per step:", probe, "trainer vs rollout gap:", gap)
     for r in steps:
         assert r["train/weights_checksum_after"] != r["train/weights_checksum_before"], r["step"]
-        assert r["sync/probe_logprob_diff"] < 1e-4 and r["train/logprob_diff_vs_rollout"] < 1e-4, r["step"]
+        # mean |diff| per token, ~10x the largest measured (float32; vLLM's and torch's CPU
+        # kernels sum in their own orders, another CPU's in others): probe 7.5e-8 to 4.3e-7, gap
+        # 2.4e-7 to 5.6e-7 (the 2-rank run and the TP 2 run)
+        assert r["sync/probe_logprob_diff"] < 4e-6 and r["train/logprob_diff_vs_rollout"] < 5e-6, r["step"]
     for prev, cur in zip(steps, steps[1:]):
         assert cur["train/weights_checksum_before"] == prev["train/weights_checksum_after"]
 
@@ -396,30 +402,49 @@ def test_kill_9_of_a_rank_mid_step_resumes_from_the_checkpoint_bitwise(tmp_path,
     _assert_epoch_drawn_exactly_once(run_dir, keys=24)  # 6 steps x 2 ranks x >= 2 prompts: an epoch
 
 
-@pytest.mark.slow  # ~100 s; the kill -9 mid-step resume runs in make test
-def test_kill_9_while_the_first_checkpoint_is_written_restarts_cleanly(tmp_path, warm_policy):
-    """The ranks are killed while their first checkpoint is on its way to disk (the writer held
-    between its files by the fault-injection pause). The rerun skips it, saying so, starts from
-    step 0, and its logs and data lineage read as one run."""
+@pytest.mark.slow  # two launches, ~100 s; the kill -9 of a rank mid-step and its resume run in make test
+def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_that_checkpoint(tmp_path, warm_policy):
+    """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) while the
+    ranks' first checkpoint is on its way to disk (the writer held between its files by the
+    fault-injection pause). While the run lives, a second run on the directory is refused, naming
+    it; after the kill every process of the run ends on its own and the directory's lock is free.
+    The rerun skips the torn checkpoint, saying so, starts from step 0, and its logs and data
+    lineage read as one run."""
+    import fcntl
+
+    import psutil
+
     write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "eval.every=0", "reward.judges=[]", "run.checkpoint_every=2",
                    "run.save_final=false", "run.steps=4", policy=warm_policy)
     ckpt = run_dir / "checkpoints" / "step_2"
-    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "YATT_MM_FAULT_CHECKPOINT_PAUSE": "60"})
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "YATT_MM_FAULT_CHECKPOINT_PAUSE": "300"})
     try:
-        _wait_for(lambda: (ckpt / "trainer_rank0.pt").is_file() and (ckpt / "trainer_rank1.pt").is_file(), first,
-                  "the checkpoint's trainer files")
-        _kill_rank_and_wait(first, rank=0)
+        _wait_for(lambda: _steps_logged(run_dir) >= 1, launcher, "step 1")
+        second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and f'"pid": {launcher.pid}' in second.stderr, second.stderr[-2000:]
+        _wait_for(lambda: (ckpt / "trainer_rank0.pt").is_file() and (ckpt / "trainer_rank1.pt").is_file(), launcher,
+                  "the checkpoint's trainer files")  # the writer now waits 300 s before its markers
+        run = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])
+               and p.pid != launcher.pid]
+        assert run, "no torchrun or rank process of the run found"
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=60)
+        psutil.wait_procs(run)  # every process of the run ends on its own, under the test's timeout
+        with open(run_dir / ".lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if still held
     finally:
-        first.kill()
+        for p in psutil.process_iter(["cmdline"]):
+            if str(run_dir) in " ".join(p.info["cmdline"] or []):
+                p.kill()
     assert not list(ckpt.glob("done_rank*"))
 
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-5000:])
-    assert f"checkpoint {ckpt} is incomplete (0 of 2 ranks' markers): skipped" in second.stdout
-    assert "resumed from" not in second.stdout
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert rerun.returncode == 0, (rerun.stdout[-3000:], rerun.stderr[-5000:])
+    assert f"checkpoint {ckpt} is incomplete (0 of 2 ranks' markers): skipped" in rerun.stdout
+    assert "resumed from" not in rerun.stdout
     assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4]
     _assert_epoch_drawn_exactly_once(run_dir, keys=16)
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
@@ -525,47 +550,6 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
     # an in-process judge cannot run beside the in-process rollout engine: refused at start
     bad = subprocess.run(cmd[:-1] + [UNTRAINED_JUDGE], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "set backend: server for judge(s) genrm" in bad.stderr
-
-
-@pytest.mark.slow  # ~70 s: two launches and a 30 s watch
-def test_a_live_run_dir_is_refused_and_killing_the_launcher_stops_the_run(tmp_path, tiny_policy):
-    """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) must not
-    leave torchrun and the ranks writing into the run directory; while the run lives, a second
-    run on the same directory is refused, naming it."""
-    import os
-    import signal
-    import time
-
-    import psutil
-
-    write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=3, tasks=["colour"])
-    run_dir = tmp_path / "run"
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=200", "eval.every=0", "reward.judges=[]",
-                   "run.save_final=false")
-    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
-        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
-            assert launcher.poll() is None and time.time() < deadline, "the run did not start"
-            time.sleep(1)
-        second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 2 and f'"pid": {launcher.pid}' in second.stderr, second.stderr[-2000:]
-        run = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])
-               and p.pid != launcher.pid]
-        assert run, "no torchrun or rank process of the run found"
-        os.kill(launcher.pid, signal.SIGKILL)
-        launcher.wait(timeout=60)
-        # every process of the run ends on its own (waited for under the test's timeout, no clock),
-        # and the run directory's lock is free: a new run there would be accepted
-        psutil.wait_procs(run)
-        import fcntl
-
-        with open(run_dir / ".lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if still held
-    finally:
-        for p in psutil.process_iter(["cmdline"]):
-            if str(run_dir) in " ".join(p.info["cmdline"] or []):
-                p.kill()
 
 
 @pytest.mark.slow

@@ -123,27 +123,24 @@ def test_samples_without_media_or_answer_are_skipped_and_counted():
     assert "Reference answer: red" in text and compare.target in ("Score: 1<|im_end|>", "Score: 0<|im_end|>")
 
 
-def test_warm_start_is_cached_and_works_inside_a_torchrun_rank(colour_shards, tmp_path, monkeypatch):
+def test_warm_start_chains_its_stages_is_cached_and_works_inside_a_torchrun_rank(colour_shards, tmp_path,
+                                                                                  monkeypatch):
+    """The judge's two-stage warm start (2 steps each), called as a rank of a torchrun job calls
+    it: the SFT children must not join the parent's rendezvous; the second stage starts from the
+    first one's weights; a second call returns the cached model without training."""
     import yatt_mm.demo.warmstart as ws
 
-    # As a rank of a torchrun job calls it: the SFT child must not join the parent's rendezvous.
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}.items():
         monkeypatch.setenv(key, value)
-    path = ws.warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True)
-    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
-    monkeypatch.setattr(ws.subprocess, "run", lambda *a, **k: pytest.fail("a cached warm start trained again"))
-    assert ws.warm_start("policy", colour_shards, cache_dir=tmp_path, steps=3, quiet=True) == path
-    assert ws.cache_key("policy", colour_shards, 4, 0) != ws.cache_key("policy", colour_shards, 3, 0)  # steps in the key
-
-
-def test_judge_warm_start_chains_its_stages(colour_shards, tmp_path):
-    import yatt_mm.demo.warmstart as ws
-
     path = ws.warm_start("judge", colour_shards, cache_dir=tmp_path, steps=2, quiet=True)
+    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
     info = json.loads((path / "yatt_sft.json").read_text())
     assert info["examples"].endswith(":judge_example") and info["steps"] == 2
     first = Path(info["source_model"])  # the second stage starts from the first stage's weights
     assert first.name == "stage0-hf" and json.loads((first / "yatt_sft.json").read_text())["examples"].endswith(":judge_compare_example")
+    monkeypatch.setattr(ws.subprocess, "run", lambda *a, **k: pytest.fail("a cached warm start trained again"))
+    assert ws.warm_start("judge", colour_shards, cache_dir=tmp_path, steps=2, quiet=True) == path
+    assert ws.cache_key("judge", colour_shards, 3, 0) != ws.cache_key("judge", colour_shards, 2, 0)  # steps in the key
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """The dynamic split on real components: the controller with a real vLLM rollout engine and a
 real judge server process, partial colocation, the split measured, decided and applied (the
 processes pinned) between steps. A slow judge (16 votes per response) must draw the split toward
-the judges, a fast one (1 vote, while generation is long) away from them."""
+the judges, a fast one (1 vote, while generation is long) away from them. Last, the server is
+killed mid-step: the judge falls back and counts why (the reward layer's test, here because it
+shares this module's server)."""
 
 from __future__ import annotations
 
@@ -107,3 +109,27 @@ def test_a_fast_judge_gives_cores_back_to_the_rollout(engine, server):
     decisions = _steps(engine, server, votes=1, judge_tokens=1, max_tokens=64)
     assert decisions[-1].next.judge < decisions[0].split.judge, [d.reason for d in decisions]
     assert decisions[0].move == -1 and decisions[0].reason.startswith("away from the judges")
+
+
+def test_a_judge_server_killed_mid_step_falls_back_and_counts(server):
+    """Last in this module, on its server (a server start is most of the cost): the server dies
+    between two scorings; the step goes on with the fallback score, counted by reason."""
+    import random
+
+    from dataio.synth import colour_image, moving_ball_video
+    from yatt_mm.reward.genrm import JudgeItem
+
+    rng = random.Random(0)
+    img, vid = colour_image(rng), moving_ball_video(rng)
+    items = [JudgeItem(img.question, "red", img.answer, images=[img.image]),
+             JudgeItem(vid.question, "up", vid.answer, videos=[vid.video])]
+    cfg = JudgeConfig(name="genrm", model=server.cfg.model, backend="server", votes=2, max_tokens=8,
+                      timeout_s=5, retries=1, backoff_s=0.1, fallback_score=0.25)
+    judge = ServerJudge(cfg, server.base_url, server.model_name)
+    first = judge.score(items)
+    assert all(len(s.texts) == 2 for s in first)  # the server answered with k votes each
+    server.kill()
+    after = judge.score(items)  # the step goes on
+    assert [s.failure for s in after] == ["unreachable", "unreachable"]
+    assert all(s.score == 0.25 for s in after)
+    assert judge.stats.fallbacks["unreachable"] == 2
