@@ -8,50 +8,53 @@ from models.qwen2vl.model import VLMInputs
 from models.trainer import MicroBatch
 from yatt_mm.sft.examples import Example
 
+# what the processor returns for media, in the order the model reads them
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+              "second_per_grid_ts")  # Qwen2.5-VL processors: temporal M-RoPE spacing per video
+
 
 class Collator:
-    """Examples -> right-padded MicroBatch with a mask on the target tokens (one processor call
-    per example, so the prompt/target boundary is exact)."""
+    """Examples -> right-padded MicroBatch with a mask on the target tokens.
+
+    One processor call per micro-batch, not per example: a call costs ~2 ms of fixed overhead
+    (kwargs merging, checks) and runs the image processor's tensor ops once per image, which
+    on a 2-core CPU was a quarter of a tiny model's step for text-only examples and more than
+    the step itself for image ones. The prompts are tokenised unpadded, each on its own, and the
+    targets separately, so the prompt/target boundary is exact and the ids are those of one call
+    per example; the images of a batch are processed together, in example order (the processor
+    gives each prompt's image tokens the next image's grid)."""
 
     def __init__(self, processor, spec):
         self.processor = processor
         self.spec = spec
         self.pad_id = processor.tokenizer.pad_token_id
 
-    def encode(self, ex: Example) -> dict:
-        prompt = self.processor.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
+    def collate(self, examples: list[Example]) -> MicroBatch:
+        prompts = [self.processor.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
+                   for ex in examples]
         kw = {}
-        if ex.images:
-            kw["images"] = ex.images
-        if ex.videos:
-            kw["videos"] = ex.videos
-        enc = self.processor(text=[prompt], return_tensors="pt", **kw)
-        target = self.processor.tokenizer(ex.target, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-        enc = dict(enc)
-        enc["prompt_len"] = enc["input_ids"].shape[1]
-        enc["input_ids"] = torch.cat([enc["input_ids"][0], target])
-        return enc
-
-    def collate(self, encoded: list[dict]):
-        n = max(e["input_ids"].shape[0] for e in encoded)
-        ids = torch.full((len(encoded), n), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(encoded), n), dtype=torch.long)
-        mask = torch.zeros((len(encoded), n), dtype=torch.float32)
-        for row, e in enumerate(encoded):
-            length = e["input_ids"].shape[0]
-            ids[row, :length] = e["input_ids"]
+        images = [im for ex in examples for im in ex.images]
+        videos = [v for ex in examples for v in ex.videos]
+        if images:
+            kw["images"] = images
+        if videos:
+            kw["videos"] = videos
+        enc = self.processor(text=prompts, padding=False, **kw)  # ids as lists, one per prompt
+        targets = self.processor.tokenizer([ex.target for ex in examples], add_special_tokens=False)["input_ids"]
+        n = max(len(p) + len(t) for p, t in zip(enc["input_ids"], targets))
+        ids = torch.full((len(examples), n), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(examples), n), dtype=torch.long)
+        mask = torch.zeros((len(examples), n), dtype=torch.float32)
+        for row, (prompt, target) in enumerate(zip(enc["input_ids"], targets)):
+            length = len(prompt) + len(target)
+            ids[row, :length] = torch.tensor(prompt + target, dtype=torch.long)
             attn[row, :length] = 1
-            mask[row, e["prompt_len"] - 1: length - 1] = 1.0  # logits at t predict token t + 1
+            mask[row, len(prompt) - 1: length - 1] = 1.0  # logits at t predict token t + 1
         batch = {"input_ids": ids, "attention_mask": attn}
-        for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                  "second_per_grid_ts"):  # Qwen2.5-VL processors: temporal M-RoPE spacing per video
-            parts = [e[k] for e in encoded if k in e]
-            if parts:
-                batch[k] = torch.cat(parts)
+        batch.update({k: torch.as_tensor(enc[k]) for k in MEDIA_KEYS if k in enc})
         # the loss needs logprobs at the target positions only: the softmax over the vocabulary
         # of every prompt token would be most of the loss's work
         return MicroBatch(VLMInputs.from_processor(self.spec, batch), {"mask": mask}, score_mask=mask > 0)
 
     def batches(self, examples: list[Example], size: int) -> list[MicroBatch]:
-        encoded = [self.encode(e) for e in examples]
-        return [self.collate(encoded[i:i + size]) for i in range(0, len(encoded), size)]
+        return [self.collate(examples[i:i + size]) for i in range(0, len(examples), size)]
