@@ -84,3 +84,46 @@ def test_one_call_per_micro_batch_equals_one_per_example(processor_and_spec):
                     assert other.dtype == value.dtype and torch.equal(other, value), (size, start, name)
                 else:
                     assert other == value, (size, start, name)
+
+
+def test_merged_duplicates_give_the_same_token_sums(processor_and_spec):
+    """merge_duplicates: identical text-only examples become one row whose target mask is their
+    count, so any loss summed over target tokens (here with per-token values that depend only on
+    the row's ids, as a model's logprobs do) is the same; examples with media stay apart."""
+    from dataio.synth import colour_image
+    from yatt_mm.sft.collate import Collator, merge_duplicates_of
+    from yatt_mm.sft.examples import Example
+
+    processor, spec = processor_and_spec
+    rng = random.Random(1)
+    image = colour_image(rng).image
+
+    def text(t, target):
+        return Example("k", [{"role": "user", "content": [{"type": "text", "text": t}]}], [], [], target)
+
+    with_image = Example("m", [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]}],
+                         [image], [], "red<|im_end|>")
+    examples = [text("a", "red<|im_end|>"), text("b", "red<|im_end|>"), text("a", "red<|im_end|>"),
+                with_image, text("a", "blue<|im_end|>"), with_image, text("a", "red<|im_end|>"), text("b", "red<|im_end|>")]
+    kept, weights = merge_duplicates_of(examples)
+    assert [(e.messages[0]["content"][-1]["text"], e.target[:4], bool(e.images)) for e in kept] == [
+        ("a", "red<", False), ("b", "red<", False), ("a", "red<", True), ("a", "blue", False), ("a", "red<", True)]
+    assert weights == [3, 2, 1, 1, 1] and sum(weights) == len(examples)
+
+    collator = Collator(processor, spec)
+
+    def token_sums(mbs):
+        total, tokens = 0.0, 0.0
+        for mb in mbs:
+            ids = mb.inputs.input_ids.double()
+            fake_lp = -torch.log1p(ids.cumsum(1) % 97)  # a function of the row's ids up to each position
+            total += float((fake_lp * mb.extra["mask"]).sum())
+            tokens += float(mb.inputs.attention_mask.sum(1).float() @ mb.extra["rows"])
+        return total, float(sum(mb.extra["mask"].sum() for mb in mbs)), tokens
+
+    for size in (2, 8):
+        plain = collator.batches(examples, size)
+        merged = collator.batches(examples, size, merge_duplicates=True)
+        assert sum(mb.inputs.input_ids.shape[0] for mb in merged) == 5
+        assert all(torch.equal(mb.extra["rows"], torch.ones(mb.inputs.input_ids.shape[0])) for mb in plain)
+        assert token_sums(merged) == pytest.approx(token_sums(plain), rel=1e-12)

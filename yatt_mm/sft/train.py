@@ -101,10 +101,14 @@ class SFTRun:
 def sft_step(run: SFTRun, step: int) -> dict[str, float]:
     cfg, trainer = run.cfg, run.trainer
     t0 = time.perf_counter()
-    mbs = run.collator.batches([next(run.examples) for _ in range(cfg.batch_size)], cfg.micro_batch_size)
+    # identical text-only examples of the step run once, their mask weighted by their count:
+    # the same loss for less compute (collate.merge_duplicates_of)
+    mbs = run.collator.batches([next(run.examples) for _ in range(cfg.batch_size)], cfg.micro_batch_size,
+                               merge_duplicates=True)
     t_data = time.perf_counter() - t0
-    counts = torch.tensor([sum(float(mb.extra["mask"].sum()) for mb in mbs),
-                           sum(float(mb.inputs.attention_mask.sum()) for mb in mbs), float(cfg.batch_size)])
+    counts = torch.tensor([sum(float(mb.extra["mask"].sum()) for mb in mbs),  # target tokens, weighted
+                           sum(float(mb.inputs.attention_mask.sum(1).float() @ mb.extra["rows"]) for mb in mbs),
+                           float(cfg.batch_size)])
     dist.all_reduce(counts, group=run.dp_cpu)
     target_tokens = counts[0]
 
