@@ -18,8 +18,11 @@ def test_gpu_check_runs_on_cpu_and_its_checks_pass():
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("GPU check report (--cpu):", report)
     assert report["ok"] and report["device"] == "cpu" and report["backend"] == "gloo"
-    assert report["parity_fp32_max_diff"] < 1e-4 and report["parity_bf16_max_diff"] < 0.5
+    # ~10x the figures measured (max |logit diff| vs transformers; the CPU's kernels, AMX or
+    # AVX-512, set the bf16 one): fp32 2.4e-6 (an earlier run 2.3e-6), bf16 2.0e-2 (2.3e-2)
+    assert report["parity_fp32_max_diff"] < 2e-5 and report["parity_bf16_max_diff"] < 0.2
     assert len(report["rl_losses"]) == 2 and report["rl_weights_changed_every_step"] and report["rl_grad_norm"] > 0
     assert report["offload_bitwise"] and report["offload_trainer_gb"] > 0.1
     assert report["megatron_tokens_per_s"] > 0 and report["transformers_tokens_per_s"] > 0

@@ -184,7 +184,9 @@ def test_saved_activations_match_autograd(tiny_measured, kind):
     shape = MicroBatchShape(rows=2, seq=160, scored=64, media_tokens=128, frame_tokens=64)
     planned = activation_bytes(load_spec(f"tiny:{kind}"), shape, tp=1, e=4, recompute="none", kernels=CPU).saved
     measured = tiny_measured[kind]["saved_bytes"]
-    assert abs(planned - measured) <= 0.01 * measured, (planned, measured)
+    print(f"{kind}: planned {planned} saved bytes, autograd kept {measured}")
+    # measured: 896 bytes short of autograd's in both (5.9e-5 and 4.7e-5 of it)
+    assert abs(planned - measured) <= 5e-4 * measured, (planned, measured)
 
 
 def _plan_imports(path: Path, modules: set[str]) -> set[str]:

@@ -101,8 +101,11 @@ def main() -> int:
         full = gather_from_tensor_model_parallel_region(logits).float()
         ref_lp = torch.log_softmax(full, -1).gather(-1, batches[0].labels[..., None])[..., 0]
         ref_ent = -(torch.softmax(full, -1) * torch.log_softmax(full, -1)).sum(-1)
-        entropy_ok = bool(torch.allclose(token_entropy(logits), ref_ent, atol=1e-3)
-                          and torch.allclose(token_logprobs(logits, batches[0].labels), ref_lp, atol=1e-3)
+        entropy_diff = float((token_entropy(logits).float() - ref_ent).abs().max())
+        logprob_diff = float((token_logprobs(logits, batches[0].labels).float() - ref_lp).abs().max())
+        # ~10x the figures measured (entropy 6.6e-6 to 8.0e-6, logprobs 1.9e-6: TP 1 and 2 in
+        # fp32, TP 1 in bf16; the sums over the vocabulary in another order)
+        entropy_ok = bool(entropy_diff < 5e-5 and logprob_diff < 2e-5
                           # the label is a most likely token (in bf16 logits tie: argmax picks one of them)
                           and torch.equal(label_is_argmax(logits, batches[0].labels),
                                           full.gather(-1, batches[0].labels[..., None])[..., 0] >= full.max(-1).values))
@@ -116,6 +119,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         print(json.dumps({"tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
                           "dp_identical": identical, "entropy_tp_consistent": entropy_ok,
+                          "entropy_tp_max_diff": entropy_diff, "logprob_tp_max_diff": logprob_diff,
                           "export_shapes_ok": shapes_ok, "offload": offload}), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()

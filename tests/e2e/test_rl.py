@@ -147,9 +147,11 @@ def test_judge_scores_every_response_and_its_agreement_with_the_rule_is_logged(r
     for r in all_fallback:  # every judge score is the fallback 0.0: it agrees where the rule says wrong
         assert r["reward/genrm"] == 0.0
         assert r["genrm/genrm/agreement_exact_match"] == pytest.approx(1.0 - r["reward/exact_match"])
-    for r in steps:
-        # weights as configured: exact_match 1.0, the judge 0.5
-        assert abs(r["rollout/reward_mean"] - (r["reward/exact_match"] + 0.5 * r["reward/genrm"])) < 1e-9
+    # weights as configured: exact_match 1.0, the judge 0.5
+    mixed = [abs(r["rollout/reward_mean"] - (r["reward/exact_match"] + 0.5 * r["reward/genrm"])) for r in steps]
+    print("|reward_mean - (exact_match + 0.5 genrm)| per step:", mixed)
+    # measured 0 at every step; float64 rounding of the means would be ~1e-16
+    assert max(mixed) < 1e-12
     assert "genrm agrees with exact_match" in stdout
 
 

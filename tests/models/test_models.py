@@ -73,7 +73,10 @@ def test_parity_with_transformers_tp1(kind):
     from models.tiny import tiny_model_dir
 
     result = _run([sys.executable, "-m", "models.qwen2vl.parity", str(tiny_model_dir(kind))])
+    print("TP 1 max |logits diff| vs transformers:", result)
     assert set(result["max_abs_diff"]) == {"text", "image", "multi_image", "video"}
+    # measured: text 0, media 9.5e-6 to 1.9e-5 (both kinds; float32, the vision tower's sums in
+    # another order than transformers'): ~5x for other CPUs' kernels
     assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
 
 
@@ -83,6 +86,8 @@ def test_parity_with_transformers_tp2(kind):
 
     result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    "-m", "models.qwen2vl.parity", str(tiny_model_dir(kind)), "--tp", "2"])
+    print("TP 2 max |logits diff| vs transformers:", result)
+    # measured 9.5e-6 to 1.8e-5 (both kinds, text included: the row-parallel all-reduces)
     assert result["tp"] == 2 and all(d < 1e-4 for d in result["max_abs_diff"].values()), result
 
 
@@ -91,7 +96,9 @@ def test_parity_with_transformers_pp2(tiny_policy):
     the probes go through Megatron's schedule and the last stage's logits equal transformers'."""
     result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    "-m", "models.qwen2vl.parity", str(tiny_policy), "--pp", "2"])
+    print("PP 2 max |logits diff| vs transformers:", result)
     assert result["pp"] == 2 and set(result["max_abs_diff"]) == {"text", "image", "multi_image", "video"}
+    # measured as at TP 1: text 0, media 1.8e-5 to 1.9e-5
     assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
 
 
@@ -103,6 +110,8 @@ def test_parity_with_transformers_tp2_pp2_qwen25():
     result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                    "-m", "models.qwen2vl.parity", str(tiny_model_dir("policy25")), "--tp", "2", "--pp", "2"],
                   timeout=600)
+    print("TP 2 x PP 2 max |logits diff| vs transformers:", result)
+    # as TP 2's and PP 2's (measured 1.9e-5 at most; this slow run's own figures not yet measured)
     assert (result["tp"], result["pp"]) == (2, 2) and all(d < 1e-4 for d in result["max_abs_diff"].values()), result
 
 
@@ -133,10 +142,16 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
+def _steps_rel_diff(got, ref) -> float:
+    """The largest relative difference of the SFT losses and of the RL steps' metrics."""
+    pairs = list(zip(got["sft_losses"], ref["sft_losses"]))
+    pairs += [(step[k], ref_step[k]) for step, ref_step in zip(got["rl"], ref["rl"]) for k in ref_step]
+    assert len(pairs) == len(ref["sft_losses"]) + sum(len(s) for s in ref["rl"])
+    return max(_rel(a, b) for a, b in pairs)
+
+
 def _assert_same_steps(got, ref, tol):
-    assert max(_rel(a, b) for a, b in zip(got["sft_losses"], ref["sft_losses"])) < tol, (got, ref)
-    for step, ref_step in zip(got["rl"], ref["rl"]):
-        assert all(_rel(step[k], ref_step[k]) < tol for k in ref_step), (step, ref_step)
+    assert _steps_rel_diff(got, ref) < tol, (got, ref)
 
 
 @pytest.mark.parametrize("tp, pp, nproc", [
@@ -156,18 +171,28 @@ def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_tr
     ref, ref_weights, ref_lp = _training_results(one_process_training)
     got, weights, lp = _training_results(tmp_path)
     assert (got["tp"], got["pp"], got["dp"]) == (tp, pp, nproc // (tp * pp))
+    assert weights.keys() == ref_weights.keys()
+    weight_diff = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
+    # with DP, rank 0 scored only its share of the batch
+    lp_diff = max(float((a - b).abs().max()) for a, b in zip(lp, ref_lp)) if got["dp"] == 1 else None
+    print(f"TP {tp} x PP {pp} x DP {got['dp']} vs one process: steps' max relative diff "
+          f"{_steps_rel_diff(got, ref):.2e}, weights' max |diff| {weight_diff:.2e}, old logprobs' {lp_diff}")
+    # float32 sums in other orders; measured (TP x PP x DP: relative step diff, weights, logprobs):
+    # 1x2x1: 1.3e-6, 5.1e-7, 1.1e-5; 2x2x1: 3.3e-6, 1.4e-6, 1.1e-5; 1x2x2: 8.7e-6, 5.0e-7, -
     if tp == 1:
         _assert_same_steps(got, ref, 1e-5)
     else:
-        # TP alone moves the second RL step's grad norm 1.5e-5 from one process (row-parallel
-        # all-reduces and the vocab-parallel loss sum in another order; measured the same at
-        # TP 2 x PP 1), so the pipeline is held to its own TP's run, and TP to a looser bound
-        _assert_same_steps(got, _training_results(request.getfixturevalue("tp2_without_pipeline"))[0], 1e-5)
-        _assert_same_steps(got, ref, 1e-4)
-    assert weights.keys() == ref_weights.keys()
-    assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) < 1e-5
-    if got["dp"] == 1:  # rank 0 scored the whole batch
-        assert max(float((a - b).abs().max()) for a, b in zip(lp, ref_lp)) < 1e-4
+        # TP alone moves the RL steps' grad norms from one process (row-parallel all-reduces and
+        # the vocab-parallel loss sum in another order; an earlier run measured 1.5e-5 at TP 2 x
+        # PP 1, this one 3.3e-6 at TP 2 x PP 2), so the pipeline is held to its own TP's run, and
+        # TP to a looser bound
+        tp_run = _training_results(request.getfixturevalue("tp2_without_pipeline"))[0]
+        print(f"TP 2 x PP 2 vs TP 2 x PP 1: steps' max relative diff {_steps_rel_diff(got, tp_run):.2e}")
+        _assert_same_steps(got, tp_run, 1e-5)
+        _assert_same_steps(got, ref, 3e-5)
+    assert weight_diff < 5e-6  # an Adam step at lr 1e-4 moves a weight 1e-4
+    if lp_diff is not None:
+        assert lp_diff < 1e-4
     assert got["buckets"] > 3 and got["buckets_cover_export"]
     # `yatt-mm plan` counts each stage's parameters as Megatron builds them
     from yatt_mm.plan import load_spec, param_counts
@@ -179,17 +204,22 @@ def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_tr
 def test_trainer_logprobs_match_vllm_before_and_after_weight_sync(tiny_policy):
     result = _run([sys.executable, str(ROOT / "tests/dist/vlm_vs_vllm.py")])
     print("trainer vs vLLM logprob |diff|:", result)  # reported: max and mean, before and after
-    assert result["before_max"] < 1e-3 and result["before_mean"] < 1e-4
-    assert result["after_max"] < 1e-3 and result["after_mean"] < 1e-4
+    # ~10x the figures measured (float32 on both sides, each with its own CPU kernels: another
+    # CPU's sums go in another order); 1e-3 let a layer synced 1e-4 off pass
+    assert result["before_max"] < 5e-5 and result["before_mean"] < 1e-5  # measured 5.7e-6, 1.2e-6
+    # the step (lr 1e-2) collapses the sampled answers to p ~ 1: their logprobs barely differ
+    assert result["after_max"] < 1e-6 and result["after_mean"] < 2e-7  # measured 1.2e-7, 2.2e-8
     assert result["sync_bytes"] > 1e6
     # the sync went in buckets (of whole layers) and together they are exactly the full export
     assert result["sync_buckets"] > 3 and result["largest_bucket_bytes"] < result["sync_bytes"] / 2
-    assert result["buckets_cover_export"] and result["after_prompt_max"] < 1e-3
+    # every prompt token, media included: what a stale or wrong layer shows in
+    assert result["buckets_cover_export"] and result["after_prompt_max"] < 1e-4  # measured 1.1e-5
 
 
 @pytest.mark.parametrize("tp, dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16")])
 def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, tiny_policy):
     result = _torchrun("tests/dist/vlm_train_steps.py", "--tp", str(tp), "--dtype", dtype)
+    print(f"train steps, TP {tp}, {dtype}:", result)
     losses = result["losses"]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0], losses
@@ -206,9 +236,12 @@ def test_shared_group_media_and_response_only_scores_match_the_plain_batch(tiny_
     """A group's image encoded once for its 4 responses, and logprobs/entropy only at response
     positions: logprobs, entropy and gradients equal the plain batch's (TP=2)."""
     r = _torchrun("tests/dist/shared_media.py")
+    print("shared media vs plain batch:", r)
     assert r["tp"] == 2 and r["distinct_pixel_rows"] * 4 == r["plain_pixel_rows"]
-    assert r["logprob_max_diff"] < 1e-5 and r["entropy_max_diff"] < 1e-5, r
-    assert r["grad_max_diff"] < 1e-6 * r["grad_scale"], r
+    # measured 0 and 0 (bit-equal here); 2e-6 is two float32 steps of a logprob near -12, for
+    # kernels that split the encoder's 144 and 576 pixel rows differently
+    assert r["logprob_max_diff"] < 2e-6 and r["entropy_max_diff"] < 2e-6, r
+    assert r["grad_max_diff"] < 5e-7 * r["grad_scale"], r  # measured 6.5e-8 x the largest gradient
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -216,16 +249,19 @@ def test_packed_row_matches_the_padded_micro_batch(tp, tiny_policy):
     """Sequence packing: 12 samples (images of three sizes, a video; responses of 2 to 60 tokens)
     as one packed row vs one right-padded micro-batch: the same logprobs and entropy at every
     real token, the same gradients, and the same weights after a train step; a third less
-    compute here (the issue asked logprobs within 1e-5: measured 9.5e-6 at TP 1, 1.1e-5 at TP 2;
-    asserted at 5e-5 for other CPUs' kernels)."""
+    compute here (the issue asked logprobs within 1e-5: measured 1.1e-5 at TP 1, 7.6e-6 at TP 2,
+    an earlier run 9.5e-6 and 1.1e-5; asserted at 5e-5 for other CPUs' kernels)."""
     cmd = [sys.executable, str(ROOT / "tests" / "dist" / "packing.py")]
     r = _run(cmd) if tp == 1 else _torchrun("tests/dist/packing.py")
+    print(f"packed vs padded, TP {tp}:", r)
     assert r["tp"] == tp and r["images_and_videos"] == 12 and r["longest"] - r["shortest"] > 40, r
     assert r["real_tokens"] < 0.7 * r["padded_tokens"], r
-    assert r["logprob_max_diff"] < 5e-5 and r["entropy_max_diff"] < 5e-5, r
-    assert r["grad_max_diff"] < 1e-5 * r["grad_scale"], r
-    assert abs(r["loss_packed"] - r["loss_padded"]) < 1e-5 * abs(r["loss_padded"]), r
-    assert r["weight_max_diff_after_step"] < 1e-4, r  # lr 1e-3: a hundredth of an Adam step
+    assert r["logprob_max_diff"] < 5e-5 and r["entropy_max_diff"] < 5e-5, r  # entropy: 7.6e-6, 5.7e-6
+    assert r["grad_max_diff"] < 3e-6 * r["grad_scale"], r  # measured 2.8e-7 (TP 1), 3.5e-7 (TP 2) x the largest
+    # measured equal (8.0752296 both); 1e-6 is ~8 float32 steps of the loss
+    assert abs(r["loss_packed"] - r["loss_padded"]) < 1e-6 * abs(r["loss_padded"]), r
+    # lr 1e-3: a hundredth of an Adam step; measured 3.7e-5 (TP 1), 4.8e-6 (TP 2)
+    assert r["weight_max_diff_after_step"] < 1e-4, r
 
 
 def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(tiny_policy):
@@ -233,17 +269,22 @@ def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(tiny_po
     run without recompute, and the bytes autograd keeps for the backward (the activation memory)
     shrink: selective recomputes core attention, full keeps only each layer's input."""
     r = _run([sys.executable, str(ROOT / "tests" / "dist" / "recompute.py")])
+    print("recompute vs none:", r)
     assert r["tokens"] > 1000
-    assert r["selective_grad_max_diff"] < 1e-6 and r["full_grad_max_diff"] < 1e-6, r
+    # measured 0 and 0: the recompute reruns the same kernels on the same shapes, bit for bit
+    assert r["selective_grad_max_diff"] == 0 and r["full_grad_max_diff"] == 0, r
     kept = r["saved_bytes"]
+    # measured: full keeps 0.12 of none's bytes (4.5 MB of 36.4 MB)
     assert kept["full"] < kept["selective"] < kept["none"] and kept["full"] < 0.2 * kept["none"], kept
 
 
 def test_distributed_optimizer_matches_the_plain_one_with_half_the_state(tiny_policy):
     """policy.trainer.distributed_optimizer on 2 DP ranks: the same losses and weights as the
-    plain optimizer over 4 steps (float32 sums in another order: 1e-6), half the Adam state on
-    each rank, and its checkpoint state (with the rank's shard) restored bit for bit."""
+    plain optimizer over 4 steps (float32 sums in another order: measured 1.0e-7 of the largest loss,
+    6.2e-7 in the weights), half the Adam state on each rank, and its checkpoint state (with the
+    rank's shard) restored bit for bit."""
     r = _torchrun("tests/dist/distopt.py")
-    assert r["loss_max_diff"] < 1e-5 * max(abs(x) for x in r["losses"]) and r["weight_max_diff"] < 1e-6, r
+    print("distributed vs plain optimizer:", r)
+    assert r["loss_max_diff"] < 1e-6 * max(abs(x) for x in r["losses"]) and r["weight_max_diff"] < 1e-6, r
     assert r["state_bytes_sharded"] * 2 == r["state_bytes_plain"], r
     assert r["restore_bitwise"], r

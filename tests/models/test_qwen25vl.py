@@ -141,9 +141,14 @@ def test_vllm_generates_and_trainer_logprobs_match(tiny25):
     print("Qwen2.5-VL trainer vs vLLM logprob |diff|:", result)
     assert result["model_type"] == "qwen2_5_vl" and result["positions_equal"]
     assert all(n > 0 for group in result["response_lengths"] for n in group)  # image and video
-    assert result["before_max"] < 1e-3 and result["before_mean"] < 1e-4
-    assert result["after_max"] < 1e-3 and result["after_mean"] < 1e-4
+    # ~10x the figures measured (float32 on both sides, each with its own CPU kernels: another
+    # CPU's sums go in another order); 1e-3 let a layer synced 1e-4 off pass
+    assert result["before_max"] < 5e-5 and result["before_mean"] < 1e-5  # measured 4.8e-6, 1.3e-6
+    # the step (lr 1e-2) collapses the sampled answers to p ~ 1: measured 0 and 0 here, held to
+    # Qwen2-VL's bounds (its figures: 1.2e-7, 2.2e-8)
+    assert result["after_max"] < 1e-6 and result["after_mean"] < 2e-7
     assert result["sync_bytes"] > 1e6
     # the sync went in buckets (of whole layers) and together they are exactly the full export
     assert result["sync_buckets"] > 3 and result["largest_bucket_bytes"] < result["sync_bytes"] / 2
-    assert result["buckets_cover_export"] and result["after_prompt_max"] < 1e-3
+    # every prompt token, media included: what a stale or wrong layer shows in
+    assert result["buckets_cover_export"] and result["after_prompt_max"] < 1e-4  # measured 1.1e-5
