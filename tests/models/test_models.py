@@ -221,8 +221,11 @@ def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, tiny_p
     result = _torchrun("tests/dist/vlm_train_steps.py", "--tp", str(tp), "--dtype", dtype)
     print(f"train steps, TP {tp}, {dtype}:", result)
     losses = result["losses"]
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < losses[0], losses
+    # the seeded tiny policy on its seeded batch: the first loss is the model's, whatever the
+    # layout (measured 23.5618 at TP 1 and TP 2 in fp32, 23.5294 in bf16), and the first Adam
+    # step at lr 1e-3 on these two batches cuts it by two thirds (measured to 0.30-0.33 of it)
+    assert losses[0] == pytest.approx(23.5618, rel=1e-4 if dtype == "fp32" else 5e-3), losses
+    assert losses[1] < 0.5 * losses[0] and losses[-1] < losses[0], losses
     assert result["dp_identical"] and result["export_shapes_ok"]
     assert result["entropy_tp_consistent"]  # vocab-parallel entropy/logprobs = full-vocabulary ones
     # offload to host and back (then one more step, in `losses`): bit for bit, and the device
