@@ -51,13 +51,15 @@ from pathlib import Path
 WARMSTART_VERSION = 4  # 3: the judge learns in two stages; 4: its first stage stops when it has learnt
 
 # SFT stages of each kind, each starting from the previous one's weights. Small settings for the
-# 2-core CPU: policy ~10 s of training on an idle machine, judge ~4-7 min (much longer when other
-# jobs share the cores).
+# 2-core CPU: policy ~10 s of training on an idle machine, judge ~2.5-5 min (much longer when other
+# jobs share the cores). The judge's first stage has only 16 distinct prompts (4 references x 4
+# responses), so a step of 32 runs ~14 rows: the SFT step computes repeated text-only examples once
+# (yatt_mm/sft/collate.py, merge_duplicates_of), ~0.1 s a step here.
 SETTINGS = {
     "policy": [{"examples": "answer", "steps": 12, "lr": 3e-4, "batch_size": 16}],
     # the comparison is learnt suddenly, after a plateau whose length varies with the numerics
-    # (library versions, thread counts: 700 to over 1000 steps seen here): the first stage runs
-    # until its held-out accuracy reaches stop_at, within a generous cap
+    # (library versions, thread counts, float rounding: 700 to 1400 steps seen here, once 2400):
+    # the first stage runs until its held-out accuracy reaches stop_at, within a generous cap
     "judge": [{"examples": "judge_compare", "steps": 2500, "lr": 5e-4, "warmup_steps": 50, "batch_size": 32,
                "eval_every": 100, "stop_at": 0.98},
               {"examples": "judge", "steps": 200, "lr": 5e-4, "batch_size": 16}],
