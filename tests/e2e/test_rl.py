@@ -373,6 +373,7 @@ def _kill_rank_and_wait(launcher: subprocess.Popen, rank: int) -> None:
     assert launcher.wait(timeout=180) != 0  # torchrun stops the other rank and reports the failure
 
 
+@pytest.mark.slow  # two launches, ~70-120 s: make test stays within its 12 minutes
 def test_kill_9_of_a_rank_mid_step_resumes_from_the_checkpoint_bitwise(tmp_path, warm_policy):
     """Run A checkpoints every 2 steps; rank 1 is killed -9 in the middle of step 4. The same
     command again resumes from the newest complete checkpoint (step 2's): the weights its next
@@ -404,7 +405,7 @@ def test_kill_9_of_a_rank_mid_step_resumes_from_the_checkpoint_bitwise(tmp_path,
     _assert_epoch_drawn_exactly_once(run_dir, keys=24)  # 6 steps x 2 ranks x >= 2 prompts: an epoch
 
 
-@pytest.mark.slow  # two launches, ~100 s; the kill -9 of a rank mid-step and its resume run in make test
+@pytest.mark.slow  # two launches, ~100 s
 def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_that_checkpoint(tmp_path, warm_policy):
     """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) while the
     ranks' first checkpoint is on its way to disk (the writer held between its files by the

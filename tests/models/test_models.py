@@ -247,7 +247,9 @@ def test_shared_group_media_and_response_only_scores_match_the_plain_batch(tiny_
     assert r["grad_max_diff"] < 5e-7 * r["grad_scale"], r  # measured 6.5e-8 x the largest gradient
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+# TP 2 runs with the slow tests (a torchrun launch, ~30 s): the TP 2 e2e run in make test trains on
+# packed rows and holds their logprobs to vLLM's
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_packed_row_matches_the_padded_micro_batch(tp, tiny_policy):
     """Sequence packing: 12 samples (images of three sizes, a video; responses of 2 to 60 tokens)
     as one packed row vs one right-padded micro-batch: the same logprobs and entropy at every
