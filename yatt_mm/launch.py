@@ -119,6 +119,17 @@ class Nodes:
                 "--master-addr", self.master_addr, "--master-port", str(self.master_port)]
 
 
+# What every rank's environment gets unless the user's sets it. OMP_WAIT_POLICY=PASSIVE: an
+# OpenMP thread that waits for work sleeps at once instead of spinning first (libgomp's default).
+# With torch's 2 threads on 2 cores (one rank: --nproc 1) and the cores shared with other work, a
+# spinning thread holds a core its descheduled peer needs. Paired runs, `yatt-mm rl --nproc 1` on
+# the 2-core CPU machine (benchmarks/bench_rl_vs_trl.py's work): tiny model under load 0.40/0.45/
+# 0.40 s per step against 0.56/0.73/0.44 s spinning, the whole run 26 s against 52-70 s; 4x256
+# model, 64-token answers, under load median 0.93x over 5 rounds; on a quiet machine level (tiny
+# 0.96x/1.07x, 4x256 0.93x/0.95x). With --nproc > 1 a rank has 1 thread by default: no change.
+RANK_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
     """Run `python -m module args` as `nproc` ranks on this node (of `nodes`). torchrun is told to
     stop when this process dies, however it dies (an OOM killer or a scheduler that kills the
@@ -127,7 +138,7 @@ def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = Non
         raise SystemExit(f"--nproc must be >= 1, got {nproc}")
     cmd = [sys.executable, "-m", "torch.distributed.run", *(nodes or Nodes()).torchrun_args(),
            "--nproc-per-node", str(nproc), "-m", module, *args]
-    env = dict(os.environ)
+    env = {**RANK_ENV_DEFAULTS, **os.environ}
     if nproc > 1:  # what torchrun sets itself when it is unset, less the 4-line banner it prints about it
         env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call(cmd, preexec_fn=_stop_with_parent, env=env)
