@@ -4,18 +4,25 @@ Both sides: the same model directory (the warm-started tiny Qwen2-VL; in the `wi
 wider, deeper one built offline from the same factory), the same colour-question images read
 from the same shards, 8 prompts x 8 completions, exact-match reward, lr 5e-5, PPO clip
 0.2 / 0.28, token-level loss, no KL, fp32, every group trained (no dynamic sampling), one
-process. yatt-mm: `yatt-mm rl --nproc 1` (vLLM rollout, Megatron trainer). TRL: `GRPOTrainer`
-with transformers generation (no vLLM: TRL's vLLM path needs a CUDA device). Rounds alternate
-between the two so machine noise falls on both; the figure per side is the median over rounds of
-the median step time of steps 2-6 (step 1 pays one-time warm-up).
+process. yatt-mm: `yatt-mm rl --nproc 1 --config configs/tiny_demo.yaml` (vLLM rollout, Megatron
+trainer) with only that shared work overridden: every other setting (data workers, the sync
+probe, metrics writers, micro-batch size, ...) stays at the demo config's defaults, the settings
+users run. TRL: `GRPOTrainer` with transformers generation (no vLLM: TRL's vLLM path needs a CUDA
+device), at its defaults too. Extra rows time yatt-mm with other settings on top of the same
+work (EXTRA_ROWS; the previous figures used data.workers=0). Rounds alternate between the runs so
+machine noise falls on all; the figure per run is the median over rounds of the median step time
+of steps 2-6 (step 1 pays one-time warm-up). Run it on a quiet machine: under load from other work
+TRL's step grows 10-30x (libgomp's spinning threads), yatt-mm's far less; the per-round figures
+in the JSON show it.
 
 TRL is an optional benchmark dependency: `pip install -e '.[bench]'` (trl, accelerate and
 datasets, pinned; torch and transformers stay as they are).
 
-    python benchmarks/bench_rl_vs_trl.py [--setting tiny|wide|both] [--rounds 2]
+    python benchmarks/bench_rl_vs_trl.py [--setting tiny|wide|both] [--rounds 2] [--defaults-only]
 
 Last line: JSON with yatt_s_per_step, trl_s_per_step, ratio (TRL / yatt-mm; > 1: yatt-mm is
-faster) for the tiny setting, and the same keys under "wide" when it ran.
+faster) for the tiny setting at the defaults, and the same keys under "wide" when it ran; each
+setting's "rows" holds the defaults and every extra row (yatt_s_per_step, ratio, phases, rounds).
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ SETTINGS = {  # max completion tokens, and the model: the warm start, or a wider
     "tiny": {"max_tokens": 8, "model": "warmstart"},
     "wide": {"max_tokens": 64, "model": "wide"},
 }
+# yatt-mm with settings beyond the shared work, each timed as its own row beside the defaults:
+# data.workers=0 (decode in the rank's thread) is what this benchmark ran before it measured the
+# defaults; paired runs found no difference at this size (docs/benchmarks.md)
+EXTRA_ROWS = {"data.workers=0": ["data.workers=0"]}
 
 
 def data_dir(root: Path) -> Path:
@@ -69,8 +80,12 @@ def model_dir(kind: str, data: Path) -> Path:
 
 # -- yatt-mm ----------------------------------------------------------------------------------
 
-def yatt_round(model: Path, data: Path, max_tokens: int) -> dict:
+def yatt_round(model: Path, data: Path, max_tokens: int, extra: tuple[str, ...] = ()) -> dict:
+    """`extra`: overrides beyond the shared work (none: the demo config's defaults)."""
     with tempfile.TemporaryDirectory() as tmp:
+        # the work both sides do, and nothing else: the run (steps, where), data and model, the
+        # sampling, the reward (the rule only), the hyper-parameters, fp32, no dynamic sampling,
+        # no eval and no final save (TRL saves nothing; the save comes after the timed steps)
         cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "1",
                f"run.run_dir={tmp}/run", f"run.steps={STEPS}", f"data.shards=[{data}]", f"policy.model={model}",
                f"rollout.prompts_per_step={PROMPTS}", f"rollout.sampling.n={COMPLETIONS}",
@@ -78,7 +93,7 @@ def yatt_round(model: Path, data: Path, max_tokens: int) -> dict:
                "dynamic_sampling.enabled=false", "reward.judges=[]", f"policy.trainer.lr={LR}",
                "algorithm.clip_low=0.2", "algorithm.clip_high=0.28", "algorithm.loss_agg=token",
                "algorithm.kl_coef=0", "policy.trainer.dtype=fp32", "eval.every=0", "run.save_final=false",
-               "data.workers=0"]
+               *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
         if proc.returncode != 0:
             sys.exit(f"yatt-mm run failed:\n{proc.stderr[-3000:]}")
@@ -96,6 +111,10 @@ def trl_round(model: Path, data: Path, max_tokens: int) -> dict:
         out = Path(tmp) / "trl.json"
         cmd = [sys.executable, __file__, "--trl-worker", json.dumps(
             {"model": str(model), "data": str(data), "max_tokens": max_tokens, "out": str(out), "tmp": tmp})]
+        # TRL as its users run it: no launcher of its own, so libgomp's spinning OMP_WAIT_POLICY
+        # (yatt-mm's ranks get PASSIVE, yatt_mm/launch.py). PASSIVE made TRL's step 1.3-1.6x
+        # slower on a quiet machine here; spinning made it 7-13 s instead of 0.4 s while other
+        # work loaded the 2 cores: compare the rounds' figures (yatt_rounds_s, trl_rounds_s)
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800, env=env)
         if proc.returncode != 0:
@@ -160,24 +179,37 @@ def trl_worker(args: dict) -> None:
 
 # -- the comparison ---------------------------------------------------------------------------
 
-def compare(name: str, rounds: int, root: Path) -> dict:
+def compare(name: str, rounds: int, root: Path, extra_rows: dict[str, list[str]]) -> dict:
     data = data_dir(root)
     setting = SETTINGS[name]
     model = model_dir(setting["model"], data)
-    yatt, trl = [], []
+    runs = {"defaults": lambda: yatt_round(model, data, setting["max_tokens"]),
+            "trl": lambda: trl_round(model, data, setting["max_tokens"]),
+            **{row: (lambda o=tuple(o): yatt_round(model, data, setting["max_tokens"], o))
+               for row, o in extra_rows.items()}}
+    results: dict[str, list[dict]] = {k: [] for k in runs}
     for r in range(rounds):
-        for side, fn, out in (("yatt-mm", yatt_round, yatt), ("trl", trl_round, trl)):
-            res = fn(model, data, setting["max_tokens"])
-            out.append(res)
-            print(f"[{name}] round {r + 1}/{rounds} {side:8s} {res['s_per_step']:.3f} s/step  "
+        for side in (list(runs) if r % 2 == 0 else list(runs)[::-1]):  # every other round backwards
+            res = runs[side]()
+            results[side].append(res)
+            label = "trl" if side == "trl" else f"yatt-mm {side}"
+            print(f"[{name}] round {r + 1}/{rounds} {label:24s} {res['s_per_step']:.3f} s/step  "
                   + " ".join(f"{k}={v:.3f}" for k, v in res["phases"].items()), flush=True)
-    y = statistics.median(x["s_per_step"] for x in yatt)
-    t = statistics.median(x["s_per_step"] for x in trl)
-    print(f"[{name}] {PROMPTS} prompts x {COMPLETIONS} completions <= {setting['max_tokens']} tokens, model {model.name}: "
-          f"yatt-mm {y:.3f} s/step, TRL {t:.3f} s/step, TRL/yatt-mm {t / y:.2f}", flush=True)
-    return {"yatt_s_per_step": round(y, 4), "trl_s_per_step": round(t, 4), "ratio": round(t / y, 3),
-            "yatt_phases_s": {k: round(v, 4) for k, v in yatt[-1]["phases"].items()},
-            "trl_phases_s": {k: round(v, 4) for k, v in trl[-1]["phases"].items()}}
+    t = statistics.median(x["s_per_step"] for x in results["trl"])
+    rows = {}
+    for row, res in results.items():
+        if row == "trl":
+            continue
+        y = statistics.median(x["s_per_step"] for x in res)
+        print(f"[{name}] {PROMPTS} prompts x {COMPLETIONS} completions <= {setting['max_tokens']} tokens, model "
+              f"{model.name}: yatt-mm ({row}) {y:.3f} s/step, TRL {t:.3f} s/step, TRL/yatt-mm {t / y:.2f}", flush=True)
+        rows[row] = {"yatt_s_per_step": round(y, 4), "trl_s_per_step": round(t, 4), "ratio": round(t / y, 3),
+                     "yatt_phases_s": {k: round(v, 4) for k, v in res[-1]["phases"].items()},
+                     "yatt_rounds_s": [round(x["s_per_step"], 4) for x in res]}
+    keys = ("yatt_s_per_step", "trl_s_per_step", "ratio", "yatt_phases_s", "yatt_rounds_s")
+    return {**{k: rows["defaults"][k] for k in keys},
+            "trl_phases_s": {k: round(v, 4) for k, v in results["trl"][-1]["phases"].items()},
+            "trl_rounds_s": [round(x["s_per_step"], 4) for x in results["trl"]], "rows": rows}
 
 
 def main() -> None:
@@ -187,14 +219,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--setting", choices=["tiny", "wide", "both"], default="both")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--defaults-only", action="store_true", help="no extra rows: yatt-mm at the defaults and TRL")
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
         sys.exit("TRL is not installed: pip install -e '.[bench]'")
     root = Path(tempfile.gettempdir()) / "yatt-mm-bench-rl-vs-trl"
     names = ["tiny", "wide"] if args.setting == "both" else [args.setting]
-    results = {name: compare(name, args.rounds, root) for name in names}
+    extra_rows = {} if args.defaults_only else EXTRA_ROWS
+    results = {name: compare(name, args.rounds, root, extra_rows) for name in names}
     first = results[names[0]]
-    print(json.dumps({**{k: first[k] for k in ("yatt_s_per_step", "trl_s_per_step", "ratio")},
+    print(json.dumps({**{k: first[k] for k in ("yatt_s_per_step", "trl_s_per_step", "ratio", "rows")},
                       "setting": names[0], **{n: results[n] for n in names}}))
 
 
