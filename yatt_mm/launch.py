@@ -119,7 +119,7 @@ class Nodes:
                 "--master-addr", self.master_addr, "--master-port", str(self.master_port)]
 
 
-# What every rank's environment gets unless the user's sets it. OMP_WAIT_POLICY=PASSIVE: an
+# What every rank's environment gets on CPU unless the user's sets it. OMP_WAIT_POLICY=PASSIVE: an
 # OpenMP thread that waits for work sleeps at once instead of spinning first (libgomp's default).
 # With torch's 2 threads on 2 cores (one rank: --nproc 1) and the cores shared with other work, a
 # spinning thread holds a core its descheduled peer needs. Paired runs, `yatt-mm rl --nproc 1` on
@@ -127,7 +127,9 @@ class Nodes:
 # 0.40 s per step against 0.56/0.73/0.44 s spinning, the whole run 26 s against 52-70 s; 4x256
 # model, 64-token answers, under load median 0.93x over 5 rounds; on a quiet machine level (tiny
 # 0.96x/1.07x, 4x256 0.93x/0.95x). With --nproc > 1 a rank has 1 thread by default: no change.
-RANK_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# A CPU setting (on a GPU the cores feed the device, and nothing here was measured there): applied
+# only where no GPU is present, like the rest of the CPU runtime layer.
+CPU_RANK_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
@@ -138,7 +140,9 @@ def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = Non
         raise SystemExit(f"--nproc must be >= 1, got {nproc}")
     cmd = [sys.executable, "-m", "torch.distributed.run", *(nodes or Nodes()).torchrun_args(),
            "--nproc-per-node", str(nproc), "-m", module, *args]
-    env = {**RANK_ENV_DEFAULTS, **os.environ}
+    from models.runtime import has_gpu
+
+    env = {**({} if has_gpu() else CPU_RANK_ENV_DEFAULTS), **os.environ}
     if nproc > 1:  # what torchrun sets itself when it is unset, less the 4-line banner it prints about it
         env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call(cmd, preexec_fn=_stop_with_parent, env=env)
