@@ -16,12 +16,13 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -vocab_parallel_cross_entropy(logits.float().clone(), labels)
 
 
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the full distribution per token, from vocab-parallel logits."""
-    x = logits.float()
-    m, (z, ex) = _vocab_sums(x, with_mean=True)
-    return torch.log(z) + m - ex / z
+def token_entropy(logits: torch.Tensor, differentiable: bool = False) -> torch.Tensor:
+    """Entropy of the full distribution per token, from vocab-parallel logits; with
+    `differentiable`, with its gradient (an entropy bonus in the loss)."""
+    with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
+        x = logits.float()
+        m, (z, ex) = _vocab_sums(x, with_mean=True, differentiable=differentiable)
+        return torch.log(z) + m - ex / z
 
 
 @torch.no_grad()
@@ -32,20 +33,27 @@ def label_is_argmax(logits: torch.Tensor, labels: torch.Tensor, tol: float = 1e-
     return token_logprobs(logits, labels) >= -torch.log(z) - tol
 
 
-def _vocab_sums(x: torch.Tensor, with_mean: bool = False):
+def _vocab_sums(x: torch.Tensor, with_mean: bool = False, differentiable: bool = False):
     """Over the full vocabulary (the TP ranks' slices together): the max logit m per token, and
-    sum exp(x - m) (with `with_mean`, also sum exp(x - m) * x), as [k, ...] scalars per token."""
+    sum exp(x - m) (with `with_mean`, also sum exp(x - m) * x), as [k, ...] scalars per token.
+    With `differentiable`, the sums keep their gradient: the all-reduce passes it back unchanged
+    to each rank's slice (every rank's loss is the same function of the summed values), and m
+    is a constant (the entropy does not depend on it)."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    m = x.max(-1, keepdim=True).values
+    m = x.detach().max(-1, keepdim=True).values
     if tp > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     e = torch.exp(x - m)
     sums = torch.stack([e.sum(-1), (e * x).sum(-1)] if with_mean else [e.sum(-1)])
     if tp > 1:
-        dist.all_reduce(sums, group=group)
+        if differentiable:
+            sums = reduce_from_tensor_model_parallel_region(sums)
+        else:
+            dist.all_reduce(sums, group=group)
     return m.squeeze(-1), sums
 
 

@@ -1,5 +1,6 @@
-"""Training of the Megatron Qwen2-VL: DDP, Megatron's optimizer, the forward-backward schedule
-over micro-batches of variable-length multimodal samples, and HF export.
+"""Training of a Megatron VLM (its model family, models/family.py, builds and converts it): DDP,
+Megatron's optimizer, the forward-backward schedule over micro-batches of variable-length
+multimodal samples, and HF export.
 
 The trainer knows nothing of RL: it takes micro-batches and a loss function of per-token
 logprobs. Call it from every rank after `models.comm.init_parallel()`.
@@ -15,12 +16,12 @@ from typing import Callable, Literal
 import torch
 
 from models.comm import accelerator_device, broadcast_packed, comm
+from models.family import family_of, read_spec
+from models.inputs import VLMInputs
 from models.offload import HostOffload, optimizer_tensors
 from models.optimizer import build_optimizer, inner_optimizers
 from models.packing import pack
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
-from models.qwen2vl.config import Qwen2VLSpec
-from models.qwen2vl.model import VLMInputs
 
 
 @dataclass
@@ -63,9 +64,8 @@ class TrainerConfig:
 
     def check_model(self, hf_dir: str, prefix: str) -> None:
         """Whether the model in `hf_dir` splits into this layout (before any rank starts)."""
-        from models.qwen2vl.config import check_layout
-
-        check_layout(Qwen2VLSpec.from_hf_dir(hf_dir), self.tensor_parallel, self.pipeline_parallel, f"{prefix}.")
+        spec = read_spec(hf_dir)
+        family_of(spec).check_layout(spec, self.tensor_parallel, self.pipeline_parallel, f"{prefix}.")
 
     @property
     def offloads(self) -> bool:
@@ -99,7 +99,7 @@ class VLMTrainer:
 
         self.cfg = cfg
         self.hf_dir = hf_dir
-        self.spec = Qwen2VLSpec.from_hf_dir(hf_dir)
+        self.spec = read_spec(hf_dir)
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         groups = comm()
         self.tp_rank, self.tp_group = groups.tp_rank, groups.tp  # accelerator: the weight gather
@@ -180,10 +180,12 @@ class VLMTrainer:
         return float(sum(p.detach().double().sum() for p in self.module.parameters()))
 
     # -- training ----------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, with_entropy: bool = False,
+                   entropy_grad: bool = False) -> dict[str, float]:
         """One optimizer step over the micro-batches. `loss_fn(logprobs, mb)` returns this
         micro-batch's share of the loss (already normalised over the whole step, see README).
-        With `with_entropy`, the forward's per-token entropy is in `mb.extra["entropy"]` first."""
+        With `with_entropy`, the forward's per-token entropy is in `mb.extra["entropy"]` first
+        (with `entropy_grad`, with its gradient: an entropy bonus)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model.train()
@@ -191,7 +193,7 @@ class VLMTrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = _forward_scores(model, mb, self.device, with_entropy)
+            out = _forward_scores(model, mb, self.device, with_entropy, entropy_grad)
             if not self.pipeline.last:
                 return out, None  # hidden states: the schedule sends them to the next stage
             lp, entropy = out
@@ -241,16 +243,14 @@ class VLMTrainer:
 
     # -- weights -----------------------------------------------------------------------------
     def export_hf(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        from models.qwen2vl.convert import export_hf
-
-        return export_hf(self.module, self.tp_group, dtype)
+        """HF-named full tensors of the whole model (gathered over TP and PP), on every rank."""
+        return {k: t for bucket in family_of(self.spec).export_hf_buckets(self.module, self.tp_group, dtype, None)
+                for k, t in bucket.items()}
 
     def export_hf_buckets(self, bucket_mb: float, dtype: torch.dtype | None = None):
         """The same tensors as `export_hf`, built and handed out a bucket of ~bucket_mb at a time
         (a collective over TP: every TP rank iterates to the end)."""
-        from models.qwen2vl.convert import export_hf_buckets
-
-        return export_hf_buckets(self.module, self.tp_group, dtype, int(bucket_mb * 2**20))
+        return family_of(self.spec).export_hf_buckets(self.module, self.tp_group, dtype, int(bucket_mb * 2**20))
 
 
 class ReferencePolicy:
@@ -260,7 +260,7 @@ class ReferencePolicy:
 
     def __init__(self, hf_dir: str, cfg: TrainerConfig):
         self.device = accelerator_device()
-        self.module = build_module(hf_dir, Qwen2VLSpec.from_hf_dir(hf_dir), cfg).eval().requires_grad_(False)
+        self.module = build_module(hf_dir, read_spec(hf_dir), cfg).eval().requires_grad_(False)
         self.pipeline = Pipeline.of(comm())
         self._offload()
 
@@ -277,17 +277,16 @@ class ReferencePolicy:
             torch.cuda.empty_cache()
 
 
-def build_module(hf_dir: str, spec: Qwen2VLSpec, cfg: TrainerConfig) -> torch.nn.Module:
-    """The Megatron Qwen2-VL of `hf_dir`, this rank's TP shard, on the training device."""
+def build_module(hf_dir: str, spec, cfg: TrainerConfig) -> torch.nn.Module:
+    """The Megatron model of `hf_dir` (`spec` read by its family), this rank's TP shard of its
+    pipeline stage, on the training device."""
     from megatron.core import parallel_state
 
-    from models.qwen2vl.convert import load_hf_into
-    from models.qwen2vl.model import Qwen2VLModel
-
-    module = Qwen2VLModel(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
-                          cfg.recompute, cfg.pipeline_parallel)
+    family = family_of(spec)
+    module = family.build_model(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
+                                cfg.recompute, cfg.pipeline_parallel)
     module = module.to(accelerator_device())
-    load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
+    family.load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
     return module
 
 
@@ -359,7 +358,7 @@ def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with
 
 
 def _module(model) -> torch.nn.Module:
-    """The Qwen2VLModel inside Megatron's DDP wrapper."""
+    """The family's model inside Megatron's DDP wrapper."""
     return getattr(model, "module", model)
 
 
@@ -372,7 +371,7 @@ def _stage_forward(model, mb: MicroBatch, device: torch.device, packed=None):
     return model(inputs.to(device), packed.params) if packed else model(inputs.to(device))
 
 
-def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: bool):
+def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: bool, entropy_grad: bool = False):
     """The forward pass and its per-token scores [b, s], padded or packed (then scattered back);
     before the last pipeline stage, the hidden states."""
     labels, where = mb.labels, mb.score_mask
@@ -381,27 +380,28 @@ def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: b
     if not _module(model).post_process:
         return out
     if not mb.packed:
-        return _token_scores(out, labels, where, device, with_entropy)
+        return _token_scores(out, labels, where, device, with_entropy, entropy_grad)
     logits = out
     lp, entropy = _token_scores(logits, labels[row.rows, row.cols][None],
-                                None if where is None else where[row.rows, row.cols][None], device, with_entropy)
+                                None if where is None else where[row.rows, row.cols][None], device, with_entropy,
+                                entropy_grad)
     shape = mb.inputs.input_ids.shape
     return row.unpack(lp, shape), row.unpack(entropy, shape) if with_entropy else None
 
 
 def _token_scores(logits: torch.Tensor, labels: torch.Tensor, where: torch.Tensor | None, device: torch.device,
-                  with_entropy: bool):
+                  with_entropy: bool, entropy_grad: bool = False):
     """Logprobs of the next tokens `labels` (differentiable) and, optionally, the entropy,
     computed over the vocabulary only where `where` says (the softmax over the vocabulary of
     every prompt token would be most of the work for short RL answers)."""
     labels = labels.to(device)
     if where is None:
-        return token_logprobs(logits, labels), token_entropy(logits) if with_entropy else None
+        return token_logprobs(logits, labels), token_entropy(logits, entropy_grad) if with_entropy else None
     where = where.to(device)
     picked = logits[where]  # [n, vocab / tp]
     zeros = torch.zeros(labels.shape, dtype=torch.float32, device=device)
     lp = zeros.masked_scatter(where, token_logprobs(picked, labels[where]))
-    entropy = zeros.masked_scatter(where, token_entropy(picked)) if with_entropy else None
+    entropy = zeros.masked_scatter(where, token_entropy(picked, entropy_grad)) if with_entropy else None
     return lp, entropy
 
 

@@ -109,6 +109,17 @@ def main() -> int:
                           # the label is a most likely token (in bf16 logits tie: argmax picks one of them)
                           and torch.equal(label_is_argmax(logits, batches[0].labels),
                                           full.gather(-1, batches[0].labels[..., None])[..., 0] >= full.max(-1).values))
+    # the differentiable entropy (an entropy bonus) has the full vocabulary's gradient on this
+    # rank's slice of it
+    from megatron.core import parallel_state
+
+    start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    own = logits.detach().float().requires_grad_(True)
+    (grad,) = torch.autograd.grad(token_entropy(own, differentiable=True).sum(), own)
+    full_leaf = full.detach().requires_grad_(True)
+    (ref_grad,) = torch.autograd.grad((-(torch.softmax(full_leaf, -1) * torch.log_softmax(full_leaf, -1)).sum(-1)).sum(),
+                                      full_leaf)
+    entropy_grad_diff = float((grad - ref_grad[..., start:start + logits.shape[-1]]).abs().max())
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(ps.get_data_parallel_world_size())]
     dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())
@@ -120,6 +131,7 @@ def main() -> int:
         print(json.dumps({"tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
                           "dp_identical": identical, "entropy_tp_consistent": entropy_ok,
                           "entropy_tp_max_diff": entropy_diff, "logprob_tp_max_diff": logprob_diff,
+                          "entropy_grad_max_diff": entropy_grad_diff,
                           "export_shapes_ok": shapes_ok, "offload": offload}), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
