@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from models.qwen2vl.model import VLMInputs
+from models.inputs import VLMInputs
 
 
 @dataclass

@@ -1,10 +1,13 @@
-"""Tiny Qwen2-VL models built offline: tokenizer, config, random weights and processors.
+"""Tiny models built offline: tokenizer, config, random weights and processors.
 
 No model hub is reachable on the machines this project tests on, so every test and the CPU demo
 runs on a model this module builds from nothing. The result is a normal Hugging Face directory
 that transformers and vLLM both load, and it accepts images and videos.
 
 Builds are deterministic for (kind, seed) and cached: `tiny_model_dir()` builds once per machine.
+Which kinds exist, and their architecture, is each model family's (`ModelFamily.tiny_kinds`,
+`make_tiny`; e.g. models/qwen2vl/tiny.py); this module holds what they share: the tokenizer and
+chat template, the sizes, and the cache.
 """
 
 from __future__ import annotations
@@ -15,14 +18,11 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 # Bump when the architecture, tokenizer or processors below change: it invalidates caches.
 FACTORY_VERSION = 2
-# The Qwen2.5-VL kinds have their own version on top of FACTORY_VERSION, so changing them leaves
-# the Qwen2-VL kinds' cache keys (and the warm starts hashed from them) alone.
-QWEN25_VERSION = 1
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -91,19 +91,10 @@ class TinySpec:
     video_max_pixels: int = 28 * 28 * 16
 
 
-KINDS = ("policy", "judge", "policy25")
-QWEN25_KINDS = ("policy25",)  # Qwen2.5-VL architecture (window attention vision tower)
-
-# The tiny Qwen2.5-VL vision tower: RMSNorm, gated SiLU MLP with bias, window attention in
-# every block except the last. Windows of 56 px = 2x2 merged tokens, so the small test images
-# (up to 8x8 merged tokens) hold several windows. Vision head_dim 32 (vLLM's CPU encoder
-# attention takes it); text as the Qwen2-VL policy.
-QWEN25_VISION = dict(intermediate_size=128, window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
-
-
 def _spec_for(kind: str, seed: int) -> TinySpec:
-    if kind not in KINDS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    from models.family import family_for_tiny_kind
+
+    family_for_tiny_kind(kind)  # an unknown kind: an error naming the known ones
     # The judge reads longer prompts (question + response + rubric): one more layer.
     if kind == "judge":
         return TinySpec(kind=kind, seed=seed, num_layers=3)
@@ -111,8 +102,10 @@ def _spec_for(kind: str, seed: int) -> TinySpec:
 
 
 def _version(kind: str) -> str:
-    """The cache version of a kind: FACTORY_VERSION, plus QWEN25_VERSION for Qwen2.5-VL kinds."""
-    return f"{FACTORY_VERSION}" if kind not in QWEN25_KINDS else f"{FACTORY_VERSION}.q25-{QWEN25_VERSION}"
+    """The cache version of a kind (its family's `tiny_kinds`): FACTORY_VERSION and the family's own."""
+    from models.family import family_for_tiny_kind
+
+    return family_for_tiny_kind(kind).tiny_kinds[kind]
 
 
 def _training_corpus(n_lines: int = 4000) -> list[str]:
@@ -151,15 +144,15 @@ def build_tokenizer():
     return hf
 
 
-def _token_ids(ids: dict[str, int]) -> dict:
-    """The top-level config's special token ids (both tiny architectures)."""
+def token_ids(ids: dict[str, int]) -> dict:
+    """The top-level config's special token ids (every tiny architecture)."""
     return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                 tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                 pad_token_id=ids["<|endoftext|>"])
 
 
-def _text_config(spec, vocab: int, ids: dict[str, int]) -> dict:
+def text_config(spec, vocab: int, ids: dict[str, int]) -> dict:
     """The language model's settings, the same for the Qwen2-VL and Qwen2.5-VL tiny models."""
     head_dim = spec.hidden_size // spec.num_heads
     return dict(
@@ -182,45 +175,22 @@ def _text_config(spec, vocab: int, ids: dict[str, int]) -> dict:
 
 
 def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0, spec: TinySpec | None = None) -> Path:
-    """Build a tiny Qwen2-VL (or, for the Qwen2.5-VL kinds, a tiny Qwen2.5-VL: the same
-    tokenizer, text sizes and processors with Qwen2.5-VL's vision tower, QWEN25_VISION) into
-    `out_dir` (created; must not exist or be empty). `spec` overrides the kind's sizes (e.g. a
-    wider model for benchmarks; not cached by `tiny_model_dir`)."""
-    import torch
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLProcessor,
-    )
+    """Build the tiny model of `kind` (its family's `make_tiny`) into `out_dir` (created; must
+    not exist or be empty), with the stamp `yatt_tiny.json`. `spec` overrides the kind's sizes
+    (e.g. a wider model for benchmarks; not cached by `tiny_model_dir`)."""
+    from models.family import family_for_tiny_kind
 
+    family = family_for_tiny_kind(kind)
     spec = spec or _spec_for(kind, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vision = dict(depth=spec.vision_depth, num_heads=spec.vision_heads, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2)
-    if kind in QWEN25_KINDS:
-        vision.update(hidden_size=spec.vision_embed_dim, out_hidden_size=spec.hidden_size, hidden_act="silu",
-                      **QWEN25_VISION)
-        config_cls, model_cls, processor_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
-        stamp = {"qwen25_version": QWEN25_VERSION, **asdict(spec), "arch": "qwen2_5_vl", "vision": QWEN25_VISION}
-    else:
-        vision.update(embed_dim=spec.vision_embed_dim, hidden_size=spec.hidden_size, mlp_ratio=2)
-        config_cls, model_cls, processor_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
-        stamp = asdict(spec)
-    config = config_cls(text_config=_text_config(spec, len(tokenizer), ids), vision_config=vision, **_token_ids(ids))
-    torch.manual_seed(spec.seed)  # the initial weights follow from the seed alone
-    _save_model(out, spec, model_cls(config), ids, perturb_norms=kind in QWEN25_KINDS)
-    _save_processor(out, spec, tokenizer, processor_cls)
-    (out / "yatt_tiny.json").write_text(json.dumps({"factory_version": FACTORY_VERSION, **stamp}, indent=1))
+    stamp = family.make_tiny(out, kind, spec)
+    (out / "yatt_tiny.json").write_text(json.dumps({"factory_version": FACTORY_VERSION, **stamp,
+                                                    "version": family.tiny_kinds[kind]}, indent=1))
     return out
 
 
-def _save_model(out: Path, spec: "TinySpec", model, ids: dict[str, int], perturb_norms: bool) -> None:
+def save_model(out: Path, spec: "TinySpec", model, ids: dict[str, int], perturb_norms: bool) -> None:
     import torch
 
     model = model.to(torch.float32)
@@ -237,20 +207,6 @@ def _save_model(out: Path, spec: "TinySpec", model, ids: dict[str, int], perturb
     model.save_pretrained(out, safe_serialization=True)
 
 
-def _save_processor(out: Path, spec: "TinySpec", tokenizer, processor_cls) -> None:
-    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
-
-    processor_cls(
-        image_processor=Qwen2VLImageProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels,
-                                              patch_size=14, merge_size=2),
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.video_max_pixels,
-                                              patch_size=14, merge_size=2,
-                                              cap_pixels_per_frame=True),  # qwen-vl-utils' per-frame cap
-        chat_template=CHAT_TEMPLATE,
-    ).save_pretrained(out)
-
-
 _ESSENTIAL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json")
 
 
@@ -259,12 +215,13 @@ def is_built(path: str | Path, kind: str, seed: int) -> bool:
     if not stamp.is_file() or not all((Path(path) / f).is_file() for f in _ESSENTIAL_FILES):
         return False
     meta = json.loads(stamp.read_text())
-    if kind in QWEN25_KINDS and meta.get("qwen25_version") != QWEN25_VERSION:
-        return False
-    return (meta.get("factory_version"), meta.get("kind"), meta.get("seed")) == (
+    # stamps of before the family layout have no "version": their factory version is it
+    version = meta.get("version", str(meta.get("factory_version")))
+    return (meta.get("factory_version"), meta.get("kind"), meta.get("seed"), version) == (
         FACTORY_VERSION,
         kind,
         seed,
+        _version(kind),
     )
 
 

@@ -10,6 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# shared with the other families; imported here under the names they had
+from models.megatron_config import RECOMPUTE, pipeline_settings  # noqa: F401
+from models.megatron_config import common as _common
+
 
 @dataclass(frozen=True)
 class Qwen2VLSpec:
@@ -51,12 +55,37 @@ class Qwen2VLSpec:
     def is_qwen25(self) -> bool:
         return self.model_type == "qwen2_5_vl"
 
+    # What the memory plan (yatt_mm/plan) counts of the vision tower (see models/family.py).
+    @property
+    def vision_ffn(self) -> int:
+        """The MLP's width (one half of a gated fc1)."""
+        return self.vision_intermediate_size if self.is_qwen25 else int(self.vision_embed_dim * self.vision_mlp_ratio)
+
+    @property
+    def vision_gated(self) -> bool:
+        return self.is_qwen25
+
+    @property
+    def vision_rms_norm(self) -> bool:
+        """RMSNorm (a weight) in the blocks and the merger, else LayerNorm (weight and bias)."""
+        return self.is_qwen25
+
+    @property
+    def vision_masked(self) -> bool:
+        """Qwen2.5-VL runs all of a micro-batch's patches as one sequence under a window or
+        frame mask per block, layer by layer (models/qwen2vl/vision.py); Qwen2-VL runs the
+        frames as a batch through Megatron's block."""
+        return self.is_qwen25
+
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Qwen2VLSpec":
-        cfg = json.loads((Path(path) / "config.json").read_text())
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()), str(path))
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "Qwen2VLSpec":
         model_type = cfg.get("model_type")
         if model_type not in ("qwen2_vl", "qwen2_5_vl"):
-            raise ValueError(f"{path}: model_type is {model_type!r}; this loader reads qwen2_vl and qwen2_5_vl")
+            raise ValueError(f"{where}: model_type is {model_type!r}; this loader reads qwen2_vl and qwen2_5_vl")
         text = cfg.get("text_config") or cfg  # transformers 4.x kept text settings at the top
         vision = cfg["vision_config"]
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -101,35 +130,6 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-# Activation recompute: "selective" recomputes each layer's core attention in the backward pass
-# (its softmax probabilities are the largest activations of long sequences), "full" the whole of
-# every layer (only the layers' inputs are kept). Gradients are the same; memory is traded for compute.
-RECOMPUTE = {
-    "none": {},
-    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-}
-
-
-def _common(dtype: torch.dtype, tp: int, recompute: str = "none") -> dict:
-    # Fusions need Apex/TE or CUDA kernels; the plain paths are exact and work everywhere.
-    return dict(**RECOMPUTE[recompute],
-        tensor_model_parallel_size=tp,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
-
-
 def check_layout(spec: Qwen2VLSpec, tp: int, pp: int, prefix: str = "") -> None:
     """Whether the model splits into `tp` tensor-parallel shards and `pp` pipeline stages;
     `prefix` names where the settings live (e.g. "policy.trainer.") in the error."""
@@ -139,15 +139,6 @@ def check_layout(spec: Qwen2VLSpec, tp: int, pp: int, prefix: str = "") -> None:
     if spec.num_layers % pp:
         raise ValueError(f"{prefix}pipeline_parallel={pp}: the model's {spec.num_layers} layers must divide evenly "
                          "into the pipeline stages")
-
-
-def pipeline_settings(pp: int) -> dict:
-    """Megatron settings of a language model split over `pp` pipeline stages: every micro-batch
-    has its own shape (the schedule sends shapes before tensors). Megatron accepts variable
-    lengths only beside the all-to-all MoE dispatcher, which a dense model never runs."""
-    if pp == 1:
-        return {}
-    return dict(pipeline_model_parallel_size=pp, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
 
 
 def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",

@@ -3,58 +3,12 @@ embeddings, then Megatron's GPTModel (M-RoPE, QKV bias, RMSNorm, SwiGLU) runs th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from models.inputs import VLMInputs
 from models.qwen2vl.config import Qwen2VLSpec, check_layout, language_config, vision_config
-from models.qwen2vl.rope_index import rope_index
 from models.qwen2vl.vision import Qwen2VisionModel
-
-
-@dataclass
-class VLMInputs:
-    """One (micro-)batch, as the HF processor makes it, plus the 3-D position ids."""
-
-    input_ids: torch.Tensor  # [b, s]
-    position_ids: torch.Tensor  # [3, b, s]
-    attention_mask: torch.Tensor | None = None  # [b, s] 1 = real token (right padding only)
-    pixel_values: torch.Tensor | None = None  # [image patches, C*T*P*P]
-    image_grid_thw: torch.Tensor | None = None  # [images, 3]
-    pixel_values_videos: torch.Tensor | None = None
-    video_grid_thw: torch.Tensor | None = None
-    # Shared media (GRPO: a prompt's n responses show the same image): the pixel values hold
-    # each distinct image once, the grids hold one row per image occurrence in the batch, and
-    # these say which distinct image each occurrence is. The vision tower then runs once per
-    # distinct image; gradients of its copies add up, as they would for separate copies.
-    image_sources: torch.Tensor | None = None  # [image occurrences] index into the distinct images
-    video_sources: torch.Tensor | None = None
-
-    @classmethod
-    def from_processor(cls, spec: Qwen2VLSpec, batch: dict) -> "VLMInputs":
-        attention_mask = batch.get("attention_mask")
-        if attention_mask is not None and bool((attention_mask[:, 0] == 0).any()):
-            raise ValueError("left padding is not supported: set the tokenizer's padding_side='right'")
-        seconds = batch.get("second_per_grid_ts")
-        if spec.is_qwen25 and batch.get("video_grid_thw") is not None and seconds is None:
-            # vLLM always has the processor's value; guessing one would shift temporal positions
-            raise ValueError("Qwen2.5-VL video inputs need the processor's second_per_grid_ts in the batch")
-        position_ids = rope_index(batch["input_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
-                                  spec.image_token_id, spec.video_token_id, spec.spatial_merge_size, attention_mask,
-                                  seconds if spec.is_qwen25 else None, spec.tokens_per_second)
-        return cls(batch["input_ids"], position_ids, attention_mask, batch.get("pixel_values"),
-                   batch.get("image_grid_thw"), batch.get("pixel_values_videos"), batch.get("video_grid_thw"),
-                   batch.get("image_sources"), batch.get("video_sources"))
-
-    def to(self, device) -> "VLMInputs":
-        return VLMInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
-
-
-    def text_only(self) -> "VLMInputs":
-        """Without the media: what a pipeline stage after the first needs (ids for the labels,
-        M-RoPE positions for its layers' rotary embedding)."""
-        return VLMInputs(self.input_ids, self.position_ids, self.attention_mask)
 
 
 class Qwen2VLModel(nn.Module):

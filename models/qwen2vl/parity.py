@@ -48,9 +48,10 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
     import models  # noqa: F401 - CPU runtime hooks
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
+    from models.inputs import VLMInputs
     from models.qwen2vl.config import Qwen2VLSpec
     from models.qwen2vl.convert import load_hf_into
-    from models.qwen2vl.model import Qwen2VLModel, VLMInputs
+    from models.qwen2vl.model import Qwen2VLModel
     from models.trainer import MicroBatch, Pipeline, forward_only
 
     groups = init_parallel(tp, seed=0, pipeline_parallel=pp)  # torchrun's ranks, or one local process

@@ -80,3 +80,14 @@ def rope_index(
                 i = j
         out[:, row, keep] = torch.cat(pieces, dim=1)
     return out
+
+
+def position_ids(spec, batch: dict) -> torch.Tensor:
+    """The family's position-id hook (models/family.py): M-RoPE positions of a processor batch."""
+    seconds = batch.get("second_per_grid_ts")
+    if spec.is_qwen25 and batch.get("video_grid_thw") is not None and seconds is None:
+        # vLLM always has the processor's value; guessing one would shift temporal positions
+        raise ValueError("Qwen2.5-VL video inputs need the processor's second_per_grid_ts in the batch")
+    return rope_index(batch["input_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
+                      spec.image_token_id, spec.video_token_id, spec.spatial_merge_size, batch.get("attention_mask"),
+                      seconds if spec.is_qwen25 else None, spec.tokens_per_second)

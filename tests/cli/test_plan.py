@@ -134,7 +134,7 @@ import json, sys
 import models, torch
 from models.comm import init_parallel
 from models.qwen2vl.config import Qwen2VLSpec
-from models.qwen2vl.model import VLMInputs
+from models.inputs import VLMInputs
 from models.tiny import tiny_model_dir
 from models.logprobs import next_token_labels, token_logprobs
 from models.trainer import TrainerConfig, build_module

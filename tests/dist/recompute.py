@@ -17,7 +17,7 @@ import torch
 from dataio.synth import colour_image
 from models.comm import init_parallel
 from models.qwen2vl.config import Qwen2VLSpec
-from models.qwen2vl.model import VLMInputs
+from models.inputs import VLMInputs
 from models.tiny import tiny_model_dir
 from models.trainer import TrainerConfig, build_module
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dataio.synth import colour_image
 from models.qwen2vl.convert import load_hf_state
-from models.qwen2vl.model import VLMInputs
+from models.inputs import VLMInputs
 from models.tiny import tiny_model_dir
 from models.comm import comm, init_parallel
 from models.offload import optimizer_tensors

@@ -17,7 +17,7 @@ import models  # noqa: F401 - CPU runtime hooks first
 import torch
 
 from dataio.synth import colour_image, moving_ball_video
-from models.qwen2vl.model import VLMInputs
+from models.inputs import VLMInputs
 from models.tiny import tiny_model_dir
 from models.comm import init_parallel
 from models.trainer import MicroBatch, TrainerConfig, VLMTrainer

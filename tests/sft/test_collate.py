@@ -10,7 +10,7 @@ import torch
 
 def _per_example(processor, spec, examples):
     """The reference: one processor call per example, rows right-padded, targets masked."""
-    from models.qwen2vl.model import VLMInputs
+    from models.inputs import VLMInputs
 
     encoded = []
     for ex in examples:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.qwen2vl.model import VLMInputs
+from models.inputs import VLMInputs
 from models.trainer import MicroBatch
 from yatt_mm.engines.engine import Request, Response
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from models.qwen2vl.model import VLMInputs
+from models.inputs import VLMInputs
 from models.trainer import MicroBatch
 from yatt_mm.sft.examples import Example
 

@@ -1,0 +1,46 @@
+"""Megatron-Core TransformerConfig settings shared by the model families (models/family.py):
+activation recompute, the plain (unfused) kernels, pipeline stages of variable shape."""
+
+from __future__ import annotations
+
+import torch
+
+
+# Activation recompute: "selective" recomputes each layer's core attention in the backward pass
+# (its softmax probabilities are the largest activations of long sequences), "full" the whole of
+# every layer (only the layers' inputs are kept). Gradients are the same; memory is traded for compute.
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def common(dtype: torch.dtype, tp: int, recompute: str = "none") -> dict:
+    """Megatron TransformerConfig settings every model here uses."""
+    # Fusions need Apex/TE or CUDA kernels; the plain paths are exact and work everywhere.
+    return dict(**RECOMPUTE[recompute],
+        tensor_model_parallel_size=tp,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+
+def pipeline_settings(pp: int) -> dict:
+    """Megatron settings of a language model split over `pp` pipeline stages: every micro-batch
+    has its own shape (the schedule sends shapes before tensors). Megatron accepts variable
+    lengths only beside the all-to-all MoE dispatcher, which a dense model never runs."""
+    if pp == 1:
+        return {}
+    return dict(pipeline_model_parallel_size=pp, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
