@@ -48,7 +48,8 @@ def build_model(out: Path, widths: str = "2b", layers: int = 2) -> Path:
     inside the 2B vocabulary), the given widths, random weights."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
-    from models.tiny import SPECIAL_TOKENS, TinySpec, _save_processor, _token_ids, build_tokenizer
+    from models.qwen2vl.tiny import save_processor
+    from models.tiny import SPECIAL_TOKENS, TinySpec, build_tokenizer, token_ids
 
     text_w, vision_w = WIDTHS[widths]
     tokenizer = build_tokenizer()
@@ -60,11 +61,11 @@ def build_model(out: Path, widths: str = "2b", layers: int = 2) -> Path:
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": text_w["mrope_section"]},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     vision = dict(depth=layers, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, **vision_w)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, **_token_ids(ids))
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, **token_ids(ids))
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
     # images up to 448x448 (256 merged tokens), as a real 2B run would see
-    _save_processor(out, TinySpec(max_pixels=448 * 448), tokenizer, Qwen2VLProcessor)
+    save_processor(out, TinySpec(max_pixels=448 * 448), tokenizer, Qwen2VLProcessor)
     return out
 
 
@@ -74,7 +75,7 @@ def rl_samples(processor, n_groups: int, n: int, response_tokens: int, seed: int
     import numpy as np
     from PIL import Image
 
-    from yatt_mm.rl.algorithms import group_advantages
+    from yatt_mm.rl.advantages import advantages
     from yatt_mm.rl.samples import TrainSample
 
     rng = random.Random(seed)
@@ -88,7 +89,7 @@ def rl_samples(processor, n_groups: int, n: int, response_tokens: int, seed: int
                         return_tensors="pt")
         prompt = enc["input_ids"][0]
         rewards = torch.tensor([float(rng.random() < 0.5) for _ in range(n)])
-        adv = group_advantages(rewards, [f"g{g}"] * n)
+        adv = advantages("grpo", rewards, [f"g{g}"] * n)
         for i in range(n):
             ids = torch.cat([prompt, torch.randint(0, vocab, (response_tokens,), generator=torch.Generator().manual_seed(g * 97 + i))])
             mask = torch.zeros(ids.numel())
@@ -104,14 +105,13 @@ def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> float:
     two images, video), both in `dtype` on `device`."""
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-    from models.qwen2vl.config import Qwen2VLSpec
-    from models.qwen2vl.convert import load_hf_into
-    from models.qwen2vl.model import Qwen2VLModel, VLMInputs
+    from models.family import family_of, read_spec
+    from models.inputs import VLMInputs
     from models.qwen2vl.parity import probes
 
-    spec = Qwen2VLSpec.from_hf_dir(hf_dir)
-    ours = Qwen2VLModel(spec, dtype, 1).to(device).eval()
-    load_hf_into(ours, hf_dir, 0, 1)
+    spec = read_spec(hf_dir)
+    ours = family_of(spec).build_model(spec, dtype, 1).to(device).eval()
+    family_of(spec).load_hf_into(ours, hf_dir, 0, 1)
     hf = Qwen2VLForConditionalGeneration.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
     processor = AutoProcessor.from_pretrained(hf_dir)
     worst = 0.0
@@ -139,13 +139,16 @@ def rl_steps(hf_dir: str, dtype: str, steps: int, n_groups: int) -> tuple[dict, 
 
     trainer = VLMTrainer(hf_dir, TrainerConfig(dtype=dtype, lr=1e-5, offload="always"))
     processor = AutoProcessor.from_pretrained(hf_dir)
-    actor = Actor(trainer, AlgorithmConfig(mini_batches=2, is_correction=False), micro_batch_tokens=4096,
+    algorithm = AlgorithmConfig(mini_batches=2)
+    algorithm.rollout_correction.level = "off"  # random tokens: no sampler to correct for
+    actor = Actor(trainer, algorithm, micro_batch_tokens=4096,
                   pad_id=processor.tokenizer.pad_token_id, max_logprob_diff=float("inf"))
     samples = rl_samples(processor, n_groups, 4, 64)
     losses, changed = [], []
     for _ in range(steps):
         minis = actor.prepare(samples)
         actor.old_logprobs(minis)
+        actor.batch_advantages(minis)
         m = actor.update(minis)
         losses.append(m["train/loss"])
         changed.append(m["train/weights_checksum_after"] != m["train/weights_checksum_before"])

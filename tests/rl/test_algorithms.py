@@ -1,61 +1,141 @@
+"""The RL algorithms against hand computations on fixed tensors: advantages (GRPO, Dr. GRPO,
+RLOO, REINFORCE++), the PPO clip where it binds, dual-clip and the log-ratio clamp, GSPO in its
+two forms, the aggregations, the rollout correction, the entropy bonus and DAPO's overlong
+penalty; with the edge cases (a group of one, equal rewards, every token masked, a wild token)."""
+
+from math import exp, log
+
 import pytest
 import torch
 
-from yatt_mm.rl.algorithms import AlgorithmConfig, advantages, aggregate, group_advantages, policy_loss
+from yatt_mm.rl.advantages import advantages, overlong_penalty, token_returns, whiten, whiten_sums
+from yatt_mm.rl.algorithms import AlgorithmConfig
+from yatt_mm.rl.losses import aggregate, kl_penalty, policy_loss, sequence_kl
 
 
-def test_group_advantages_grpo_and_dr_grpo():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 2.0])
-    groups = ["a", "a", "b", "b", "b", "c"]
-    adv = group_advantages(rewards, groups, normalize_std=True)
+def _cfg(**kw) -> AlgorithmConfig:
+    correction = kw.pop("correction", None)
+    cfg = AlgorithmConfig(**kw)
+    if correction is not None:
+        level, mode, threshold = correction
+        cfg.rollout_correction.level, cfg.rollout_correction.mode, cfg.rollout_correction.threshold = \
+            level, mode, threshold
+    return cfg
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 2.0, 3.0, 3.0])
+    groups = ["a", "a", "b", "b", "b", "c", "d", "d"]
+    grpo = advantages("grpo", rewards, groups)
     # +-0.5 / std, std = 2 ** -0.5; measured 1.0e-6 off (the 1e-6 the std is padded with)
-    assert adv[0] == pytest.approx(2 ** -0.5, abs=1e-5) and adv[1] == pytest.approx(-(2 ** -0.5), abs=1e-5)
+    assert grpo[0] == pytest.approx(2 ** -0.5, abs=1e-5) and grpo[1] == pytest.approx(-(2 ** -0.5), abs=1e-5)
     b = rewards[2:5]
-    assert torch.allclose(adv[2:5], (b - b.mean()) / (b.std() + 1e-6))
-    assert adv[5] == 0.0  # a group of one
-    dr = advantages(AlgorithmConfig(advantage="dr_grpo"), rewards, groups)
-    assert torch.allclose(dr[2:5], b - b.mean())
-    same = group_advantages(torch.tensor([3.0, 3.0]), [0, 0])
-    assert torch.equal(same, torch.zeros(2))
+    assert torch.allclose(grpo[2:5], (b - b.mean()) / (b.std() + 1e-6))
+    assert torch.allclose(advantages("dr_grpo", rewards, groups)[2:5], b - b.mean())
+    # RLOO: r_i minus the mean of the others; group b = (0, 1, 5)
+    assert advantages("rloo", rewards, groups)[2:5].tolist() == pytest.approx([0 - 3.0, 1 - 2.5, 5 - 0.5])
+    assert advantages("reinforce_pp_baseline", rewards, groups)[2:5].tolist() == pytest.approx((b - 2).tolist())
+    assert torch.equal(advantages("reinforce_pp", rewards, groups), rewards)  # whitened later, over the step
+    for how in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+        adv = advantages(how, rewards, groups)
+        assert adv[5] == 0.0 and torch.equal(adv[6:], torch.zeros(2)), how  # a group of one; equal rewards
+    with pytest.raises(ValueError, match="choose grpo, dr_grpo, rloo"):
+        advantages("ppo", rewards, groups)
 
 
-def _batch():
+def test_reinforce_pp_returns_take_the_kl_ahead_and_whiten_over_the_step():
+    rewards = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    kl = torch.tensor([[0.1, 0.2, 9.0], [0.0, 0.3, 0.1]])  # the 9 is outside the response
+    ret = token_returns(rewards, mask, kl, kl_coef=0.5)
+    assert torch.allclose(ret, torch.tensor([[1 - 0.5 * 0.3, 1 - 0.5 * 0.2, 0.0], [-0.5 * 0.4, -0.5 * 0.4, -0.5 * 0.1]]))
+    assert token_returns(rewards, mask).tolist() == [[1, 1, 0], [0, 0, 0]]
+    # over two micro-batches (or DP ranks): their sums give the whole step's mean and variance
+    total = {k: a + b for (k, a), b in zip(whiten_sums(ret[:1], mask[:1]).items(),
+                                            whiten_sums(ret[1:], mask[1:]).values())}
+    out = torch.cat([whiten(ret[:1], mask[:1], total), whiten(ret[1:], mask[1:], total)])
+    values = ret[mask > 0]
+    assert out[mask > 0].tolist() == pytest.approx(((values - values.mean()) / values.std()).tolist(), abs=1e-5)
+    assert out[0, 2] == 0.0
+    one = {"sum": 2.0, "sum_sq": 4.0, "count": 1.0}  # one token: no spread, advantage 0
+    assert float(whiten(torch.tensor([[2.0]]), torch.ones(1, 1), one)) == 0.0
+
+
+def test_overlong_soft_penalty_is_linear_over_the_buffer():
+    assert [overlong_penalty(n, 16, 4, 1.0) for n in (10, 12, 14, 16)] == [0.0, 0.0, -0.5, -1.0]
+    assert overlong_penalty(16, 16, 0, 1.0) == 0.0  # buffer 0: off
+    assert overlong_penalty(15, 16, 4, 0.5) == pytest.approx(-0.375)
+
+
+def _ratios(*rows):
+    """log-ratio rows [B, T] for chosen ratios, with old logprobs at -1."""
+    new = torch.log(torch.tensor(rows)) - 1.0
+    return new.requires_grad_(True), torch.full_like(new, -1.0)
+
+
+def test_clip_fraction_counts_where_the_clip_binds_low_and_high_apart():
+    new, old = _ratios([1.5, 0.5, 1.1], [1.5, 0.5, 1.1])
+    mask, adv = torch.ones(2, 3), torch.tensor([1.0, -1.0])
+    out = policy_loss(_cfg(correction=("off", "truncate", 2.0)), new, old, adv, mask)
+    # A > 0: only r = 1.5 > 1.28 binds (r = 0.5 would raise the loss, so it is not clipped);
+    # A < 0: only r = 0.5 < 0.8 binds. The old count (|r - 1| > clip_low) said 4 of 6.
+    assert out.mean("clip_high") == pytest.approx(1 / 6) and out.mean("clip_low") == pytest.approx(1 / 6)
+    assert out.mean("clip") == pytest.approx(2 / 6)
+    assert policy_loss(_cfg(clip_high=0.6), new, old, adv, mask).mean("clip_high") == 0.0  # reads clip_high
+    # ppo_kl: the mean of log(old / new)
+    assert out.mean("ppo_kl") == pytest.approx(-sum(log(r) for r in (1.5, 0.5, 1.1)) / 3, abs=1e-6)
+    # the loss by hand (token mean): A = +1: -1.28, -0.5, -1.1; A = -1: 1.5, 0.8, 1.1
+    assert float(out.loss) == pytest.approx((-1.28 - 0.5 - 1.1 + 1.5 + 0.8 + 1.1) / 6, abs=1e-6)
+
+
+def test_dual_clip_and_the_log_ratio_clamp_keep_a_wild_token_finite():
+    new = torch.tensor([[24.0, -1.0]], requires_grad=True)  # log-ratio +25 on the first token
+    old = torch.full((1, 2), -1.0)
+    mask, adv = torch.tensor([[1.0, 0.0]]), torch.tensor([-1.0])
+    out = policy_loss(_cfg(), new, old, adv, mask)
+    out.loss.backward()
+    assert float(out.loss) == 3.0  # capped at -A x clip_ratio_c
+    assert torch.count_nonzero(new.grad) == 0 and out.mean("clip_dual") == 1.0
+    off = policy_loss(_cfg(clip_ratio_c=0.0), new, old, adv, mask)
+    assert float(off.loss) == pytest.approx(exp(20.0), rel=1e-5)  # clamped at 20: large but finite
+    assert "clip_dual" not in off.sums
+    with pytest.raises(ValueError, match="dual-clip bound must be > 1"):
+        _cfg(clip_ratio_c=0.9).validate()
+
+
+def test_on_policy_gradient_is_the_advantage_weighted_logprob():
     torch.manual_seed(0)
-    lp = torch.randn(4, 6) * 0.1 - 1
-    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
-    return lp, mask
-
-
-def test_on_policy_loss_gradient_is_advantage_weighted_logprob():
-    lp, mask = _batch()
-    lp = lp.clone().requires_grad_(True)
+    lp = (torch.randn(4, 6) * 0.1 - 1).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0]]).float()
     adv = torch.tensor([1.0, -1.0, 0.5, 0.0])
-    out = policy_loss(AlgorithmConfig(), lp, lp.detach(), adv, mask)
+    out = policy_loss(_cfg(), lp, lp.detach(), adv, mask)
     out.loss.backward()
-    expected = -(adv.unsqueeze(1) * mask) / mask.sum()
-    assert torch.allclose(lp.grad, expected, rtol=1e-6, atol=0)  # measured bit-equal
-    assert out.clip_fraction == 0
+    assert torch.allclose(lp.grad, -(adv.unsqueeze(1) * mask) / mask.sum(), rtol=1e-6, atol=0)  # measured bit-equal
+    assert out.mean("clip") == 0 and out.mean("ppo_kl") == 0
 
 
-def test_clipping_stops_gradient_beyond_the_trust_region():
-    lp, mask = _batch()
-    old = lp.clone()
-    new = (lp + 1.0).requires_grad_(True)  # ratio e >> 1 + clip_high
-    out = policy_loss(AlgorithmConfig(is_correction=False), new, old, torch.ones(4), mask)
-    out.loss.backward()
-    assert torch.count_nonzero(new.grad) == 0  # positive advantage, ratio clipped: no push
-    assert out.clip_fraction == 1
-
-
-def test_importance_correction_is_truncated_and_kl_needs_reference():
-    lp, mask = _batch()
-    rollout = lp - 5.0  # rollout probability far below the trainer's
-    out = policy_loss(AlgorithmConfig(is_cap=2.0), lp, lp, torch.ones(4), mask, rollout_logprobs=rollout)
-    assert out.is_weight_mean == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="reference"):
-        policy_loss(AlgorithmConfig(kl_coef=0.1), lp, lp, torch.ones(4), mask)
-    out = policy_loss(AlgorithmConfig(kl_coef=0.1), lp, lp, torch.ones(4), mask, ref_logprobs=lp - 0.5)
-    assert out.kl > 0
+def test_gspo_by_hand_and_its_token_form_has_the_same_gradient():
+    new = torch.tensor([[0.001, -0.001, 0.0], [0.02, 0.0, 0.0]]) - 1.0
+    old = torch.full((2, 3), -1.0)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, 2.0])
+    grads, losses = [], []
+    for form in ("gspo", "gspo_token"):
+        lp = new.clone().requires_grad_(True)
+        out = policy_loss(_cfg(policy_loss=form), lp, old, adv, mask)
+        out.loss.backward()
+        grads.append(lp.grad)
+        losses.append(float(out.loss))
+        # row 0: s = exp(mean(0.001, -0.001, 0)) = 1, loss -1; row 1: s = exp(0.01) > 1 + 4e-4 with A = 2: clipped,
+        # loss -2 x 1.0004, no gradient; the mean over responses
+        assert losses[-1] == pytest.approx((-1.0 - 2 * 1.0004) / 2, abs=1e-6), form
+        assert out.mean("clip_high") == pytest.approx(2 / 5) and out.mean("clip_low") == 0, form
+    # d/dlp_t of -A exp(mean log-ratio) / 2 responses, at s = 1: -1/3 / 2 on row 0's tokens
+    expected = torch.tensor([[-1 / 6, -1 / 6, -1 / 6], [0.0, 0.0, 0.0]])
+    assert torch.allclose(grads[0], expected, atol=1e-6) and torch.allclose(grads[1], expected, atol=1e-6)
+    with pytest.raises(ValueError, match="averages its loss per response"):
+        _cfg(policy_loss="gspo", loss_agg="group").validate()
+    assert _cfg(policy_loss="gspo").aggregation == "sequence" and _cfg().aggregation == "token"
 
 
 def test_aggregations_differ_as_documented():
@@ -65,15 +145,74 @@ def test_aggregations_differ_as_documented():
     assert aggregate(per_token, mask, "sequence") == pytest.approx(2.0)
     assert aggregate(per_token, mask, "group", ["g", "h"]) == pytest.approx(2.0)
     assert aggregate(per_token, mask, "group", ["g", "g"]) == pytest.approx(7 / 5)
+    # Dr. GRPO: token sums over 2 responses x a constant 8 tokens, whatever their lengths
+    assert aggregate(per_token, mask, "token_sum_norm", norm_tokens=8) == pytest.approx(7 / 16)
+    assert aggregate(per_token, mask, "token_sum_norm", normalizer=4.0, norm_tokens=8) == pytest.approx(7 / 32)
+    with pytest.raises(ValueError, match="loss_norm_tokens > 0"):
+        aggregate(per_token, mask, "token_sum_norm")
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregate(per_token, mask, "tokn")
 
 
+@pytest.mark.parametrize("how", ["token", "sequence", "group", "token_sum_norm"])
+@pytest.mark.parametrize("form", ["ppo", "gspo"])
+def test_every_token_masked_gives_a_zero_loss_and_gradient(how, form):
+    if form == "gspo" and how in ("group", "token_sum_norm"):
+        return
+    lp = torch.randn(2, 3).requires_grad_(True)
+    out = policy_loss(_cfg(loss_agg=how, loss_norm_tokens=4, policy_loss=form), lp, lp.detach() + 0.1,
+                      torch.tensor([1.0, -1.0]), torch.zeros(2, 3), rollout_logprobs=lp.detach(),
+                      group_ids=["a", "a"])
+    out.loss.backward()
+    assert float(out.loss) == 0.0 and torch.count_nonzero(lp.grad) == 0
+    assert out.mean("clip") == 0.0 and out.tokens == 0
+
+
+def test_rollout_correction_truncates_or_masks_per_token_or_per_response():
+    lp = torch.full((2, 3), -1.0)
+    # trainer/rollout ratios: row 0 (e, 1, e^-1.5) -> product e^-0.5; row 1 (1.5, 1.5, 1.5) -> product 3.375
+    rollout = lp - torch.tensor([[1.0, 0.0, -1.5], [log(1.5)] * 3])
+    mask, adv = torch.ones(2, 3), torch.ones(2)
+
+    def weights(level, mode):
+        out = policy_loss(_cfg(correction=(level, mode, 2.0)), lp, lp, adv, mask, rollout_logprobs=rollout)
+        return out, out.mean("is_weight") * 6
+
+    out, total = weights("token", "truncate")  # min(ratio, 2) per token
+    assert total == pytest.approx(2 + 1 + exp(-1.5) + 3 * 1.5)
+    assert out.mean("rollout_masked") == 0
+    out, total = weights("sequence", "truncate")  # min(product, 2) on each of the response's tokens
+    assert total == pytest.approx(3 * exp(-0.5) + 3 * 2)
+    out, total = weights("token", "mask")  # ratios outside [1/2, 2] dropped: e and e^-1.5
+    assert total == pytest.approx(4) and out.mean("rollout_masked") == pytest.approx(2 / 6)
+    out, total = weights("sequence", "mask")  # row 0's e^-0.5 is inside, row 1's 3.375 is not
+    assert total == pytest.approx(3) and out.mean("rollout_masked") == pytest.approx(3 / 6)
+    # the loss is the weighted one: -A x weight per token (on-policy ratio 1), token mean
+    assert float(out.loss) == pytest.approx(-3 / 6)
+    # mismatch: k3 of the trainer/rollout ratio r per token, r - 1 - log r
+    r = [exp(1), 1, exp(-1.5)] + [1.5] * 3
+    assert out.mean("mismatch_kl") == pytest.approx(sum(x - 1 - log(x) for x in r) / 6, rel=1e-5)
+    off = policy_loss(_cfg(correction=("off", "truncate", 2.0)), lp, lp, adv, mask, rollout_logprobs=rollout)
+    assert "is_weight" not in off.sums and float(off.loss) == pytest.approx(-1.0)
+
+
+def test_entropy_bonus_and_kl_term_need_their_inputs():
+    lp = torch.full((1, 2), -1.0)
+    entropy = torch.tensor([[2.0, 4.0]], requires_grad=True)
+    mask, adv = torch.ones(1, 2), torch.zeros(1)
+    out = policy_loss(_cfg(entropy_coef=0.1), lp, lp, adv, mask, entropy=entropy)
+    out.loss.backward()
+    assert float(out.loss) == pytest.approx(-0.1 * 3.0)
+    assert torch.allclose(entropy.grad, torch.tensor([[-0.05, -0.05]]))  # the bonus raises entropy
+    with pytest.raises(ValueError, match="entropy"):
+        policy_loss(_cfg(entropy_coef=0.1), lp, lp, adv, mask)
+    with pytest.raises(ValueError, match="reference"):
+        policy_loss(_cfg(kl_coef=0.1), lp, lp, adv, mask)
+    out = policy_loss(_cfg(kl_coef=0.1, kl_estimator="k1"), lp, lp, adv, mask, ref_logprobs=lp - 0.5)
+    assert out.mean("kl") == pytest.approx(0.5) and float(out.loss) == pytest.approx(0.05)
+
+
 def test_kl_estimators_match_hand_computed_values():
-    from math import log
-
-    from yatt_mm.rl.algorithms import kl_penalty, sequence_kl
-
     p, p_ref = torch.tensor([[log(0.5)]]), torch.tensor([[log(0.25)]])  # log p/p_ref = log 2
     assert float(kl_penalty(p, p_ref, "k1")) == pytest.approx(log(2))
     assert float(kl_penalty(p, p_ref, "k2")) == pytest.approx(0.5 * log(2) ** 2)
@@ -89,29 +228,70 @@ def test_kl_estimators_match_hand_computed_values():
         kl_penalty(p, p_ref, "k4")
 
 
-def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted():
-    """Equal rewards, but one response far from the reference: with kl_in=reward its advantage
-    goes negative and its group mate's positive; rows out of the loss keep theirs."""
+def _actor(cfg, dp_group):
     from types import SimpleNamespace
 
-    from models.trainer import MicroBatch
-    from gloo_threads import on_ranks
     from yatt_mm.rl.actor import Actor
+
+    trainer = SimpleNamespace(cfg=SimpleNamespace(dtype="fp32"), dp_cpu=dp_group)
+    return Actor(trainer, cfg, 4096, 0, reference=SimpleNamespace(logprobs=lambda mbs: [mb.extra["ref"] for mb in mbs]))
+
+
+def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted():
+    """Equal rewards, but one response far from the reference: with kl_in=reward its advantage
+    goes negative and its group mate's positive; rows out of the loss keep theirs. Under
+    REINFORCE++ the KL enters each token's return instead."""
+    from gloo_threads import on_ranks
+    from models.trainer import MicroBatch
 
     mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
     old = torch.tensor([[-1.0, -1.0], [-0.2, -0.2], [-1.0, -1.0]])
-    ref = torch.full((3, 2), -1.0)
-    mb = MicroBatch(None, {"loss_mask": mask, "old_logprobs": old, "rewards": torch.tensor([1.0, 1.0, 0.0]),
-                           "advantages": torch.tensor([0.0, 0.0, 0.7])}, ["g", "g", "g"])
-    reference = SimpleNamespace(logprobs=lambda mbs: [ref])
     (one_rank,) = on_ranks(1, lambda rank, group: group)  # the DP group of a one-group run
-    trainer = SimpleNamespace(cfg=SimpleNamespace(dtype="fp32"), dp_cpu=one_rank)
-    actor = Actor(trainer, AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_in="reward"), 4096, 0,
-                  reference=reference)
+
+    def batch():
+        return MicroBatch(None, {"loss_mask": mask, "old_logprobs": old, "ref": torch.full((3, 2), -1.0),
+                                 "rewards": torch.tensor([1.0, 1.0, 0.0]),
+                                 "advantages": torch.tensor([0.0, 0.0, 0.7])}, ["g", "g", "g"])
+
+    mb = batch()
+    actor = _actor(AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_in="reward"), one_rank)
     metrics = actor._reference_logprobs([mb])
+    assert metrics["train/kl"] == pytest.approx((0.8 * 2) / 4)  # k1 mean over the 4 loss tokens
+    assert actor.batch_advantages([[mb]]) == {}
     adv = mb.extra["advantages"]
     assert adv[1] < 0 < adv[0] and float(adv[2]) == pytest.approx(0.7)
-    assert metrics["train/kl"] == pytest.approx((0.8 * 2) / 4)  # k1 mean over the 4 loss tokens
+
+    mb = batch()
+    actor = _actor(AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_in="reward", advantage="reinforce_pp"),
+                   one_rank)
+    actor._reference_logprobs([mb])
+    actor.batch_advantages([[mb]])
+    returns = torch.tensor([1.0, 1.0, 1 - 0.1 * 1.6, 1 - 0.1 * 0.8])  # the KL still ahead of each token
+    expected = (returns - returns.mean()) / returns.std()
+    assert mb.extra["advantages"][:2].flatten().tolist() == pytest.approx(expected.tolist(), abs=1e-4)
+    assert mb.extra["advantages"][2].tolist() == [0.0, 0.0]
+
+
+def test_reinforce_pp_whitens_over_every_dp_rank():
+    """Two DP ranks with their own groups: each rank's advantages are whitened with the step's
+    mean and variance, not its own."""
+    from gloo_threads import on_ranks
+    from models.trainer import MicroBatch
+
+    rewards = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0])]
+    masks = [torch.ones(2, 2), torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])]
+
+    def rank_fn(rank, group):
+        mb = MicroBatch(None, {"loss_mask": masks[rank], "rewards": rewards[rank],
+                               "advantages": rewards[rank].clone()}, [str(rank)] * len(rewards[rank]))
+        _actor(AlgorithmConfig(advantage="reinforce_pp"), group).batch_advantages([[mb]])
+        return mb.extra["advantages"]
+
+    out = on_ranks(2, rank_fn)
+    tokens = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # every loss token's return
+    expected = (tokens - tokens.mean()) / tokens.std()
+    got = torch.cat([out[0][masks[0] > 0], out[1][masks[1] > 0]])
+    assert got.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
 
 
 def test_mini_batches_keep_groups_whole_balance_tokens_and_fill_empty_ones():

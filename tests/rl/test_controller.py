@@ -34,8 +34,12 @@ class ScriptedEngine:
         responses = []
         for p, key in enumerate(keys):
             texts = self.script[key][: sampling.n]
+            # like vLLM: an answer longer than the limit is cut there, finish reason "length"
             ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-            responses.append([Response(i, t, [-0.5] * len(i), "stop") for i, t in zip(ids, texts)])
+            cut = [i[: sampling.max_tokens] for i in ids]
+            responses.append([Response(c, self.tokenizer.decode(c), [-0.5] * len(c),
+                                       "length" if len(i) > sampling.max_tokens else "stop")
+                              for i, c in zip(ids, cut)])
             for j, r in enumerate(responses[-1]):
                 if on_sample is not None:
                     on_sample(p, j, r)
@@ -64,14 +68,14 @@ def processor(tiny_policy):
     return AutoProcessor.from_pretrained(str(tiny_policy))
 
 
-def _controller(processor, prompts, script, **sampling):
+def _controller(processor, prompts, script, algorithm=None):
     engine = ScriptedEngine(processor.tokenizer, script)
     timeline = Timeline(0)
     phases = PhaseRunner(full_colocation(), {}, timeline)
     ctrl = Controller(ListSource(prompts), engine, Rewarder(RewardConfig(), Judges()),
                       DynamicSampler(DynamicSamplingConfig(max_waves=3, initial_valid_rate=1.0, oversample=1.0)),
                       SamplingConfig(n=4, max_tokens=4), SampleBuilder(processor, engine.prompt_text),
-                      AlgorithmConfig(), phases)
+                      algorithm or AlgorithmConfig(), phases)
     return ctrl, engine, timeline
 
 
@@ -98,6 +102,30 @@ def test_step_keeps_groups_with_spread_and_draws_another_wave_for_the_rest(proce
     n_resp = len(processor.tokenizer.encode("blue", add_special_tokens=False))
     assert int(s.loss_mask.sum()) == n_resp and float(s.rollout_logprobs.sum()) == pytest.approx(-0.5 * n_resp)
     assert {p["phase"] for p in timeline.spans} >= {"rollout", "reward", "prepare"}
+
+
+def test_truncated_answers_get_dapos_soft_penalty_and_leave_the_loss(processor):
+    """Answers cut at the 4-token limit: DAPO's soft penalty (full at the limit) lowers their
+    reward before dynamic sampling and the advantages see it, and overlong.filter keeps them out
+    of the loss; the rollout metrics count them."""
+    long = "blue blue blue blue blue blue"  # wrong, and cut
+    assert len(processor.tokenizer.encode(long, add_special_tokens=False)) > 4
+    blue = len(processor.tokenizer.encode("blue", add_special_tokens=False))  # within the buffer from 3 tokens
+    algorithm = AlgorithmConfig()
+    algorithm.overlong.filter = True
+    algorithm.overlong.soft_penalty.buffer, algorithm.overlong.soft_penalty.penalty = 2, 0.5
+    ctrl, _, _ = _controller(processor, [_prompt("a", "red")], {"a": ["red", long, "blue", long]}, algorithm)
+    groups, stats = ctrl.step(step=0, target=1)
+    (samples,) = groups
+    assert [s.truncated for s in samples] == [False, True, False, True]
+    assert [s.masked for s in samples] == [False, True, False, True]  # truncated: out of the loss
+    # exact match, minus 0.5 at the limit and linearly less over the 2 tokens before it
+    assert [s.reward for s in samples] == [1.0, -0.5, -max(blue - 2, 0) / 2 * 0.5, -0.5]
+    assert samples[1].advantage < samples[2].advantage < samples[0].advantage  # the penalty reached them
+    assert samples[1].advantage == samples[3].advantage
+    metrics = stats.metrics(["exact_match"], [])
+    assert metrics["rollout/truncated_rate"] == 0.5
+    assert metrics["rollout/overlong_penalty"] == pytest.approx((-1.0 - max(blue - 2, 0) / 4) / 4)
 
 
 def test_starved_step_pads_with_masked_groups(processor):

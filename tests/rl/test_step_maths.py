@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from gloo_threads import on_ranks
-from yatt_mm.rl.algorithms import AlgorithmConfig, aggregate, loss_normalizer, policy_loss
+from yatt_mm.rl.algorithms import AlgorithmConfig
+from yatt_mm.rl.losses import aggregate, loss_normalizer, policy_loss
 from yatt_mm.rl.stats import RolloutStats
 
 
-@pytest.mark.parametrize("how", ["token", "sequence", "group"])
-def test_micro_batches_and_dp_ranks_sum_to_the_full_batch_loss(how):
+@pytest.mark.parametrize("how, form", [("token", "ppo"), ("sequence", "ppo"), ("group", "ppo"),
+                                       ("token_sum_norm", "ppo"), ("sequence", "gspo"), ("sequence", "gspo_token")])
+def test_micro_batches_and_dp_ranks_sum_to_the_full_batch_loss(how, form):
     torch.manual_seed(0)
     rows, t = 8, 7
     lengths = torch.tensor([3, 7, 1, 5, 0, 2, 6, 4])  # row 4 is a masked (padding) group's row
@@ -20,14 +22,15 @@ def test_micro_batches_and_dp_ranks_sum_to_the_full_batch_loss(how):
     lp, old = torch.randn(rows, t) * 0.1 - 1, torch.randn(rows, t) * 0.1 - 1
     adv = torch.randn(rows)
     groups = ["a", "a", "b", "b", "c", "c", "d", "d"]
-    cfg = AlgorithmConfig(loss_agg=how, is_correction=False)
-    full = policy_loss(cfg, lp, old, adv, mask, group_ids=groups).loss
+    cfg = AlgorithmConfig(loss_agg=how, policy_loss=form, loss_norm_tokens=t)
+    rollout = old + torch.randn(rows, t) * 0.5  # the rollout correction is per row: it splits with the rows
+    full = policy_loss(cfg, lp, old, adv, mask, rollout, group_ids=groups).loss
 
     # 2 DP ranks of 2 micro-batches each; whole groups stay on one rank (as balancing keeps them)
     ranks = [[slice(0, 2), slice(2, 4)], [slice(4, 5), slice(5, 8)]]
-    counts = [loss_normalizer([mask[s] for s in mbs], [groups[s] for s in mbs], how) for mbs in ranks]
+    counts = [loss_normalizer([mask[s] for s in mbs], [groups[s] for s in mbs], cfg.aggregation) for mbs in ranks]
     normalizer = sum(counts) / len(ranks)  # what Actor.update passes: the DP sum over the DP size
-    per_rank = [sum(policy_loss(cfg, lp[s], old[s], adv[s], mask[s], group_ids=groups[s],
+    per_rank = [sum(policy_loss(cfg, lp[s], old[s], adv[s], mask[s], rollout[s], group_ids=groups[s],
                                 normalizer=normalizer).loss for s in mbs) for mbs in ranks]
     # DDP averages over DP; measured 0 to 1.5e-8 off (float32 sums of a loss ~0.1 in another order)
     assert sum(per_rank) / len(ranks) == pytest.approx(float(full), abs=1e-7)

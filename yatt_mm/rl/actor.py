@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
-from yatt_mm.rl.algorithms import (AlgorithmConfig, advantages, kl_penalty, loss_normalizer, policy_loss,
-                                   sequence_kl)
+from yatt_mm.rl.advantages import advantages, token_returns, whiten, whiten_sums
+from yatt_mm.rl.algorithms import AlgorithmConfig
+from yatt_mm.rl.losses import kl_penalty, loss_normalizer, policy_loss
 from yatt_mm.rl.distributed import sum_across
 from yatt_mm.rl.samples import TrainSample, micro_batches, mini_batches
 
@@ -21,6 +22,12 @@ from yatt_mm.rl.samples import TrainSample, micro_batches, mini_batches
 # The measured trainer/vLLM gap is ~1e-7..1e-6 in fp32 (README); bf16 training against vLLM's own
 # precision is far noisier. A gap above these means vLLM sampled with other weights.
 DEFAULT_MAX_LOGPROB_DIFF = {"fp32": 1e-3, "bf16": 0.1}
+
+# the loss's per-token sums (losses.policy_loss) reported as means over the step's loss tokens
+PER_TOKEN_METRICS = {
+    "clip": "train/clip_fraction", "clip_low": "train/clip_fraction_low", "clip_high": "train/clip_fraction_high",
+    "clip_dual": "train/clip_fraction_dual", "ppo_kl": "train/ppo_kl", "is_weight": "train/is_weight",
+    "rollout_masked": "rollout/correction_masked_fraction", "mismatch_kl": "rollout/mismatch_kl"}
 
 
 class Actor:
@@ -88,35 +95,66 @@ class Actor:
             mask = mb.extra["loss_mask"]
             sums["kl"] += float((kl_penalty(mb.extra["old_logprobs"], ref, cfg.kl_estimator) * mask).sum())
             sums["tokens"] += float(mask.sum())
-        if cfg.kl_in == "reward":
-            self._kl_into_advantages(mbs)
         sums = sum_across(sums, self.trainer.dp_cpu)
         return {"train/kl": sums["kl"] / max(sums["tokens"], 1)}
 
-    def _kl_into_advantages(self, mbs: list[MicroBatch]) -> None:
-        """kl_in: reward. Each response's reward loses kl_coef x its summed KL to the reference,
-        and the group advantages are computed again from those rewards (whole groups are on this
-        rank). Rows out of the loss (padding groups, mini-batch fillers) keep theirs."""
+    def batch_advantages(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
+        """The advantages that need more than a group's rewards, after the old and reference
+        logprobs: the KL to the reference taken from the reward (`kl_in: reward`), and
+        REINFORCE++'s whitening over every response token of the step on all DP ranks."""
         cfg = self.algorithm
+        mbs = [mb for mini in minis for mb in mini]
+        if cfg.kl_coef > 0 and cfg.kl_in == "reward":
+            self._kl_into_advantages(mbs)
+        if not cfg.batch_normalised:
+            return {}
+        for mb in mbs:
+            adv = mb.extra["advantages"]
+            if adv.dim() == 1:  # the controller's per-response values: the same return on every token
+                mb.extra["advantages"] = token_returns(adv, mb.extra["loss_mask"])
+        local = {"sum": 0.0, "sum_sq": 0.0, "count": 0.0}
+        for mb in mbs:
+            for key, value in whiten_sums(mb.extra["advantages"], mb.extra["loss_mask"]).items():
+                local[key] += value
+        total = sum_across(local, self.trainer.dp_cpu)
+        for mb in mbs:
+            mb.extra["advantages"] = whiten(mb.extra["advantages"], mb.extra["loss_mask"], total).float()
+        n = max(total["count"], 1.0)
+        return {"train/return_mean": total["sum"] / n}
+
+    def _kl_into_advantages(self, mbs: list[MicroBatch]) -> None:
+        """kl_in: reward. Each response's reward loses kl_coef x its KL to the reference: for
+        REINFORCE++ token by token (each token's return loses the KL still ahead of it), for the
+        group baselines summed over the response, whose advantages are then computed again from
+        those rewards (whole groups are on this rank). Rows out of the loss (padding groups,
+        mini-batch fillers) keep theirs."""
+        cfg = self.algorithm
+        if cfg.advantage == "reinforce_pp":
+            for mb in mbs:
+                mask = mb.extra["loss_mask"]
+                kl = kl_penalty(mb.extra["old_logprobs"], mb.extra["ref_logprobs"], cfg.kl_estimator)
+                mb.extra["advantages"] = token_returns(mb.extra["rewards"], mask, kl, cfg.kl_coef)
+            return
         rows, rewards, groups = [], [], []
         for i, mb in enumerate(mbs):
             mask = mb.extra["loss_mask"]
-            kl = sequence_kl(mb.extra["old_logprobs"], mb.extra["ref_logprobs"], mask, cfg.kl_estimator)
+            kl = (kl_penalty(mb.extra["old_logprobs"], mb.extra["ref_logprobs"], cfg.kl_estimator) * mask).sum(1)
             for r in range(mask.shape[0]):
                 if mask[r].sum() > 0:
                     rows.append((i, r))
                     rewards.append(float(mb.extra["rewards"][r]) - cfg.kl_coef * float(kl[r]))
                     groups.append(mb.group_ids[r])
         if rows:
-            adv = advantages(cfg, torch.tensor(rewards), groups)
+            adv = advantages(cfg.advantage, torch.tensor(rewards), groups)
             for (i, r), a in zip(rows, adv.tolist()):
                 mbs[i].extra["advantages"][r] = a
 
     def update(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
         """`epochs` passes over the mini-batches, one optimizer step each. The old logprobs stay
         the rollout policy's, so from the second optimizer step on the ratios leave 1 and the
-        PPO clip acts. Metrics are means over the optimizer steps, plus the weights' checksum
-        before and after (a step that changed nothing shows)."""
+        PPO clip acts. Metrics are means over the optimizer steps (per token: over every
+        optimizer step's loss tokens), plus the weights' checksum before and after (a step that
+        changed nothing shows)."""
         before = self.trainer.checksum()
         totals: dict[str, float] = {}
         steps = 0
@@ -128,34 +166,34 @@ class Actor:
         tokens = max(totals["train/loss_tokens"], 1.0)
         metrics = {
             "train/loss": totals["train/loss"] / steps, "train/grad_norm": totals["train/grad_norm"] / steps,
-            "train/update_skipped": totals["train/update_skipped"] / steps,
-            "train/clip_fraction": totals["train/clipped_tokens"] / tokens,  # over every optimizer step's tokens
-            "train/is_weight": totals["train/is_weighted_tokens"] / tokens, "train/optimizer_steps": float(steps),
+            "train/update_skipped": totals["train/update_skipped"] / steps, "train/optimizer_steps": float(steps),
             "train/weights_checksum_before": before, "train/weights_checksum_after": self.trainer.checksum()}
+        metrics |= {name: totals[f"train/{key}"] / tokens for key, name in PER_TOKEN_METRICS.items()
+                    if f"train/{key}" in totals}
         if self.fused:  # the training forward measured what the old-logprob pass would have
             metrics |= self._rollout_gap({k: totals[f"train/{k}"] for k in ("diff", "entropy", "tokens")})
         return metrics
 
     def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
         cfg, fused = self.algorithm, self.fused
-        local = loss_normalizer([mb.extra["loss_mask"] for mb in mbs], [mb.group_ids for mb in mbs], cfg.loss_agg)
+        local = loss_normalizer([mb.extra["loss_mask"] for mb in mbs], [mb.group_ids for mb in mbs], cfg.aggregation)
         normalizer = max(sum_across({"n": local}, self.trainer.dp_cpu)["n"], 1.0) / self.trainer.dp_size
 
         def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
             old = logprobs.detach() if fused else mb.extra["old_logprobs"]
             out = policy_loss(cfg, logprobs, old, mb.extra["advantages"], mb.extra["loss_mask"],
                               rollout_logprobs=mb.extra["rollout_logprobs"], ref_logprobs=mb.extra.get("ref_logprobs"),
+                              entropy=mb.extra.get("entropy") if cfg.entropy_coef else None,
                               group_ids=mb.group_ids, normalizer=normalizer)
-            tokens = mb.extra["loss_mask"].sum()
-            metrics = {"clipped_tokens": out.clip_fraction * tokens, "is_weighted_tokens": out.is_weight_mean * tokens,
-                       "loss_tokens": tokens}
+            metrics = {"loss_tokens": out.tokens, **out.sums}
             if fused:
                 fresh = mb.extra["fresh_mask"]
                 metrics |= {"diff": ((old - mb.extra["rollout_logprobs"]).abs() * fresh).sum(),
                             "entropy": (mb.extra["entropy"] * fresh).sum(), "tokens": fresh.sum()}
             return out.loss, metrics
 
-        return self.trainer.train_step(mbs, loss_fn, with_entropy=fused)
+        return self.trainer.train_step(mbs, loss_fn, with_entropy=fused or cfg.entropy_coef > 0,
+                                       entropy_grad=cfg.entropy_coef > 0)
 
     def check_sync(self, probe: list[TrainSample]) -> dict[str, float]:
         """Right after a weight sync: the trainer's logprobs of a greedy answer vLLM just gave

@@ -96,6 +96,8 @@ class RLConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # TensorBoard and Weights & Biases beside metrics.jsonl
 
     def validate(self) -> None:
+        if not self.algorithm.loss_norm_tokens:  # Dr. GRPO's constant: the longest response the rollout may give
+            self.algorithm.loss_norm_tokens = self.rollout.sampling.max_tokens
         self._check_gpu_shares()
         self._check_rollout_parallel()
         if self.run.placement == "partial":

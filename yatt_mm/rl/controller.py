@@ -14,7 +14,8 @@ from yatt_mm.engines.engine import RolloutEngine, SamplingConfig
 from yatt_mm.reward.rewarder import Rewarder
 from yatt_mm.reward.rules import RuleFn
 from yatt_mm.rl import cpu_pinning
-from yatt_mm.rl.algorithms import AlgorithmConfig, advantages
+from yatt_mm.rl.advantages import advantages, overlong_penalty
+from yatt_mm.rl.algorithms import AlgorithmConfig
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, StepGroups
 from yatt_mm.rl.placement import PhaseRunner
 from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, TrainSample
@@ -86,9 +87,23 @@ class Controller:
             if self.rewarder.judges:
                 self.phases.timeline.record("judge_batch", step, judged, time.time(), cpu=judge_cpu,
                                             responses=sum(len(r) for r in result.responses))
-        groups = [Group(p, rs, total, parts) for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
+        groups = [self._shape_length(Group(p, rs, total, parts))
+                  for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds, own)
         return groups
+
+    def _shape_length(self, group: Group) -> Group:
+        """DAPO's soft overlong punishment, before dynamic sampling sees the rewards: a response
+        within algorithm.overlong.soft_penalty.buffer tokens of the limit loses reward linearly
+        (its own reward part, `overlong`, in the metrics)."""
+        soft = self.algorithm.overlong.soft_penalty
+        if not soft.buffer:
+            return group
+        penalties = [overlong_penalty(len(r.token_ids), self.sampling.max_tokens, soft.buffer, soft.penalty)
+                     for r in group.responses]
+        group.rewards = [r + p for r, p in zip(group.rewards, penalties)]
+        group.reward_parts["overlong"] = penalties
+        return group
 
     def _judge_server_pids(self) -> list[int]:
         """The processes of the judge servers this controller started (none: clients only)."""
@@ -144,12 +159,18 @@ class Controller:
         return self.builder.build(Group(self.probe_prompt, result.responses[0], [0.0]), [0.0], masked=False)
 
     def train_samples(self, chosen: StepGroups) -> list[list[TrainSample]]:
-        """Per group, its responses as training samples with GRPO-family advantages."""
+        """Per group, its responses as training samples with their group's advantages (REINFORCE++'s
+        are finished over the whole step by the actor). With algorithm.overlong.filter, the
+        truncated ones are kept out of the loss (DAPO's overlong filtering)."""
         out = []
         for i, (group, masked) in enumerate(zip(chosen.groups, chosen.masked)):
             rewards = torch.tensor(group.rewards, dtype=torch.float32)
-            adv = advantages(self.algorithm, rewards, [0] * len(group.rewards))
-            out.append(self.builder.build(group, adv.tolist(), masked, stale=i < chosen.from_buffer))
+            adv = advantages(self.algorithm.advantage, rewards, [0] * len(group.rewards))
+            samples = self.builder.build(group, adv.tolist(), masked, stale=i < chosen.from_buffer)
+            if self.algorithm.overlong.filter:
+                for s in samples:
+                    s.masked = s.masked or s.truncated
+            out.append(samples)
         return out
 
 

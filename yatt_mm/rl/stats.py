@@ -25,6 +25,8 @@ class RolloutStats:
     reward_sum: float = 0.0
     reward_sq_sum: float = 0.0
     response_tokens: float = 0.0
+    truncated: float = 0.0  # responses cut at the length limit
+    overlong_penalty: float = 0.0  # summed DAPO soft penalties (algorithm.overlong.soft_penalty)
     gen_seconds: float = 0.0
     gen_cpu: float = 0.0  # CPU seconds the controller's process used while generating
     valid_generated: float = 0.0
@@ -51,6 +53,8 @@ class RolloutStats:
             self.reward_sum += sum(g.rewards)
             self.reward_sq_sum += sum(r * r for r in g.rewards)
             self.response_tokens += sum(len(r.token_ids) for r in g.responses)
+            self.truncated += sum(r.finish_reason == "length" for r in g.responses)
+            self.overlong_penalty += sum(g.reward_parts.get("overlong", ()))
 
     def add_overlap(self, judge_spans: list[dict], generation_end: float) -> None:
         """The union of the judge requests' open intervals, and its part before the end of
@@ -108,6 +112,8 @@ class RolloutStats:
             "rollout/reward_std": math.sqrt(max(self.reward_sq_sum / n - mean * mean, 0.0)),
             "rollout/valid_group_rate": self.valid_generated / max(self.groups, 1),
             "rollout/response_length": self.response_tokens / n,
+            "rollout/truncated_rate": self.truncated / n,
+            "rollout/overlong_penalty": self.overlong_penalty / n,
             "rollout/tokens_per_s": self.response_tokens / max(self.gen_seconds, 1e-9),
             # the cores' worth of CPU generation got (about 1 for one busy thread; less: other processes took it)
             "placement/rollout_cpu_share": self.gen_cpu / max(self.gen_seconds, 1e-9),

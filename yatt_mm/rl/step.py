@@ -2,7 +2,7 @@
 
     controller: rollout + reward + dynamic sampling + advantages   (rl/controller.py)
  -> balance whole groups across DP groups, then to the TP peers     (rl/distributed.py)
- -> actor: old (and reference) logprobs, mini-batch updates         (rl/actor.py)
+ -> actor: old (and reference) logprobs, step-wide advantages, updates  (rl/actor.py)
  -> weight sync -> checkpoint snapshot -> probe check -> eval -> metrics
 """
 
@@ -34,6 +34,7 @@ def rl_step(run, step: int) -> dict[str, float]:
     with phases.phase("logprobs", step):
         minis = run.actor.prepare(samples)
         metrics |= run.actor.old_logprobs(minis)
+        metrics |= run.actor.batch_advantages(minis)
     with phases.phase("train", step):
         metrics |= run.actor.update(minis)
     with phases.phase("sync", step):
