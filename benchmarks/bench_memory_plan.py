@@ -105,10 +105,10 @@ def _write_model(out: Path, hidden, inter, layers, heads, kv, vocab, vdepth, vdi
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration)
 
-    from models.tiny import SPECIAL_TOKENS, _token_ids, build_tokenizer
+    from models.tiny import SPECIAL_TOKENS, build_tokenizer, token_ids
 
     tokenizer = build_tokenizer()  # its special tokens (ids < 700) sit inside every vocabulary here
-    ids = _token_ids({t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS})
+    ids = token_ids({t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS})
     hd = hidden // heads
     text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
@@ -129,7 +129,7 @@ def _write_model(out: Path, hidden, inter, layers, heads, kv, vocab, vdepth, vdi
 def micro_batch(spec, rows: int, seq: int, media: int, scored: int):
     """Right-padded rows of random text with `media` image tokens each (distinct images of `image_grid`'s
     grid), the loss on the last `scored` positions of every row: an RL micro-batch's shape."""
-    from models.qwen2vl.model import VLMInputs
+    from models.inputs import VLMInputs
     from models.trainer import MicroBatch
 
     g = torch.Generator().manual_seed(0)

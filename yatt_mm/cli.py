@@ -67,10 +67,15 @@ def _model_parity(args: argparse.Namespace) -> int:
 
     if args.tp < 1 or args.pp < 1:
         raise SystemExit("--tp and --pp must be >= 1")
+    from models.family import family_for_dir
+
+    try:
+        parity = family_for_dir(args.hf_dir).parity_module  # the model's family compares its logits
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"yatt-mm model parity: {e}") from e
     if args.tp * args.pp == 1:
-        return subprocess.call([sys.executable, "-m", "models.qwen2vl.parity", args.hf_dir])  # output streams through
-    return relaunch("models.qwen2vl.parity", args.tp * args.pp,
-                    [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)])
+        return subprocess.call([sys.executable, "-m", parity, args.hf_dir])  # output streams through
+    return relaunch(parity, args.tp * args.pp, [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)])
 
 
 def ClusterWorkloadDefaults():  # noqa: N802 - the dataclass's defaults, without importing the simulator
@@ -148,15 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model", help="model tools: parity of the Megatron Qwen2-VL with transformers")
     msub = p.add_subparsers(dest="model_command", metavar="MODEL_COMMAND", required=True)
     p = msub.add_parser("parity", help="max |logit diff| Megatron vs transformers on text/image/video probes")
-    p.add_argument("hf_dir", help="HF Qwen2-VL directory")
+    p.add_argument("hf_dir", help="HF model directory (a supported model family's)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (TP x PP > 1 runs under torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size: the language layers split in stages")
     p.set_defaults(func=_model_parity)
 
-    p = sub.add_parser("make-tiny-model", help="build a tiny random Qwen2-VL offline (cached)")
+    p = sub.add_parser("make-tiny-model", help="build a tiny random model offline (cached)")
     p.add_argument("dir", help="output directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kind", choices=["policy", "judge", "policy25"], default="policy")
+    from models.family import tiny_kinds  # the families' kinds; importing them is cheap
+
+    p.add_argument("--kind", choices=tiny_kinds(), default="policy")
     p.set_defaults(func=_make_tiny_model)
 
     from dataio.cli import add_subcommands as add_data_subcommands  # argparse only; heavy imports are lazy

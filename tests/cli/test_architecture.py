@@ -128,6 +128,63 @@ def test_the_circle_check_finds_circles():
     assert _cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
 
 
+# Modules outside the model families that may name one: the registry's list of family modules,
+# and the GPU check, which builds a Qwen2-VL checkpoint by name (transformers' classes).
+FAMILY_IMPORTS_ALLOWED = {"models/family.py", "scripts/gpu_check.py"}
+
+
+def test_only_the_families_import_a_family():
+    """models/family.py's layout: trainer, parity, sync, export, plan, data and tiny models ask
+    the family found from model_type, so no module outside models/<family>/ imports one."""
+    families = sorted(p.name for p in (ROOT / "models").iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert "qwen2vl" in families  # every folder under models/ is a family's (shared code sits beside them)
+    bad = {}
+    for package in ("yatt_mm", "models", "dataio", "scripts", "benchmarks"):
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT)
+            if str(rel) in FAMILY_IMPORTS_ALLOWED or (rel.parts[0] == "models" and rel.parts[1] in families):
+                continue
+            names = sorted(n for n in _imports(path) for f in families if n == f"models.{f}" or
+                           n.startswith(f"models.{f}.") or (n == "models" and f"import {f}" in path.read_text()))
+            if names:
+                bad[str(rel)] = names
+    assert not bad, f"ask models.family instead: {bad}"
+
+
+def test_the_family_is_found_from_config_json(tmp_path):
+    """Cheap (no model is built): the family of a directory comes from its config.json's
+    model_type, and another model_type is an error that names the supported families."""
+    import json
+
+    from models.family import family_for_dir, family_for_model_type, families, supported_model_types
+
+    for model_type in ("qwen2_vl", "qwen2_5_vl"):
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
+        family = family_for_dir(tmp_path / model_type)
+        assert model_type in family.model_types and family is family_for_model_type(model_type)
+    assert {"qwen2_vl", "qwen2_5_vl"} <= set(supported_model_types())
+    (tmp_path / "llava").mkdir()
+    (tmp_path / "llava" / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    with pytest.raises(ValueError) as e:
+        family_for_dir(tmp_path / "llava")
+    assert "'llava' is not supported" in str(e.value)
+    for family in families():
+        assert family.name in str(e.value) and all(t in str(e.value) for t in family.model_types)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        family_for_dir(tmp_path)
+
+
+def test_importing_the_family_registry_is_cheap():
+    """Registering the families imports none of torch, transformers, Megatron (the CLI's parser
+    lists the tiny kinds)."""
+    code = ("import sys; from models.family import families, tiny_kinds; families(); tiny_kinds(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("root", [RLConfig, SFTConfig])
 def test_every_setting_has_a_doc(root):
     assert undocumented(root) == []

@@ -125,7 +125,7 @@ def release_mode(cfg: EngineConfig) -> str:
 
 
 # vLLM's Qwen2.5-VL wants metadata with every video (its temporal M-RoPE positions depend on
-# the frame rate). Frames arrive here as plain arrays, which transformers' processors treat as
+# the frame rate; the model families name such model types: `ModelFamily.timed_video_types`). Frames arrive here as plain arrays, which transformers' processors treat as
 # 24 fps (`VideoMetadata.sampled_fps`); telling vLLM the same keeps its positions equal to the
 # trainer's, whose processor sees the same plain arrays.
 RAW_VIDEO_FPS = 24.0
@@ -138,11 +138,16 @@ def _with_metadata(video: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
 
 
 def _needs_video_metadata(model: str) -> bool:
+    """Whether `model` is of a model type whose video positions follow time. A judge may be any
+    model vLLM runs, so an unknown model type (or no config.json) is no error here: no metadata."""
     import json
     from pathlib import Path
 
+    from models.family import families
+
     config = Path(model) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen2_5_vl"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return any(model_type in family.timed_video_types for family in families())
 
 
 class RolloutEngine:

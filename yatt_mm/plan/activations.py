@@ -88,14 +88,14 @@ def language_block(spec, shape: MicroBatchShape, tp: int) -> Block:
 
 def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
     """Qwen2-VL attends within each frame (frames of one size run as a batch); Qwen2.5-VL runs
-    all of a micro-batch's patches as one sequence under a mask (models/qwen2vl/vision.py)."""
+    all of a micro-batch's patches as one sequence under a mask (`spec.vision_masked`,
+    models/qwen2vl/vision.py)."""
     merge = spec.spatial_merge_size**2
     patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
     hv, heads = spec.vision_embed_dim, spec.vision_heads // tp
     hd = hv // spec.vision_heads
-    rope_rows, ffn = (patches, spec.vision_intermediate_size) if spec.is_qwen25 else (frame, int(hv * spec.vision_mlp_ratio))
-    return Block(tokens=patches, hidden=hv, q=heads * hd, kv=heads * hd, ffn=ffn // tp, head_dim=hd,
-                 gated=spec.is_qwen25, rms=spec.is_qwen25, rope_rows=rope_rows)
+    return Block(tokens=patches, hidden=hv, q=heads * hd, kv=heads * hd, ffn=spec.vision_ffn // tp, head_dim=hd,
+                 gated=spec.vision_gated, rms=spec.vision_rms_norm, rope_rows=patches if spec.vision_masked else frame)
 
 
 @dataclass(frozen=True)
@@ -124,14 +124,14 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
         saved += spec.vision_depth * layer_bytes(vis, e, kernels, vision_recompute) + _rotary_bytes(vis, e,
                                                                                                   vision_recompute)
         saved += patches * spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * e  # pixel values
-        saved += _norm_bytes(patches, vis.hidden, e, spec.is_qwen25, kernels) + 2 * patches * vis.hidden * e  # merger
-        saved += 8 * patches**2 if spec.is_qwen25 else 8 * patches  # fp32 window and full masks / frame order
+        saved += _norm_bytes(patches, vis.hidden, e, spec.vision_rms_norm, kernels) + 2 * patches * vis.hidden * e  # merger
+        saved += 8 * patches**2 if spec.vision_masked else 8 * patches  # fp32 window and full masks / frame order
     return saved
 
 
 def _vision_recompute(spec, recompute: str) -> str:
-    """Qwen2.5-VL's vision layers run one by one outside Megatron's block: "full" recomputes none."""
-    return "none" if recompute == "full" and spec.is_qwen25 else recompute
+    """Masked vision layers (Qwen2.5-VL's) run one by one outside Megatron's block: "full" recomputes none."""
+    return "none" if recompute == "full" and spec.vision_masked else recompute
 
 
 def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,

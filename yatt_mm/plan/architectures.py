@@ -3,8 +3,6 @@ the built-in table of published configs (new model families join here)."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 from pathlib import Path
 
 from yatt_mm.plan.constants import PlanError
@@ -42,17 +40,15 @@ def known_hf_config(model_id: str) -> dict:
 
 
 def spec_from_hf_config(config: dict):
-    """A config.json mapping read by the trainer's own parser (Qwen2VLSpec.from_hf_dir), so the
-    table is read exactly as a checkpoint on disk would be."""
-    from models.qwen2vl.config import Qwen2VLSpec
+    """A config.json mapping read by its model family's parser (the trainer's), so the table is
+    read exactly as a checkpoint on disk would be."""
+    from models.family import family_for_model_type
 
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
-        return Qwen2VLSpec.from_hf_dir(tmp)
+    return family_for_model_type(config.get("model_type"), "config.json").read_spec(config, "config.json")
 
 
 def load_spec(model: str):
-    """The architecture (models.qwen2vl.config.Qwen2VLSpec) of a model setting: see resolve_model."""
+    """The architecture (its model family's spec, models/family.py) of a model setting: see resolve_model."""
     return resolve_model(model)[0]
 
 
@@ -60,14 +56,17 @@ def resolve_model(model: str):
     """(architecture, where it came from) of a model setting: a directory with config.json,
     tiny:KIND or warmstart:KIND (the tiny model's architecture; built offline, cached), or a
     known HF id or a path whose last part is a known model's name (/models/Qwen2-VL-7B-Instruct)."""
-    from models.qwen2vl.config import Qwen2VLSpec
+    from models.family import read_spec
 
-    if model.startswith(("tiny:", "warmstart:")):
-        from models.tiny import tiny_model_dir
+    try:
+        if model.startswith(("tiny:", "warmstart:")):
+            from models.tiny import tiny_model_dir
 
-        return Qwen2VLSpec.from_hf_dir(tiny_model_dir(model.split(":", 1)[1])), "the tiny model's config.json"
-    if (Path(model) / "config.json").is_file():
-        return Qwen2VLSpec.from_hf_dir(model), "its config.json"
+            return read_spec(tiny_model_dir(model.split(":", 1)[1])), "the tiny model's config.json"
+        if (Path(model) / "config.json").is_file():
+            return read_spec(model), "its config.json"
+    except ValueError as e:  # a model type no family reads, an unknown tiny kind
+        raise PlanError(f"model {model!r}: {e}") from e
     name = model.rstrip("/").split("/")[-1]
     for model_id in KNOWN_MODELS:
         if model == model_id or name == model_id.split("/")[-1]:

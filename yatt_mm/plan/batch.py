@@ -23,10 +23,11 @@ class MicroBatchShape:
         return self.rows * self.seq
 
 
-def media_per_sample(media) -> tuple[int, int]:
+def media_per_sample(media, factor: int | None = None) -> tuple[int, int]:
     """(media tokens, tokens per frame) of the larger of one image and one video at the
-    data.media limits (dataio/decode.py MediaConfig): a merged token covers factor^2 pixels."""
-    per_token = media.factor * media.factor
+    data.media limits (dataio/decode.py MediaConfig): a merged token covers factor^2 pixels,
+    `factor` the model's (its family's `media_factor`; default data.media.factor)."""
+    per_token = (factor or media.factor) ** 2
     image = media.image_max_pixels // per_token
     frames = media.video_max_frames if media.video_fps is not None else min(media.video_frames, media.video_max_frames)
     frame = media.video_max_pixels // per_token
@@ -34,12 +35,14 @@ def media_per_sample(media) -> tuple[int, int]:
     return (video, frame) if video >= image else (image, image)
 
 
-def rl_micro_batch(cfg, seq_len: int = 0, media_tokens: int = -1, frame_tokens: int = 0) -> MicroBatchShape:
+def rl_micro_batch(cfg, seq_len: int = 0, media_tokens: int = -1, frame_tokens: int = 0,
+                   factor: int | None = None) -> MicroBatchShape:
     """The largest micro-batch of an RL step: rows as long as vLLM allows (max_model_len), as
-    many as run.micro_batch_tokens holds (at least one: a longer sample gets its own)."""
+    many as run.micro_batch_tokens holds (at least one: a longer sample gets its own).
+    `factor`: the pixels per merged token's side (see media_per_sample)."""
     seq = seq_len or cfg.rollout.engine.max_model_len
     answer = min(cfg.rollout.sampling.max_tokens, seq - 1)
-    default_media, default_frame = media_per_sample(cfg.data.media)
+    default_media, default_frame = media_per_sample(cfg.data.media, factor)
     media = default_media if media_tokens < 0 else media_tokens
     media = max(0, min(media, seq - answer - PROMPT_TEXT_TOKENS))
     rows = max(1, cfg.run.micro_batch_tokens // seq)

@@ -1,5 +1,6 @@
-"""Parameter counts, tensor by tensor as models/qwen2vl/model.py + vision.py lay them out, on
-one tensor-parallel rank of one pipeline stage."""
+"""Parameter counts, tensor by tensor as the Megatron model lays them out (models/qwen2vl/model.py
++ vision.py; what a spec says of its vision tower: models/family.py), on one tensor-parallel
+rank of one pipeline stage."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def _language_layer(spec, tp: int) -> list[int]:
 
 def _vision_layer(spec, tp: int) -> list[int]:
     hv = spec.vision_embed_dim
-    norms = [hv, hv] if spec.is_qwen25 else [hv, hv, hv, hv]  # RMSNorm: weight; LayerNorm: weight and bias
-    fc1 = 2 * spec.vision_intermediate_size if spec.is_qwen25 else int(hv * spec.vision_mlp_ratio)
-    ffn = spec.vision_intermediate_size if spec.is_qwen25 else fc1
+    norms = [hv, hv] if spec.vision_rms_norm else [hv, hv, hv, hv]  # RMSNorm: weight; LayerNorm: weight and bias
+    ffn = spec.vision_ffn
+    fc1 = 2 * ffn if spec.vision_gated else ffn
     return (norms + _column(hv, 3 * hv, tp, bias=True) + _row(hv, hv, tp, bias=True)
             + _column(hv, fc1, tp, bias=True) + _row(ffn, hv, tp, bias=True))
 
@@ -50,12 +51,12 @@ def _vision_ends(spec) -> list[int]:
     """Patch embedding and patch merger: plain nn.Linear, whole on every TP rank."""
     hv, merged = spec.vision_embed_dim, spec.vision_embed_dim * spec.spatial_merge_size**2
     patch = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
-    ln_q = [hv] if spec.is_qwen25 else [hv, hv]
+    ln_q = [hv] if spec.vision_rms_norm else [hv, hv]
     return [hv * patch] + ln_q + [merged * merged, merged, spec.hidden_size * merged, spec.hidden_size]
 
 
 def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0) -> Params:
-    """Parameters of this rank's shard of the Megatron Qwen2-VL (models/qwen2vl/model.py): its TP
+    """Parameters of this rank's shard of the Megatron model (e.g. models/qwen2vl/model.py): its TP
     shard of pipeline `stage` (pp=1: the whole model). The first stage holds the vision tower and
     the embedding, the last the final norm and the output layer (with tied embeddings and more
     than one stage, the last keeps its own copy of the embedding as the output layer)."""

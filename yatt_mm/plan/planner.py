@@ -60,13 +60,14 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
     cfg.check_world(cluster.world)
     spec = load_spec(cfg.policy.model)
     tp, pp = cfg.policy.trainer.tensor_parallel, cfg.policy.trainer.pipeline_parallel
-    from models.qwen2vl.config import check_layout
+    from models.family import family_of
 
     try:
-        check_layout(spec, tp, pp, "policy.trainer.")
+        family_of(spec).check_layout(spec, tp, pp, "policy.trainer.")
     except ValueError as e:
         raise PlanError(str(e)) from e
-    shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens)
+    shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens,
+                           family_of(spec).media_factor(spec))
     trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // (tp * pp), shape, kernels)
     engine = cfg.rollout.engine
     rollout = engine_memory("rollout engine", spec, engine.gpu_memory_utilization, cluster.gpu_bytes,
