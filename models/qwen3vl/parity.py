@@ -1,0 +1,81 @@
+"""Megatron Qwen3-VL vs transformers on the same weights and inputs: logits side by side.
+
+`yatt-mm model parity HF_DIR [--tp T] [--pp P]` runs this through the model's family (under
+torchrun on T x P ranks when that is > 1). The probes, the vocabulary gather and the stage
+handling are Qwen2-VL's harness (models/qwen2vl/parity.py); what differs is only what a family
+provides: `run_parity` builds, loads and feeds the model through models/family.py's hooks and
+transformers' Auto classes, so it runs any registered family. A video goes in with its metadata
+(fps and frame indices, frames taken as given): Qwen3-VL's processor writes each temporal
+patch's timestamp into the prompt, and without an fps it guesses 24. The last line printed is
+one JSON object with the max abs logit difference per probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+from models.comm import init_parallel
+from models.qwen2vl.parity import probes, stage_logits
+
+VIDEO_FPS = 2.0
+
+
+def with_video_metadata(media: dict) -> dict:
+    """The processor kwargs with each video's metadata, its frames taken as they are."""
+    if "videos" not in media:
+        return media
+    meta = [{"fps": VIDEO_FPS, "total_num_frames": len(v), "duration": len(v) / VIDEO_FPS,
+             "frames_indices": list(range(len(v)))} for v in media["videos"]]
+    return {**media, "video_metadata": meta, "do_sample_frames": False}
+
+
+def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
+    import models  # noqa: F401 - CPU runtime hooks
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from models.family import family_for_dir, read_spec
+    from models.inputs import VLMInputs
+    from models.trainer import MicroBatch, Pipeline, forward_only
+
+    groups = init_parallel(tp, seed=0, pipeline_parallel=pp)  # torchrun's ranks, or one local process
+    family, spec = family_for_dir(hf_dir), read_spec(hf_dir)
+    model = family.build_model(spec, torch.float32, tp, "none", pp).eval()
+    family.load_hf_into(model, hf_dir, groups.tp_rank, tp)
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    timed = spec.model_type in family.timed_video_types
+
+    result = {}
+    for name, (messages, media) in probes().items():
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        batch = processor(text=[text], return_tensors="pt", **(with_video_metadata(media) if timed else media))
+        with torch.no_grad():
+            ref = hf(**batch).logits.float()
+        inputs = VLMInputs.from_processor(spec, dict(batch))
+        (out,) = forward_only(model, [MicroBatch(inputs)], lambda m, mb: stage_logits(m, mb.inputs),
+                              Pipeline.of(groups))
+        result[name] = float((ref - out["logits"].float()).abs().max())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("hf_dir")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args(argv)
+    result = run_parity(args.hf_dir, args.tp, args.pp)
+    if dist.get_rank() == 0:
+        for name, diff in result.items():
+            print(f"{name:12s} max |logits diff| = {diff:.3e}")
+        print(json.dumps({"tp": args.tp, "pp": args.pp, "max_abs_diff": result}))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
