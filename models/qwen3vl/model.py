@@ -3,7 +3,8 @@ pad tokens' embeddings; Megatron's GPTModel runs the text with Qwen3 blocks (per
 RMSNorm, no QKV bias, SwiGLU) and interleaved M-RoPE; the DeepStack features are added to the
 visual tokens' hidden states after each of the first len(deepstack_visual_indexes) layers.
 
-Structure, pipeline stages and inputs as models/qwen2vl/model.py (VLMInputs; the first stage
+Structure, pipeline stages and inputs as models/qwen2vl/model.py (models/inputs.py's VLMInputs,
+whose position ids come from models/qwen3vl/rope_index.py through the family; the first stage
 holds the vision tower and the embeddings, the last the head).
 """
 
@@ -13,25 +14,9 @@ import torch
 from torch import nn
 
 from models.qwen3vl.config import Qwen3VLSpec, check_layout, language_config, vision_config
-from models.qwen3vl.rope_index import rope_index
 from models.qwen3vl.vision import Qwen3VisionModel
 
-try:  # VLMInputs is moving from the Qwen2-VL model to a module of its own (models/inputs.py)
-    from models.inputs import VLMInputs
-except ImportError:  # pragma: no cover - the older layout
-    from models.qwen2vl.model import VLMInputs
-
-
-def inputs_from_processor(spec: Qwen3VLSpec, batch: dict) -> VLMInputs:
-    """The model's inputs from an HF Qwen3-VL processor's batch (position ids included)."""
-    attention_mask = batch.get("attention_mask")
-    if attention_mask is not None and bool((attention_mask[:, 0] == 0).any()):
-        raise ValueError("left padding is not supported: set the tokenizer's padding_side='right'")
-    position_ids = rope_index(batch["input_ids"], batch.get("image_grid_thw"), batch.get("video_grid_thw"),
-                              spec.image_token_id, spec.video_token_id, spec.spatial_merge_size, attention_mask)
-    return VLMInputs(batch["input_ids"], position_ids, attention_mask, batch.get("pixel_values"),
-                     batch.get("image_grid_thw"), batch.get("pixel_values_videos"), batch.get("video_grid_thw"),
-                     batch.get("image_sources"), batch.get("video_sources"))
+from models.inputs import VLMInputs
 
 
 class InterleavedMRoPE(nn.Module):

@@ -7,13 +7,15 @@ provides: `run_parity` builds, loads and feeds the model through models/family.p
 transformers' Auto classes, so it runs any registered family. A video goes in with its metadata
 (fps and frame indices, frames taken as given): Qwen3-VL's processor writes each temporal
 patch's timestamp into the prompt, and without an fps it guesses 24. The last line printed is
-one JSON object with the max abs logit difference per probe.
+one JSON object with the max abs logit difference per probe, and whether the model's HF export
+gives back the checkpoint bit for bit ("export_equal": 1.0).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,7 +51,7 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
     processor = AutoProcessor.from_pretrained(hf_dir)
     timed = spec.model_type in family.timed_video_types
 
-    result = {}
+    result = {"export_equal": exports_the_checkpoint(family, model, hf_dir, groups)}
     for name, (messages, media) in probes().items():
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
         batch = processor(text=[text], return_tensors="pt", **(with_video_metadata(media) if timed else media))
@@ -60,6 +62,18 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
                               Pipeline.of(groups))
         result[name] = float((ref - out["logits"].float()).abs().max())
     return result
+
+
+def exports_the_checkpoint(family, model, hf_dir: str, groups) -> float:
+    """1.0 when the model's HF export (gathered over TP, handed between pipeline stages, in
+    small buckets) is the checkpoint it loaded, tensor for tensor and bit for bit; else 0.0."""
+    from safetensors.torch import load_file
+
+    exported = {k: t for bucket in family.export_hf_buckets(model, groups.tp, None, 1 << 18)
+                for k, t in bucket.items()}
+    checkpoint = {k: t for f in sorted(Path(hf_dir).glob("*.safetensors")) for k, t in load_file(str(f)).items()}
+    same = exported.keys() == checkpoint.keys() and all(torch.equal(exported[k], checkpoint[k]) for k in checkpoint)
+    return float(same)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,10 +31,23 @@ MERGED_PX = 32 * 32  # pixels of one merged token (patch 16, merge 2)
 MIN_PIXELS, MAX_PIXELS = MERGED_PX * 4, MERGED_PX * 64
 
 
-def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None) -> dict:
+# Qwen3-VL-8B's widths with 2 text layers and 2 vision blocks (`make_tiny(DIR, widths=REAL_8B_WIDTHS)`):
+# a check that head, group and merger layouts hold at real sizes (GQA 32/8, head_dim 128).
+REAL_8B_WIDTHS = (
+    dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=2, num_attention_heads=32,
+         num_key_value_heads=8, head_dim=128,
+         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                          "mrope_interleaved": True}),
+    dict(depth=2, hidden_size=1152, num_heads=16, intermediate_size=4304, num_position_embeddings=2304,
+         deepstack_visual_indexes=[0, 1]),
+)
+
+
+def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None,
+              widths: tuple[dict, dict] | None = None) -> dict:
     """Build the tiny Qwen3-VL into `out_dir` (created): weights, config, tokenizer, processor.
     `spec` (models.tiny.TinySpec, as the family hook passes it) gives the seed and the output
-    layer's init scale; the sizes are this module's. Returns the stamp's fields (models/tiny.py
+    layer's init scale; the sizes are this module's, with `widths` (text, vision) overriding them. Returns the stamp's fields (models/tiny.py
     writes yatt_tiny.json when it builds through the family)."""
     import torch
     import transformers as tf
@@ -46,9 +59,10 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    text = dict(TEXT, vocab_size=len(tok), tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
+    text_sizes, vision_sizes = ({**TEXT, **widths[0]}, {**VISION, **widths[1]}) if widths else (TEXT, VISION)
+    text = dict(text_sizes, vocab_size=len(tok), tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    cfg = tf.Qwen3VLConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=TEXT["hidden_size"]),
+    cfg = tf.Qwen3VLConfig(text_config=text, vision_config=dict(vision_sizes, out_hidden_size=text_sizes["hidden_size"]),
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                            tie_word_embeddings=False)
@@ -72,5 +86,5 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None) -> dict:
                                                  fps=2, cap_pixels_per_frame=True),  # qwen-vl-utils' per-frame cap
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(out)
-    return {"kind": kind, "seed": seed, "arch": "qwen3_vl", "qwen3vl_version": VERSION, "text": TEXT,
-            "vision": VISION}
+    return {"kind": kind, "seed": seed, "arch": "qwen3_vl", "qwen3vl_version": VERSION, "text": text_sizes,
+            "vision": vision_sizes}

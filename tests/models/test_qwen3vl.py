@@ -119,9 +119,13 @@ def test_rope_index_equals_transformers(tiny3):
 
 
 def _parity(tiny3, *torchrun: str, timeout: int = 300) -> dict:
+    """The parity module's result, after checking that the model's HF export (TP-gathered,
+    handed between stages) gave back the checkpoint bit for bit."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else \
         [sys.executable]
-    return run_json([*launch, "-m", "models.qwen3vl.parity", str(tiny3), *torchrun], timeout=timeout)
+    result = run_json([*launch, "-m", "models.qwen3vl.parity", str(tiny3), *torchrun], timeout=timeout)
+    assert result["max_abs_diff"].pop("export_equal") == 1.0, result
+    return result
 
 
 def test_parity_with_transformers_tp1(tiny3):
