@@ -78,12 +78,24 @@ def rl_groups(processor, count: int = 4) -> list:
     return groups
 
 
-def rl_steps(trainer, reference, processor, steps: int) -> tuple[list[dict], list[torch.Tensor]]:
+# the newer algorithms in one run: GSPO-token on REINFORCE++ advantages (whitened over the step
+# across DP ranks), an entropy bonus (vocab-parallel entropy with its gradient), KL in the loss;
+# the rollout correction off (the groups' made-up rollout logprobs would drive a sequence ratio
+# to 0). One mini-batch: mini-batches split each DP rank's groups, so under DP they hold other
+# groups than one process's.
+NEWER = dict(policy_loss="gspo_token", advantage="reinforce_pp", entropy_coef=0.01, kl_coef=0.1)
+
+
+def rl_steps(trainer, reference, processor, steps: int, **algorithm) -> tuple[list[dict], list[torch.Tensor]]:
     """The Actor's step: old logprobs and the reference's (forward only through the pipeline),
-    then its KL-penalised PPO update; the old logprobs of the first step are returned too."""
+    then its KL-penalised PPO update (or `algorithm`'s); the old logprobs of the first step are
+    returned too."""
     g = comm()
     mine = [s for i, group in enumerate(rl_groups(processor)) if i % g.dp_size == g.dp_rank for s in group]
-    actor = Actor(trainer, AlgorithmConfig(kl_coef=0.1), micro_batch_tokens=700,
+    cfg = AlgorithmConfig(**(algorithm or {"kl_coef": 0.1}))
+    if algorithm:
+        cfg.rollout_correction.level = "off"
+    actor = Actor(trainer, cfg, micro_batch_tokens=700,
                   pad_id=processor.tokenizer.pad_token_id, max_logprob_diff=1e9, reference=reference)
     keys = ("train/loss", "train/grad_norm", "train/kl", "train/logprob_diff_vs_rollout", "train/entropy")
     out, first = [], []
@@ -92,6 +104,7 @@ def rl_steps(trainer, reference, processor, steps: int) -> tuple[list[dict], lis
         metrics = actor.old_logprobs(minis)
         if step == 0:
             first = [mb.extra["old_logprobs"] for mini in minis for mb in mini]
+        metrics |= actor.batch_advantages(minis)
         metrics |= actor.update(minis)
         # each DP rank's loss is normalised by the global count / DP (DDP averages the gradients)
         metrics["train/loss"] = dp_sum(metrics["train/loss"]) / trainer.dp_size
@@ -123,6 +136,7 @@ def main() -> int:
     processor.tokenizer.padding_side = "right"
     sft = sft_steps(trainer, processor, args.steps)
     rl, old_logprobs = rl_steps(trainer, reference, processor, args.steps)
+    rl += rl_steps(trainer, reference, processor, 2, **NEWER)[0]
     exported = trainer.export_hf()  # every rank: gathered over TP, handed over between the stages
     bucketed, buckets = {}, 0
     for bucket in trainer.export_hf_buckets(0.2):  # the weight sync's path: a few layers a bucket
