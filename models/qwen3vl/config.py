@@ -72,6 +72,11 @@ class Qwen3VLSpec:
     vision_gated = False
     vision_rms_norm = False
     vision_masked = False
+    # ... and of the rest (yatt_mm/plan/params.py): Qwen3 blocks' q/k norms without QKV bias,
+    # a biased patch embedding (num_position_embeddings and num_deepstack are read as they are)
+    qkv_bias = False
+    qk_norm = True
+    vision_patch_bias = True
 
     @property
     def num_deepstack(self) -> int:

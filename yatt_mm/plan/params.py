@@ -1,6 +1,12 @@
 """Parameter counts, tensor by tensor as the Megatron model lays them out (models/qwen2vl/model.py
-+ vision.py; what a spec says of its vision tower: models/family.py), on one tensor-parallel
-rank of one pipeline stage."""
++ vision.py, models/qwen3vl/model.py + vision.py; what a spec says of its vision tower:
+models/family.py), on one tensor-parallel rank of one pipeline stage.
+
+Besides the fields every spec has, a spec may say (read with these defaults, Qwen2-VL's):
+`qkv_bias` (True), `qk_norm` (False: Qwen3's per-head RMSNorm over queries and keys, one
+head_dim weight each, whole on every TP rank), `vision_patch_bias` (False), the learned vision
+position table's `num_position_embeddings` (0: none) and `num_deepstack` (0: DeepStack mergers,
+each with its LayerNorm over the merged 4 x width vector)."""
 
 from __future__ import annotations
 
@@ -33,8 +39,10 @@ def _row(n_in: int, n_out: int, tp: int, bias: bool) -> list[int]:
 
 def _language_layer(spec, tp: int) -> list[int]:
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    qk_norms = [spec.head_dim, spec.head_dim] if getattr(spec, "qk_norm", False) else []
     return ([h, h]  # input and pre-MLP RMSNorm weights, whole on every rank
-            + _column(h, q + 2 * kv, tp, bias=True) + _row(q, h, tp, bias=False)
+            + _column(h, q + 2 * kv, tp, bias=getattr(spec, "qkv_bias", True)) + qk_norms
+            + _row(q, h, tp, bias=False)
             + _column(h, 2 * spec.intermediate_size, tp, bias=False) + _row(spec.intermediate_size, h, tp, bias=False))
 
 
@@ -48,11 +56,16 @@ def _vision_layer(spec, tp: int) -> list[int]:
 
 
 def _vision_ends(spec) -> list[int]:
-    """Patch embedding and patch merger: plain nn.Linear, whole on every TP rank."""
+    """Patch embedding, position table and patch mergers: plain nn.Linear / nn.Embedding, whole
+    on every TP rank."""
     hv, merged = spec.vision_embed_dim, spec.vision_embed_dim * spec.spatial_merge_size**2
     patch = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
     ln_q = [hv] if spec.vision_rms_norm else [hv, hv]
-    return [hv * patch] + ln_q + [merged * merged, merged, spec.hidden_size * merged, spec.hidden_size]
+    mlp = [merged * merged, merged, spec.hidden_size * merged, spec.hidden_size]
+    embed = [hv * patch] + ([hv] if getattr(spec, "vision_patch_bias", False) else [])
+    positions = [getattr(spec, "num_position_embeddings", 0) * hv]
+    deepstack = getattr(spec, "num_deepstack", 0) * ([merged, merged] + mlp)  # LayerNorm after the 2x2 merge
+    return embed + [p for p in positions if p] + ln_q + mlp + deepstack
 
 
 def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0) -> Params:
