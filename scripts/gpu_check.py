@@ -140,7 +140,7 @@ def rl_steps(hf_dir: str, dtype: str, steps: int, n_groups: int) -> tuple[dict, 
     trainer = VLMTrainer(hf_dir, TrainerConfig(dtype=dtype, lr=1e-5, offload="always"))
     processor = AutoProcessor.from_pretrained(hf_dir)
     algorithm = AlgorithmConfig(mini_batches=2)
-    algorithm.rollout_correction.level = "off"  # random tokens: no sampler to correct for
+    algorithm.rollout_correction.level = "none"  # random tokens: no sampler to correct for
     actor = Actor(trainer, algorithm, micro_batch_tokens=4096,
                   pad_id=processor.tokenizer.pad_token_id, max_logprob_diff=float("inf"))
     samples = rl_samples(processor, n_groups, 4, 64)

@@ -9,6 +9,8 @@ writes OUT/result.json (losses, grad norms, logprobs, the sync's coverage) and O
     python tests/dist/pipeline.py --out DIR                                   # TP1 PP1: the reference
     torchrun --nproc-per-node 2 tests/dist/pipeline.py --pp 2 --out DIR       # PP2
     torchrun --nproc-per-node 4 tests/dist/pipeline.py --tp 2 --pp 2 --out DIR
+    torchrun --nproc-per-node 2 tests/dist/pipeline.py --kind judge --pp 2 --pipeline-layers 1,2 --out DIR
+                                      # the 3-layer tiny model on uneven stages (its reference: --kind judge)
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def rl_steps(trainer, reference, processor, steps: int, **algorithm) -> tuple[li
     mine = [s for i, group in enumerate(rl_groups(processor)) if i % g.dp_size == g.dp_rank for s in group]
     cfg = AlgorithmConfig(**(algorithm or {"kl_coef": 0.1}))
     if algorithm:
-        cfg.rollout_correction.level = "off"
+        cfg.rollout_correction.level = "none"
     actor = Actor(trainer, cfg, micro_batch_tokens=700,
                   pad_id=processor.tokenizer.pad_token_id, max_logprob_diff=1e9, reference=reference)
     keys = ("train/loss", "train/grad_norm", "train/kl", "train/logprob_diff_vs_rollout", "train/entropy")
@@ -126,10 +128,14 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--kind", default="policy", help="the tiny model: policy (2 layers), judge (3 layers)")
+    parser.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,2")
     args = parser.parse_args()
     groups = init_parallel(args.tp, 0, args.pp)
-    path = str(tiny_model_dir("policy"))
-    cfg = TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, lr=1e-4)
+    path = str(tiny_model_dir(args.kind))
+    layers = [int(n) for n in args.pipeline_layers.split(",") if n.strip()]
+    cfg = TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, pipeline_layers=layers, lr=1e-4)
+    cfg.check_model(path, "trainer")
     trainer = VLMTrainer(path, cfg)
     reference = ReferencePolicy(path, cfg)
     processor = AutoProcessor.from_pretrained(path)
@@ -145,7 +151,8 @@ def main() -> int:
     missed = torch.tensor([float(bucketed.keys() != exported.keys()
                                  or any(not torch.equal(bucketed[k], exported[k]) for k in exported))])
     dist.all_reduce(missed, group=groups.world_cpu)  # on every rank, every stage's weights arrived
-    mine = torch.tensor([groups.pp_rank, groups.tp_rank, sum(p.numel() for p in trainer.module.parameters())])
+    mine = torch.tensor([groups.pp_rank, groups.tp_rank, sum(p.numel() for p in trainer.module.parameters()),
+                         len(trainer.module.language.decoder.layers), trainer.module.layer_offset])
     everyone = [torch.zeros_like(mine) for _ in range(groups.world)]
     dist.all_gather(everyone, mine, group=groups.world_cpu)  # what `yatt-mm plan` must count per stage
     if groups.rank == 0:

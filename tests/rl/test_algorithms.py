@@ -76,7 +76,7 @@ def _ratios(*rows):
 def test_clip_fraction_counts_where_the_clip_binds_low_and_high_apart():
     new, old = _ratios([1.5, 0.5, 1.1], [1.5, 0.5, 1.1])
     mask, adv = torch.ones(2, 3), torch.tensor([1.0, -1.0])
-    out = policy_loss(_cfg(correction=("off", "truncate", 2.0)), new, old, adv, mask)
+    out = policy_loss(_cfg(correction=("none", "truncate", 2.0)), new, old, adv, mask)
     # A > 0: only r = 1.5 > 1.28 binds (r = 0.5 would raise the loss, so it is not clipped);
     # A < 0: only r = 0.5 < 0.8 binds. The old count (|r - 1| > clip_low) said 4 of 6.
     assert out.mean("clip_high") == pytest.approx(1 / 6) and out.mean("clip_low") == pytest.approx(1 / 6)
@@ -192,7 +192,7 @@ def test_rollout_correction_truncates_or_masks_per_token_or_per_response():
     # mismatch: k3 of the trainer/rollout ratio r per token, r - 1 - log r
     r = [exp(1), 1, exp(-1.5)] + [1.5] * 3
     assert out.mean("mismatch_kl") == pytest.approx(sum(x - 1 - log(x) for x in r) / 6, rel=1e-5)
-    off = policy_loss(_cfg(correction=("off", "truncate", 2.0)), lp, lp, adv, mask, rollout_logprobs=rollout)
+    off = policy_loss(_cfg(correction=("none", "truncate", 2.0)), lp, lp, adv, mask, rollout_logprobs=rollout)
     assert "is_weight" not in off.sums and float(off.loss) == pytest.approx(-1.0)
 
 

@@ -33,7 +33,7 @@ class RolloutCorrectionConfig:
     precision; an older policy for dynamic sampling's buffer): importance weights between the
     two, per token or per response, truncated (TIS) or used to drop what passes the threshold."""
 
-    level: Literal["off", "token", "sequence"] = "token"  # ratio per token, or per response (product over tokens)
+    level: Literal["none", "token", "sequence"] = "token"  # ratio per token, or per response (product over tokens); none: off
     mode: Literal["truncate", "mask"] = "truncate"  # truncate: weight min(ratio, threshold); mask: drop outside [1/threshold, threshold]
     threshold: float = 2.0  # the cap (truncate) or the accepted band's upper end (mask)
 

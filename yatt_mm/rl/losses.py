@@ -108,7 +108,7 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     if level == "sequence":
         log_w = (log_w * mask).sum(1, keepdim=True).expand_as(log_w)
     elif level != "token":
-        raise ValueError(f"unknown rollout_correction.level {level!r}; choose off, token or sequence")
+        raise ValueError(f"unknown rollout_correction.level {level!r}; choose none, token or sequence")
     w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     if mode == "truncate":
         return w.clamp(max=threshold)
@@ -144,7 +144,7 @@ def policy_loss(
     sums["clip"] = sums["clip_high"] + sums["clip_low"]
     sums["ppo_kl"] = (-log_ratio * mask).sum()  # k1 estimate of KL(old || new) on the old policy's samples
     correction = cfg.rollout_correction
-    if correction.level != "off" and rollout_logprobs is not None:
+    if correction.level != "none" and rollout_logprobs is not None:
         weight = rollout_correction(old_logprobs, rollout_logprobs, mask, correction.level, correction.mode,
                                     correction.threshold)
         per_token = per_token * weight
