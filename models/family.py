@@ -35,11 +35,12 @@ class ModelFamily:
     model_types: tuple[str, ...]  # the config.json `model_type`s it reads
     # config.json (as a dict) -> spec; `where` names the source in errors
     read_spec: Callable[[dict, str], Any]
-    # (spec, tp, pp, prefix) -> None, or ValueError naming `prefix`+setting: whether the model
-    # splits into tp tensor-parallel shards and pp pipeline stages
-    check_layout: Callable[[Any, int, int, str], None]
-    # (spec, dtype, tp, recompute, pp) -> this rank's Megatron module (its TP shard of its
-    # pipeline stage), randomly initialised; forward(VLMInputs, packed_seq_params=None) -> logits
+    # (spec, tp, pp, prefix, layers=()) -> None, or ValueError naming `prefix`+setting: whether
+    # the model splits into tp tensor-parallel shards and pp pipeline stages (evenly, or `layers`
+    # language layers per stage: models/stages.py)
+    check_layout: Callable[..., None]
+    # (spec, dtype, tp, recompute, pp, layers=()) -> this rank's Megatron module (its TP shard of
+    # its pipeline stage), randomly initialised; forward(VLMInputs, packed_seq_params=None) -> logits
     build_model: Callable[..., Any]
     # (module, hf_dir, tp_rank, tp_size) -> None: an HF checkpoint into the module
     load_hf_into: Callable[..., None]

@@ -37,10 +37,14 @@ def common(dtype: torch.dtype, tp: int, recompute: str = "none") -> dict:
 
 
 
-def pipeline_settings(pp: int) -> dict:
+def pipeline_settings(pp: int, layers=()) -> dict:
     """Megatron settings of a language model split over `pp` pipeline stages: every micro-batch
     has its own shape (the schedule sends shapes before tensors). Megatron accepts variable
-    lengths only beside the all-to-all MoE dispatcher, which a dense model never runs."""
+    lengths only beside the all-to-all MoE dispatcher, which a dense model never runs. With
+    `layers` (language layers per stage, models/stages.py), Megatron's layout places them."""
+    from models.stages import megatron_layout
+
     if pp == 1:
         return {}
-    return dict(pipeline_model_parallel_size=pp, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    return dict(pipeline_model_parallel_size=pp, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                **({"pipeline_model_parallel_layout": megatron_layout(layers)} if layers else {}))

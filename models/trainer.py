@@ -27,9 +27,14 @@ from models.logprobs import next_token_labels, token_entropy, token_logprobs
 @dataclass
 class TrainerConfig:
     tensor_parallel: int = 1  # Megatron tensor-parallel size; the world size must be a multiple of it
-    # Megatron pipeline-parallel size: the language model's layers split evenly over this many
-    # stages (vision tower and embeddings on the first, the output layer and loss on the last)
+    # Megatron pipeline-parallel size: the language model's layers split over this many stages,
+    # evenly or as pipeline_layers says (vision tower and embeddings on the first, the output
+    # layer and loss on the last)
     pipeline_parallel: int = 1
+    # language layers per pipeline stage, e.g. [1, 2] (one entry per stage, each >= 1, adding up
+    # to the model's layers): any layer count splits, and fewer layers on the first stage make
+    # room for the vision tower's cost. Empty: an even split
+    pipeline_layers: list[int] = field(default_factory=list)
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate
     min_lr: float = 0.0  # Megatron OptimizerConfig.min_lr; no decay schedule is run, so no effect yet
@@ -48,8 +53,14 @@ class TrainerConfig:
     distributed_optimizer: bool = True
 
     # allowed values, checked when a config is loaded (yatt_mm/config.py)
-    RANGES = {"tensor_parallel": ">= 1", "pipeline_parallel": ">= 1", "lr": "> 0", "min_lr": ">= 0",
-              "weight_decay": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "clip_grad": ">= 0", "seed": ">= 0"}
+    RANGES = {"tensor_parallel": ">= 1", "pipeline_parallel": ">= 1", "pipeline_layers": ">= 1", "lr": "> 0",
+              "min_lr": ">= 0", "weight_decay": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "clip_grad": ">= 0", "seed": ">= 0"}
+
+    def __post_init__(self):
+        if self.pipeline_layers and len(self.pipeline_layers) != self.pipeline_parallel:
+            raise ValueError(f"pipeline_layers={list(self.pipeline_layers)}: one count per pipeline stage, so "
+                             f"{self.pipeline_parallel} entries (pipeline_parallel={self.pipeline_parallel}), "
+                             f"not {len(self.pipeline_layers)}")
 
     @property
     def model_parallel(self) -> int:
@@ -65,7 +76,8 @@ class TrainerConfig:
     def check_model(self, hf_dir: str, prefix: str) -> None:
         """Whether the model in `hf_dir` splits into this layout (before any rank starts)."""
         spec = read_spec(hf_dir)
-        family_of(spec).check_layout(spec, self.tensor_parallel, self.pipeline_parallel, f"{prefix}.")
+        family_of(spec).check_layout(spec, self.tensor_parallel, self.pipeline_parallel, f"{prefix}.",
+                                     tuple(self.pipeline_layers))
 
     @property
     def offloads(self) -> bool:
@@ -284,7 +296,7 @@ def build_module(hf_dir: str, spec, cfg: TrainerConfig) -> torch.nn.Module:
 
     family = family_of(spec)
     module = family.build_model(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
-                                cfg.recompute, cfg.pipeline_parallel)
+                                cfg.recompute, cfg.pipeline_parallel, tuple(cfg.pipeline_layers))
     module = module.to(accelerator_device())
     family.load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
     return module

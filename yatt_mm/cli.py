@@ -69,13 +69,19 @@ def _model_parity(args: argparse.Namespace) -> int:
         raise SystemExit("--tp and --pp must be >= 1")
     from models.family import family_for_dir
 
+    from models.family import read_spec
+
     try:
-        parity = family_for_dir(args.hf_dir).parity_module  # the model's family compares its logits
+        family = family_for_dir(args.hf_dir)
+        parity = family.parity_module  # the model's family compares its logits
+        layers = tuple(int(n) for n in args.pipeline_layers.split(",") if n.strip()) if args.pipeline_layers else ()
+        family.check_layout(read_spec(args.hf_dir), args.tp, args.pp, "", layers)  # before any rank starts
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"yatt-mm model parity: {e}") from e
     if args.tp * args.pp == 1:
         return subprocess.call([sys.executable, "-m", parity, args.hf_dir])  # output streams through
-    return relaunch(parity, args.tp * args.pp, [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)])
+    return relaunch(parity, args.tp * args.pp, [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)]
+                    + (["--pipeline-layers", ",".join(map(str, layers))] if layers else []))
 
 
 def ClusterWorkloadDefaults():  # noqa: N802 - the dataclass's defaults, without importing the simulator
@@ -156,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir", help="HF model directory (a supported model family's)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (TP x PP > 1 runs under torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size: the language layers split in stages")
+    p.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,2 (default: even)")
     p.set_defaults(func=_model_parity)
 
     p = sub.add_parser("make-tiny-model", help="build a tiny random model offline (cached)")

@@ -130,24 +130,25 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-def check_layout(spec: Qwen2VLSpec, tp: int, pp: int, prefix: str = "") -> None:
-    """Whether the model splits into `tp` tensor-parallel shards and `pp` pipeline stages;
-    `prefix` names where the settings live (e.g. "policy.trainer.") in the error."""
+def check_layout(spec: Qwen2VLSpec, tp: int, pp: int, prefix: str = "", layers=()) -> None:
+    """Whether the model splits into `tp` tensor-parallel shards and `pp` pipeline stages (evenly,
+    or `layers` language layers per stage); `prefix` names where the settings live (e.g.
+    "policy.trainer.") in the error."""
+    from models.stages import check_stage_layers
+
     if spec.vocab_size % tp or spec.num_kv_heads % tp or spec.vision_heads % tp:
         raise ValueError(f"{prefix}tensor_parallel={tp}: the vocabulary ({spec.vocab_size}), KV heads "
                          f"({spec.num_kv_heads}) and vision heads ({spec.vision_heads}) must divide by it")
-    if spec.num_layers % pp:
-        raise ValueError(f"{prefix}pipeline_parallel={pp}: the model's {spec.num_layers} layers must divide evenly "
-                         "into the pipeline stages")
+    check_stage_layers(spec.num_layers, pp, layers, prefix)
 
 
 def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
-                    pp: int = 1):
+                    pp: int = 1, layers=()):
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(spec, tp, pp)
+    check_layout(spec, tp, pp, layers=layers)
     return TransformerConfig(
-        **pipeline_settings(pp),
+        **pipeline_settings(pp, layers),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.intermediate_size,

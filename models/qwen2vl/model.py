@@ -16,25 +16,25 @@ class Qwen2VLModel(nn.Module):
 
     Under pipeline parallelism (`pp` > 1) this is one stage: the first holds the vision tower
     and the embeddings, the last the final norm and the output layer, each an equal share of
-    the language model's layers; a stage other than the last returns its hidden states
+    the language model's layers (or `layers[stage]` of them); a stage other than the last returns its hidden states
     [s, b, h], which Megatron's schedule hands to the next one (`set_input_tensor`)."""
 
     def __init__(self, spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
-                 pp: int = 1):
+                 pp: int = 1, layers=()):
         super().__init__()
         from megatron.core import parallel_state
 
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        check_layout(spec, tp, pp)
+        check_layout(spec, tp, pp, layers=layers)
         from megatron.core.enums import ModelType
 
         self.spec = spec
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         stage = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
         self.pre_process, self.post_process = stage == 0, stage == pp - 1
-        self.config = language_config(spec, dtype, tp, recompute, pp)
+        self.config = language_config(spec, dtype, tp, recompute, pp, layers)
         if self.pre_process:
             self.vision = Qwen2VisionModel(spec, vision_config(spec, dtype, tp, recompute))
         from models.attention import CoreAttention

@@ -1,8 +1,8 @@
 """Megatron Qwen2-VL / Qwen2.5-VL vs transformers on the same weights and inputs: logits side by side.
 
-`yatt-mm model parity HF_DIR [--tp T] [--pp P]` runs this (under torchrun on T x P ranks when
-that is > 1). Built-in probes: text only, one image, two images, one video. Under pipeline
-parallelism the probes go through Megatron's schedule stage by stage and the logits are compared
+`yatt-mm model parity HF_DIR [--tp T] [--pp P] [--pipeline-layers 1,2]` runs this (under
+torchrun on T x P ranks when that is > 1; `--pipeline-layers`: language layers per stage).
+Built-in probes: text only, one image, two images, one video. Under pipeline parallelism the probes go through Megatron's schedule stage by stage and the logits are compared
 where they are, on the last stage. The last line printed is one JSON object with the max abs
 logit difference per probe.
 """
@@ -44,7 +44,7 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
-def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
+def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, layers: tuple[int, ...] = ()) -> dict[str, float]:
     import models  # noqa: F401 - CPU runtime hooks
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
@@ -56,7 +56,7 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
 
     groups = init_parallel(tp, seed=0, pipeline_parallel=pp)  # torchrun's ranks, or one local process
     spec = Qwen2VLSpec.from_hf_dir(hf_dir)
-    model = Qwen2VLModel(spec, torch.float32, tp, pp=pp).eval()
+    model = Qwen2VLModel(spec, torch.float32, tp, pp=pp, layers=layers).eval()
     load_hf_into(model, hf_dir, groups.tp_rank, tp)
     hf_cls = Qwen2_5_VLForConditionalGeneration if spec.is_qwen25 else Qwen2VLForConditionalGeneration
     hf = hf_cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -83,17 +83,28 @@ def stage_logits(model, inputs):
     return {"logits": gather_vocab(out)} if model.post_process else out
 
 
+def parse_layers(text: str) -> tuple[int, ...]:
+    """"1,2" -> (1, 2): `--pipeline-layers`."""
+    try:
+        return tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated layer counts, e.g. 1,2") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("hf_dir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--pipeline-layers", type=parse_layers, default=(),
+                        help="language layers per stage, comma-separated (default: an even split)")
     args = parser.parse_args(argv)
-    result = run_parity(args.hf_dir, args.tp, args.pp)
+    result = run_parity(args.hf_dir, args.tp, args.pp, args.pipeline_layers)
     if dist.get_rank() == 0:
         for name, diff in result.items():
             print(f"{name:12s} max |logits diff| = {diff:.3e}")
-        print(json.dumps({"tp": args.tp, "pp": args.pp, "max_abs_diff": result}))
+        print(json.dumps({"tp": args.tp, "pp": args.pp, "pipeline_layers": list(args.pipeline_layers),
+                          "max_abs_diff": result}))
     dist.destroy_process_group()
     return 0
 

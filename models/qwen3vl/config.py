@@ -72,11 +72,13 @@ class Qwen3VLSpec:
     vision_gated = False
     vision_rms_norm = False
     vision_masked = False
-    # ... and of the rest (yatt_mm/plan/params.py): Qwen3 blocks' q/k norms without QKV bias,
-    # a biased patch embedding (num_position_embeddings and num_deepstack are read as they are)
+    # ... and of the rest (yatt_mm/plan/params.py, activations.py): Qwen3 blocks' q/k norms
+    # without QKV bias, a biased patch embedding, the vision MLP's one-op GELU (it keeps only its
+    # input); num_position_embeddings and num_deepstack are read as they are
     qkv_bias = False
     qk_norm = True
     vision_patch_bias = True
+    vision_act = "gelu_pytorch_tanh"
 
     @property
     def num_deepstack(self) -> int:
@@ -165,32 +167,34 @@ class Qwen3VLSpec:
         )
 
 
-def check_layout(spec: Qwen3VLSpec, tp: int, pp: int, prefix: str = "") -> None:
-    """Whether the model splits into `tp` tensor-parallel shards and `pp` pipeline stages. The
-    vision tower runs on the first stage only, so every layer that takes DeepStack features
-    must be there too."""
+def check_layout(spec: Qwen3VLSpec, tp: int, pp: int, prefix: str = "", layers=()) -> None:
+    """Whether the model splits into `tp` tensor-parallel shards and `pp` pipeline stages (evenly,
+    or `layers` language layers per stage). The vision tower runs on the first stage only, so
+    every layer that takes DeepStack features must be there too."""
+    from models.stages import check_stage_layers, stage_layers
+
     if spec.vocab_size % tp or spec.num_kv_heads % tp or spec.vision_heads % tp:
         raise ValueError(f"{prefix}tensor_parallel={tp}: the vocabulary ({spec.vocab_size}), KV heads "
                          f"({spec.num_kv_heads}) and vision heads ({spec.vision_heads}) must divide by it")
-    if spec.num_layers % pp:
-        raise ValueError(f"{prefix}pipeline_parallel={pp}: the model's {spec.num_layers} layers must divide evenly "
-                         "into the pipeline stages")
-    if spec.num_deepstack > spec.num_layers // pp:
-        raise ValueError(f"{prefix}pipeline_parallel={pp}: the first stage holds {spec.num_layers // pp} layers but "
+    check_stage_layers(spec.num_layers, pp, layers, prefix)
+    first = stage_layers(spec.num_layers, pp, layers)[0]
+    if spec.num_deepstack > first:
+        setting = f"{prefix}pipeline_layers={list(layers)}" if layers else f"{prefix}pipeline_parallel={pp}"
+        raise ValueError(f"{setting}: the first stage holds {first} layers but "
                          f"{spec.num_deepstack} take DeepStack features from the vision tower (first stage only)")
 
 
 def language_config(spec: Qwen3VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
-                    pp: int = 1):
+                    pp: int = 1, layers=()):
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(spec, tp, pp)
+    check_layout(spec, tp, pp, layers=layers)
     if recompute == "full" and spec.num_deepstack:
         # DeepStack adds features after a layer through a forward hook that reads this forward's
         # features; a full-layer recompute in the backward pass would rerun the layer without them
         raise ValueError("recompute 'full' is not implemented for Qwen3-VL (DeepStack); use 'selective'")
     return TransformerConfig(
-        **pipeline_settings(pp),
+        **pipeline_settings(pp, layers),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.intermediate_size,

@@ -15,16 +15,16 @@ def read_spec(config: dict, where: str = "config.json"):
     return Qwen3VLSpec.from_hf_config(config, where)
 
 
-def check_layout(spec, tp: int, pp: int, prefix: str = "") -> None:
+def check_layout(spec, tp: int, pp: int, prefix: str = "", layers=()) -> None:
     from models.qwen3vl.config import check_layout
 
-    check_layout(spec, tp, pp, prefix)
+    check_layout(spec, tp, pp, prefix, layers)
 
 
-def build_model(spec, dtype, tp: int = 1, recompute: str = "none", pp: int = 1):
+def build_model(spec, dtype, tp: int = 1, recompute: str = "none", pp: int = 1, layers=()):
     from models.qwen3vl.model import Qwen3VLModel
 
-    return Qwen3VLModel(spec, dtype, tp, recompute, pp)
+    return Qwen3VLModel(spec, dtype, tp, recompute, pp, layers)
 
 
 def load_hf_into(module, hf_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> None:

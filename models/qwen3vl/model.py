@@ -49,7 +49,7 @@ class Qwen3VLModel(nn.Module):
     on a pipeline stage other than the last its hidden states [s, b, h]."""
 
     def __init__(self, spec: Qwen3VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
-                 pp: int = 1):
+                 pp: int = 1, layers=()):
         super().__init__()
         from megatron.core import parallel_state
         from megatron.core.enums import ModelType
@@ -58,12 +58,12 @@ class Qwen3VLModel(nn.Module):
 
         from models.attention import CoreAttention
 
-        check_layout(spec, tp, pp)
+        check_layout(spec, tp, pp, layers=layers)
         self.spec = spec
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         stage = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
         self.pre_process, self.post_process = stage == 0, stage == pp - 1
-        self.config = language_config(spec, dtype, tp, recompute, pp)
+        self.config = language_config(spec, dtype, tp, recompute, pp, layers)
         if self.pre_process:
             self.vision = Qwen3VisionModel(spec, vision_config(spec, dtype, tp, recompute))
         # qk_layernorm: the local spec's RMSNorm (torch.nn.RMSNorm over head_dim), as Qwen3's q_norm/k_norm

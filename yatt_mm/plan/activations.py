@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.stages import stage_layers
 from yatt_mm.plan.batch import MicroBatchShape
 from yatt_mm.plan.constants import ACTIVATION_CALIBRATION
 
@@ -106,13 +107,14 @@ class Activations:
 
 
 def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
-                 pp: int = 1, stage: int = 0) -> int:
+                 pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> int:
     """What one micro-batch's forward on pipeline `stage` keeps for the backward, but the loss's
     own part (the sum over the stage's layers of the per-layer formula, plus on the first stage
     the embeddings, pixels and patch merger, on the last the final norm)."""
     lm, vis = language_block(spec, shape, tp), vision_block(spec, shape, tp)
     n, first, last = shape.tokens, stage == 0, stage == pp - 1
-    saved = spec.num_layers // pp * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
+    n_layers = stage_layers(spec.num_layers, pp, layers)[stage]
+    saved = n_layers * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
     saved += 9 * n  # token ids, media mask
     if last:
         saved += _norm_bytes(n, spec.hidden_size, e, True, kernels)  # the final norm
@@ -148,7 +150,8 @@ def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recom
 
 
 def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str,
-                     kernels: Kernels = CUDA, pp: int = 1, stage: int = 0) -> Activations:
+                     kernels: Kernels = CUDA, pp: int = 1, stage: int = 0,
+                     layers: tuple[int, ...] = ()) -> Activations:
     """Activation memory of the forward and backward of micro-batches on one TP rank of pipeline
     `stage`. On the last stage (the whole model without PP) the peak is the largest of three
     moments: the end of the forward (logits and the loss alive), the output layer's backward (the
@@ -156,7 +159,7 @@ def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: s
     weight's and the input's gradients alive), and a layer's recompute. Under 1F1B, stage s runs
     pp - s micro-batches' forwards before their first backward, so it keeps that many."""
     n, vocab, h = shape.tokens, spec.vocab_size // tp, spec.hidden_size
-    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage)
+    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers)
     if stage < pp - 1:
         held = (pp - stage) * body
         hidden = 2 * n * h * e  # the hidden states received and sent (or their gradients)

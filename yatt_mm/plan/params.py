@@ -68,16 +68,20 @@ def _vision_ends(spec) -> list[int]:
     return embed + [p for p in positions if p] + ln_q + mlp + deepstack
 
 
-def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0) -> Params:
+def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> Params:
     """Parameters of this rank's shard of the Megatron model (e.g. models/qwen2vl/model.py): its TP
     shard of pipeline `stage` (pp=1: the whole model). The first stage holds the vision tower and
     the embedding, the last the final norm and the output layer (with tied embeddings and more
-    than one stage, the last keeps its own copy of the embedding as the output layer)."""
+    than one stage, the last keeps its own copy of the embedding as the output layer). `layers`:
+    language layers per stage (policy.trainer.pipeline_layers; empty: an even split)."""
+    from models.stages import stage_layers
+
     vocab, h = spec.vocab_size, spec.hidden_size
     first, last = stage == 0, stage == pp - 1
     lm_ends = (([vocab // tp * h] if first else []) + ([h] if last else [])
                + ([vocab // tp * h] if last and not (spec.tie_word_embeddings and first) else []))
     lm_layer, v_layer, v_ends = _language_layer(spec, tp), _vision_layer(spec, tp), _vision_ends(spec)
     vision = spec.vision_depth * sum(v_layer) + sum(v_ends) if first else 0
-    return Params(vision=vision, language=spec.num_layers // pp * sum(lm_layer) + sum(lm_ends),
+    n_layers = stage_layers(spec.num_layers, pp, layers)[stage]
+    return Params(vision=vision, language=n_layers * sum(lm_layer) + sum(lm_ends),
                   largest=max(lm_layer + lm_ends + (v_layer + v_ends if first else [])))

@@ -63,7 +63,7 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
     from models.family import family_of
 
     try:
-        family_of(spec).check_layout(spec, tp, pp, "policy.trainer.")
+        family_of(spec).check_layout(spec, tp, pp, "policy.trainer.", tuple(cfg.policy.trainer.pipeline_layers))
     except ValueError as e:
         raise PlanError(str(e)) from e
     shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens,

@@ -52,7 +52,8 @@ def trainer_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kern
 
 def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels, stage: int) -> TrainerMemory:
     tp, pp = trainer.tensor_parallel, trainer.pipeline_parallel
-    params = param_counts(spec, tp, pp, stage)
+    layers = tuple(getattr(trainer, "pipeline_layers", ()))  # language layers per stage (empty: even)
+    params = param_counts(spec, tp, pp, stage, layers)
     e = 2 if trainer.dtype == "bf16" else 4
     # Adam's m and v in fp32; bf16 adds fp32 master weights (fp32 steps the weights themselves)
     state_per_param = 8 + (4 if e == 2 else 0)
@@ -60,4 +61,5 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     optimizer = params.total * state_per_param // shards
     return TrainerMemory(params=params, stage=stage, model_params=param_counts(spec).total, weights=params.total * e,
                          grads=params.total * 4, optimizer=optimizer,
-                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage))
+                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage,
+                                                              layers))

@@ -127,6 +127,7 @@ class Checkpointer:
         snapshot = {"model": _clone(trainer.module.state_dict()), "optimizer": _clone(trainer.optimizer_state()),
                     "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel,
                     "pipeline_parallel": trainer.cfg.pipeline_parallel,
+                    "pipeline_layers": list(getattr(trainer.cfg, "pipeline_layers", [])),
                     "distributed_optimizer": trainer.cfg.distributed_optimizer}
         ctrl = controller_state(controller) if controller is not None else None
         seconds = time.perf_counter() - t0
@@ -266,6 +267,10 @@ def load_trainer(ckpt: Path, trainer, rank: int, world: int) -> int:
     if layout != (world, trainer.cfg.tensor_parallel, trainer.cfg.pipeline_parallel):
         raise RuntimeError(f"{ckpt} was written by {layout[0]} ranks at TP {layout[1]} x PP {layout[2]}; this run "
                            f"has {world} ranks at TP {trainer.cfg.tensor_parallel} x PP {trainer.cfg.pipeline_parallel}")
+    layers = list(getattr(trainer.cfg, "pipeline_layers", []))
+    if state.get("pipeline_layers", []) != layers:
+        raise RuntimeError(f"{ckpt} was written with policy.trainer.pipeline_layers={state.get('pipeline_layers', [])}"
+                           f"; this run has {layers}: set it the same to resume")
     if state.get("distributed_optimizer", False) != trainer.cfg.distributed_optimizer:
         raise RuntimeError(f"{ckpt} was written with policy.trainer.distributed_optimizer="
                            f"{state.get('distributed_optimizer', False)}; set it the same to resume")

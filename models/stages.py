@@ -1,0 +1,53 @@
+"""How a language model's layers split over pipeline stages: evenly (`pipeline_parallel` alone), or
+as `pipeline_layers` says (layers per stage, e.g. [1, 2]: fewer on the first stage, which also
+runs the vision tower). Pure Python: the trainer, the model families and the memory plan read it.
+
+Megatron-Core takes an uneven split as its `pipeline_model_parallel_layout` (one list of layer
+kinds per stage: the embedding first, the loss last); it numbers each stage's layers from the
+sum of the earlier stages' counts, which the families' HF conversion follows (`layer_offset`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def check_stage_layers(num_layers: int, pp: int, layers: Sequence[int] = (), prefix: str = "") -> None:
+    """ValueError naming `prefix`+setting when the model's `num_layers` do not split into `pp`
+    stages: evenly (no `layers`), or as `layers` (one count per stage, each >= 1, summing to
+    the model's layers)."""
+    layers = list(layers)
+    if not layers:
+        if num_layers % pp:
+            raise ValueError(f"{prefix}pipeline_parallel={pp}: the model's {num_layers} layers must divide evenly "
+                             f"into the pipeline stages; set {prefix}pipeline_layers (language layers per stage, "
+                             f"e.g. {uneven_example(num_layers, pp)}) for an uneven split")
+        return
+    if len(layers) != pp:
+        raise ValueError(f"{prefix}pipeline_layers={layers}: one count per pipeline stage, so {pp} entries "
+                         f"({prefix}pipeline_parallel={pp}), not {len(layers)}")
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in layers):
+        raise ValueError(f"{prefix}pipeline_layers={layers}: every stage needs at least 1 language layer")
+    if sum(layers) != num_layers:
+        raise ValueError(f"{prefix}pipeline_layers={layers}: they add up to {sum(layers)} but the model has "
+                         f"{num_layers} layers")
+
+
+def uneven_example(num_layers: int, pp: int) -> list[int]:
+    """A split of `num_layers` over `pp` stages with the fewest on the first (the vision tower's)."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+
+
+def stage_layers(num_layers: int, pp: int = 1, layers: Sequence[int] = ()) -> tuple[int, ...]:
+    """Language layers on each of the `pp` stages (checked; see `check_stage_layers`)."""
+    check_stage_layers(num_layers, pp, layers)
+    return tuple(layers) if layers else (num_layers // pp,) * pp
+
+
+def megatron_layout(layers: Sequence[int]) -> list[list[str]]:
+    """Megatron-Core's `pipeline_model_parallel_layout` for these per-stage counts."""
+    out = [["decoder"] * n for n in layers]
+    out[0].insert(0, "embedding")
+    out[-1].append("loss")
+    return out
