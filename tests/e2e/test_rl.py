@@ -482,12 +482,14 @@ def test_rl_from_the_warm_start_raises_held_out_reward(tmp_path, warm_policy):
         assert r["rollout/truncated_rate"] >= 0 and r["train/is_weight"] == pytest.approx(1.0, abs=1e-4)
 
 
-# the other algorithms of docs/rl.md learn the demo task too (measured held-out before -> after in
-# each one's comment)
+# the other algorithms of docs/rl.md learn the demo task too; measured held-out before -> after:
+# dr_grpo 0.69 -> 1.00, rloo 0.69 -> 1.00, gspo 0.69 -> 1.00, reinforce_pp 0.69 -> 0.91. GSPO with
+# sequence-level rollout correction, as its ratio is per response: with the token-level default or
+# none, its 5 steps left held-out accuracy at 0.69 (the buffer's stale samples weighted per token)
 ALGORITHMS = {
     "dr_grpo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=token_sum_norm"],
     "rloo": ["algorithm.advantage=rloo"],
-    "gspo": ["algorithm.policy_loss=gspo", "algorithm.advantage=grpo"],
+    "gspo": ["algorithm.policy_loss=gspo", "algorithm.rollout_correction.level=sequence"],
     "reinforce_pp": ["algorithm.advantage=reinforce_pp"],
 }
 
