@@ -2,7 +2,8 @@
 stage, tensor by tensor in the form of Korthikanti et al.'s per-layer formula for Megatron
 ("Reducing Activation Recomputation in Large Transformer Models", 2022: s*b*h*(34 + 5*a*s/h)
 bytes a layer), with the terms of this model (GQA, SwiGLU, M-RoPE, fp32 softmax, no dropout) and
-the recompute setting."""
+the recompute setting; for Qwen3-VL also the per-head q/k norms, the vision tower's learned
+position table and the DeepStack mergers (spec fields as yatt_mm/plan/params.py reads them)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ class Block:
     gated: bool
     rms: bool  # RMSNorm, else LayerNorm
     rope_rows: int  # rows of the rotary cos/sin tensors
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotary embedding (Qwen3)
+    # MLP-width tensors kept: fc1's output (2 halves if gated) and what the activation keeps
+    # (0: the default, 5 gated SiLU, 3 Qwen2-VL's quick_gelu x * sigmoid(1.702 x))
+    mlp_kept: int = 0
 
 
 def _norm_bytes(n: int, h: int, e: int, rms: bool, kernels: Kernels) -> int:
@@ -64,14 +69,30 @@ def _recomputed_core_bytes(b: Block, e: int) -> int:
     return b.tokens * (b.q + b.kv + b.q + 2 * b.kv) * e
 
 
+def _qk_norm_bytes(b: Block, e: int, kernels: Kernels) -> int:
+    """Qwen3's q/k norms: their input is a view of the QKV output (kept for V anyway) and their
+    output only feeds the rotary product (which keeps its cos and sin, not its input). So the
+    fused kernel (CUDA) adds its rstd per head and row; the composite (CPU) also keeps the
+    normalised fp32 tensor (the weight's gradient needs it) and, for bf16, the fp32 copy of the
+    input (measured on the tiny model: 5 head-sized tensors a layer at fp32 with q = kv)."""
+    if not b.qk_norm:
+        return 0
+    rows = b.tokens * (b.q + b.kv) // b.head_dim
+    if kernels.fused_rms_norm:
+        return 4 * rows
+    return b.tokens * (b.q + b.kv) * (4 if e == 4 else 8) + 4 * rows
+
+
 def layer_bytes(b: Block, e: int, kernels: Kernels, recompute: str) -> int:
     """Bytes one layer keeps for its backward pass: the per-layer term of the formula."""
     if recompute == "full":
         return b.tokens * b.hidden * e  # only the layer's input; the rest is recomputed
     core = _recomputed_core_bytes(b, e) if recompute == "selective" else _core_attention_bytes(b, e)
-    mlp = (5 if b.gated else 3) * b.tokens * b.ffn * e  # fc1 output (2 halves if gated), activation, product
-    # (the rotary cos and sin are one pair for all layers: `_rotary_bytes`)
-    return 2 * _norm_bytes(b.tokens, b.hidden, e, b.rms, kernels) + core + b.tokens * b.q * e + mlp
+    mlp = (b.mlp_kept or (5 if b.gated else 3)) * b.tokens * b.ffn * e  # fc1 output, activation, product
+    # (the rotary cos and sin are one pair for all layers: `_rotary_bytes`); the q/k norms run
+    # before core attention, so selective recompute keeps theirs
+    return (2 * _norm_bytes(b.tokens, b.hidden, e, b.rms, kernels) + core + b.tokens * b.q * e + mlp
+            + _qk_norm_bytes(b, e, kernels))
 
 
 def _rotary_bytes(b: Block, e: int, recompute: str) -> int:
@@ -84,19 +105,21 @@ def language_block(spec, shape: MicroBatchShape, tp: int) -> Block:
     hd = spec.head_dim
     return Block(tokens=shape.tokens, hidden=spec.hidden_size, q=spec.num_heads // tp * hd,
                  kv=max(1, spec.num_kv_heads // tp) * hd, ffn=spec.intermediate_size // tp, head_dim=hd, gated=True,
-                 rms=True, rope_rows=shape.tokens)
+                 rms=True, rope_rows=shape.tokens, qk_norm=getattr(spec, "qk_norm", False))
 
 
 def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
-    """Qwen2-VL attends within each frame (frames of one size run as a batch); Qwen2.5-VL runs
-    all of a micro-batch's patches as one sequence under a mask (`spec.vision_masked`,
-    models/qwen2vl/vision.py)."""
+    """Qwen2-VL and Qwen3-VL attend within each frame (frames of one size run as a batch);
+    Qwen2.5-VL runs all of a micro-batch's patches as one sequence under a mask
+    (`spec.vision_masked`, models/qwen2vl/vision.py)."""
     merge = spec.spatial_merge_size**2
     patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
     hv, heads = spec.vision_embed_dim, spec.vision_heads // tp
     hd = hv // spec.vision_heads
     return Block(tokens=patches, hidden=hv, q=heads * hd, kv=heads * hd, ffn=spec.vision_ffn // tp, head_dim=hd,
-                 gated=spec.vision_gated, rms=spec.vision_rms_norm, rope_rows=patches if spec.vision_masked else frame)
+                 gated=spec.vision_gated, rms=spec.vision_rms_norm, rope_rows=patches if spec.vision_masked else frame,
+                 # a one-op GELU (Qwen3-VL) keeps its input, fc1's output: 2 with fc2's input
+                 mlp_kept=2 if getattr(spec, "vision_act", "") == "gelu_pytorch_tanh" else 0)
 
 
 @dataclass(frozen=True)
@@ -128,7 +151,19 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
         saved += patches * spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * e  # pixel values
         saved += _norm_bytes(patches, vis.hidden, e, spec.vision_rms_norm, kernels) + 2 * patches * vis.hidden * e  # merger
         saved += 8 * patches**2 if spec.vision_masked else 8 * patches  # fp32 window and full masks / frame order
+        saved += _vision_extras_bytes(spec, patches, vis.hidden, e, kernels)
     return saved
+
+
+def _vision_extras_bytes(spec, patches: int, hv: int, e: int, kernels: Kernels) -> int:
+    """Qwen3-VL's vision extras (none for Qwen2-VL): the learned position table's resampling
+    keeps its int64 indexes and fp32 weights (4 taps a patch; an upper bound for video, whose
+    frames share them), and each DeepStack merger keeps its LayerNorm's input and output over
+    the merged 4 x width vectors with their statistics, and its fc1 and GELU outputs."""
+    out = 48 * patches if getattr(spec, "num_position_embeddings", 0) else 0
+    merged = patches // spec.spatial_merge_size**2
+    merger = _norm_bytes(merged, hv * spec.spatial_merge_size**2, e, False, kernels) + 2 * patches * hv * e
+    return out + getattr(spec, "num_deepstack", 0) * merger
 
 
 def _vision_recompute(spec, recompute: str) -> str:

@@ -1,5 +1,6 @@
 """Which architecture a model setting names: a checkpoint's config.json, the tiny models, or
-the built-in table of published configs (new model families join here)."""
+the built-in table of published configs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; new model families
+join here)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,30 @@ KNOWN_MODELS = {
     "Qwen/Qwen2.5-VL-72B-Instruct": ("qwen2_5_vl", 8192, 29568, 80, 64, 8, 152064, False, 3456),
 }
 
+# The Qwen3-VL (dense) Instruct checkpoints' config.json numbers: (text hidden_size,
+# intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+# tie_word_embeddings; vision depth, hidden_size, intermediate_size, deepstack_visual_indexes).
+# All: head_dim 128, vocab 151936, rope_theta 5e6 with interleaved mrope_section [24, 20, 20];
+# vision 16 heads, patch 16, spatial merge 2, temporal patch 2, 2304 (48 x 48) learned
+# positions, out_hidden_size = the text hidden_size. The text widths are Qwen3-1.7B / 4B / 8B /
+# 32B's. Read from copies of the published config.json files in public repositories (and
+# torchtitan's experiments/qwen3_vl configs for 2B and 8B), not from the hub itself (not
+# reachable here). Their totals, 2.13 / 4.44 / 8.77 / 33.36 B (tests/cli/test_plan.py): 8.77 B
+# is what a copy of the 8B model card states.
+QWEN3VL_SMALL_VISION = (24, 1024, 4096, (5, 11, 17))
+QWEN3VL_LARGE_VISION = (27, 1152, 4304, (8, 16, 24))
+KNOWN_MODELS.update({
+    "Qwen/Qwen3-VL-2B-Instruct": ("qwen3_vl", 2048, 6144, 28, 16, 8, True, QWEN3VL_SMALL_VISION),
+    "Qwen/Qwen3-VL-4B-Instruct": ("qwen3_vl", 2560, 9728, 36, 32, 8, True, QWEN3VL_SMALL_VISION),
+    "Qwen/Qwen3-VL-8B-Instruct": ("qwen3_vl", 4096, 12288, 36, 32, 8, False, QWEN3VL_LARGE_VISION),
+    "Qwen/Qwen3-VL-32B-Instruct": ("qwen3_vl", 5120, 25600, 64, 64, 8, False, QWEN3VL_LARGE_VISION),
+})
+
 
 def known_hf_config(model_id: str) -> dict:
     """The table row of `model_id` as a config.json (transformers 4.x layout, as published)."""
+    if KNOWN_MODELS[model_id][0] == "qwen3_vl":
+        return _qwen3vl_config(*KNOWN_MODELS[model_id][1:])
     kind, hidden, inter, layers, heads, kv, vocab, tie, vision_inter = KNOWN_MODELS[model_id]
     vision = dict(depth=32, num_heads=16, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
     if kind == "qwen2_vl":
@@ -37,6 +59,20 @@ def known_hf_config(model_id: str) -> dict:
                 num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tie,
                 rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
                 image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_config=vision)
+
+
+def _qwen3vl_config(hidden: int, inter: int, layers: int, heads: int, kv: int, tie: bool, vision: tuple) -> dict:
+    depth, width, vision_inter, deepstack = vision
+    text = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=128, vocab_size=151936, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                hidden_act="silu", attention_bias=False, rope_theta=5000000,
+                rope_scaling={"rope_type": "default", "mrope_interleaved": True, "mrope_section": [24, 20, 20]})
+    return dict(model_type="qwen3_vl", tie_word_embeddings=tie, image_token_id=151655, video_token_id=151656,
+                vision_start_token_id=151652, vision_end_token_id=151653, text_config=text,
+                vision_config=dict(depth=depth, hidden_size=width, intermediate_size=vision_inter, num_heads=16,
+                                   hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2,
+                                   temporal_patch_size=2, in_channels=3, num_position_embeddings=2304,
+                                   out_hidden_size=hidden, deepstack_visual_indexes=list(deepstack)))
 
 
 def spec_from_hf_config(config: dict):

@@ -66,6 +66,11 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
         family_of(spec).check_layout(spec, tp, pp, "policy.trainer.", tuple(cfg.policy.trainer.pipeline_layers))
     except ValueError as e:
         raise PlanError(str(e)) from e
+    if cfg.policy.trainer.recompute == "full" and getattr(spec, "num_deepstack", 0):
+        # the trainer refuses it too (models/qwen3vl/config.py): a recomputed layer would run
+        # without the DeepStack features its forward hook adds
+        raise PlanError("policy.trainer.recompute=full is not implemented for a model with DeepStack (Qwen3-VL); "
+                        "use selective")
     shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens,
                            family_of(spec).media_factor(spec))
     trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // (tp * pp), shape, kernels)
