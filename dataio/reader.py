@@ -28,6 +28,7 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
+from dataio.budget import TokenBudget
 from dataio.decode import MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
     decode_video_bytes, VIDEO_DECODER
 from dataio.errors import MediaError
@@ -57,11 +58,15 @@ class DataConfig:
     video_decoder: str = VIDEO_DECODER  # module:function run in the video children
     quarantine_log: str | None = None  # JSONL file: one line per skipped sample
     max_open_shards: int = 16  # shard files kept open per decoder (least recently used closed); >= 1
+    # tokens per sample (prompt + media + the response limit): a video sample over it gets fewer
+    # frames (uniform over the clip) so that it fits; one that cannot (or an image sample over
+    # it) is skipped as over_token_budget (dataio/budget.py). 0: off
+    max_sample_tokens: int = 0
 
     # allowed values, checked when yatt-mm loads a config (yatt_mm/config.py); validate() checks
     # them again for a DataReader built without that loader
     RANGES = {"seed": ">= 0", "slice_size": ">= 1", "shuffle_buffer": ">= 1", "workers": ">= 0", "prefetch": ">= 0",
-              "decode_timeout_s": "> 0", "max_open_shards": ">= 1"}
+              "decode_timeout_s": "> 0", "max_open_shards": ">= 1", "max_sample_tokens": ">= 0"}
 
     def validate(self) -> None:
         if self.worker_kind not in ("thread", "process"):
@@ -74,6 +79,8 @@ class DataConfig:
         for name in ("slice_size", "shuffle_buffer", "max_open_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_sample_tokens < 0:
+            raise ValueError(f"data.max_sample_tokens must be >= 0, got {self.max_sample_tokens}")
         if self.decode_timeout_s <= 0:
             raise ValueError(f"data.decode_timeout_s must be > 0, got {self.decode_timeout_s}")
         if not self.shards and not self.index:
@@ -92,6 +99,7 @@ class Sample:
     images: list  # PIL RGB images at their Qwen2-VL size
     videos: list  # uint8 numpy arrays [T, H, W, 3] at their Qwen2-VL size
     ignored: list[str] = field(default_factory=list)  # extensions of members not decoded (never unpickled)
+    frames_dropped: int = 0  # video frames left out to fit data.max_sample_tokens
 
 
 @dataclass
@@ -117,19 +125,20 @@ class SampleDecoder:
     """Global sample index -> Sample or Skip. Picklable (for process workers): each process
     opens its own files and its own video children."""
 
-    def __init__(self, index: Index, cfg: DataConfig):
+    def __init__(self, index: Index, cfg: DataConfig, budget: TokenBudget | None = None):
         self.index = index
         self.cfg = cfg
+        self.budget = budget
         self.media = cfg.media
         self.files = MemberReader(cfg.max_open_shards)
         self._pool: VideoDecodePool | None = None
         self._pool_pid = None
 
     def __getstate__(self):
-        return {"index": self.index, "cfg": self.cfg}
+        return {"index": self.index, "cfg": self.cfg, "budget": self.budget}
 
     def __setstate__(self, state):
-        self.__init__(state["index"], state["cfg"])
+        self.__init__(state["index"], state["cfg"], state.get("budget"))
 
     def _video(self, data: bytes, window, expected) -> np.ndarray:
         if self.cfg.video_isolation == "none":
@@ -207,14 +216,22 @@ class SampleDecoder:
         if frames:
             datas = [read(off, size) for _, off, size in frames]
             videos.append(decode_frame_sequence(datas, self.media, meta.get("fps"), window))
-        return Sample(key, shard, i, None if prompt is None else str(prompt),
-                      None if answer is None else str(answer), meta, images, videos, ignored)
+        prompt = None if prompt is None else str(prompt)
+        dropped = 0
+        if self.budget is not None:  # fewer frames to fit, or MediaError("over_token_budget"): skipped
+            videos, dropped = self.budget.fit(prompt, images, videos)
+        return Sample(key, shard, i, prompt, None if answer is None else str(answer), meta, images, videos, ignored,
+                      dropped)
 
 
 class DataReader:
     """One DP rank's endless, resumable stream of decoded samples."""
 
-    def __init__(self, cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, index: Index | None = None):
+    def __init__(self, cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, index: Index | None = None,
+                 budget: TokenBudget | None = None):
+        """`budget`: how data.max_sample_tokens counts (the model's media sizes, the response
+        limit, the tokenizer); by default from `cfg` alone (data.media.factor, 2 frames a
+        temporal group, no response, the prompt's bytes)."""
         cfg.validate()
         check_split(dp_rank, dp_size)
         self.cfg = cfg
@@ -222,12 +239,17 @@ class DataReader:
         self.index = index if index is not None else open_dataset(cfg.shards, cfg.index)
         if len(self.index) == 0:
             raise ValueError(f"data.shards: the dataset {cfg.shards or cfg.index!r} has no samples")
-        self.decoder = SampleDecoder(self.index, cfg)
+        if budget is None and cfg.max_sample_tokens:
+            budget = TokenBudget(cfg.max_sample_tokens, factor=cfg.media.factor)
+        self.budget = budget
+        self.decoder = SampleDecoder(self.index, cfg, budget)
         self.epoch = 0
         self.position = 0  # entries of this epoch's rank order consumed (samples and skips)
         self.skips: Counter[str] = Counter()
         self.ignored_members: Counter[str] = Counter()  # by extension, in samples that were decoded
         self.samples_yielded = 0
+        self.budget_fitted = 0  # samples given fewer video frames to fit data.max_sample_tokens
+        self.frames_dropped = 0  # the frames they left out
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     # ---------------------------------------------------------------- order
@@ -281,6 +303,9 @@ class DataReader:
                 continue
             self.samples_yielded += 1
             self.ignored_members.update(res.ignored)
+            if res.frames_dropped:
+                self.budget_fitted += 1
+                self.frames_dropped += res.frames_dropped
             yield res
         if self.epoch == epoch and self.position >= len(order):
             self.epoch += 1
@@ -330,6 +355,8 @@ class DataReader:
             "skips": dict(self.skips),
             "ignored_members": dict(self.ignored_members),
             "samples_yielded": self.samples_yielded,
+            "budget_fitted": self.budget_fitted,
+            "frames_dropped": self.frames_dropped,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -348,6 +375,8 @@ class DataReader:
         self.skips = Counter(state.get("skips", {}))
         self.ignored_members = Counter(state.get("ignored_members", {}))
         self.samples_yielded = int(state.get("samples_yielded", 0))
+        self.budget_fitted = int(state.get("budget_fitted", 0))
+        self.frames_dropped = int(state.get("frames_dropped", 0))
 
 
 def ordered_thread_map(fn, items: list, workers: int, window: int, join_timeout_s: float = 70.0) -> Iterator:

@@ -91,7 +91,19 @@ class Run:
     def _reader(self, data: DataConfig) -> DataReader:
         if data.quarantine_log is None:
             data.quarantine_log = str(self.run_dir / f"quarantine_rank{self.ranks.dp_rank}.jsonl")
-        return DataReader(data, self.ranks.dp_rank, self.ranks.dp_size)
+        return DataReader(data, self.ranks.dp_rank, self.ranks.dp_size, budget=self._budget(data))
+
+    def _budget(self, data: DataConfig):
+        """How data.max_sample_tokens counts a sample: the policy's media sizes and the response
+        limit (rollout.sampling.max_tokens) kept free; None when off."""
+        if not data.max_sample_tokens:
+            return None
+        from dataio.budget import TokenBudget
+        from models.family import family_of
+
+        spec = self.trainer.spec
+        return TokenBudget(data.max_sample_tokens, response_tokens=self.cfg.rollout.sampling.max_tokens,
+                           factor=family_of(spec).media_factor(spec), temporal_patch_size=spec.temporal_patch_size)
 
     def _controller(self, builder: SampleBuilder) -> Controller:
         cfg, ranks = self.cfg, self.ranks

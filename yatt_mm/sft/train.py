@@ -128,6 +128,9 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
               "train/step_seconds": dt, "train/data_seconds": t_data})
     m.update({f"data/skipped_{k}": float(v) for k, v in run.examples.skipped.items()})
     m.update({f"data/reader_skipped_{k}": float(v) for k, v in run.reader.skips.items()})
+    if run.reader.budget is not None:  # data.max_sample_tokens: samples read with fewer video frames
+        m.update({"data/reader_budget_fitted": float(run.reader.budget_fitted),
+                  "data/reader_frames_dropped": float(run.reader.frames_dropped)})
     return m
 
 
