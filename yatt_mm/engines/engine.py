@@ -17,6 +17,8 @@ import torch
 
 from models import runtime
 from models.comm import broadcast_packed
+from yatt_mm.engines.media import has_timed_videos, processor_media, vllm_video
+from yatt_mm.engines.vllm_fixes import engine_fixes
 
 
 @dataclass
@@ -115,6 +117,7 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         if cfg.tensor_parallel_size > 1:
             runtime.name_vllm_cpu_shared_memory_per_job()
         kwargs.update(dtype="float32", enforce_eager=True)
+    kwargs.update(engine_fixes(cfg.model))  # vLLM bugs worked around for this checkpoint
     return kwargs
 
 
@@ -122,32 +125,6 @@ def release_mode(cfg: EngineConfig) -> str:
     if cfg.release == "auto":
         return "sleep" if runtime.has_gpu() else "keep"
     return cfg.release
-
-
-# vLLM's Qwen2.5-VL wants metadata with every video (its temporal M-RoPE positions depend on
-# the frame rate; the model families name such model types: `ModelFamily.timed_video_types`). Frames arrive here as plain arrays, which transformers' processors treat as
-# 24 fps (`VideoMetadata.sampled_fps`); telling vLLM the same keeps its positions equal to the
-# trainer's, whose processor sees the same plain arrays.
-RAW_VIDEO_FPS = 24.0
-
-
-def _with_metadata(video: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-    n = int(video.shape[0])
-    return video, {"fps": RAW_VIDEO_FPS, "total_num_frames": n, "frames_indices": list(range(n)),
-                   "duration": n / RAW_VIDEO_FPS, "do_sample_frames": False}
-
-
-def _needs_video_metadata(model: str) -> bool:
-    """Whether `model` is of a model type whose video positions follow time. A judge may be any
-    model vLLM runs, so an unknown model type (or no config.json) is no error here: no metadata."""
-    import json
-    from pathlib import Path
-
-    from models.family import families
-
-    config = Path(model) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    return any(model_type in family.timed_video_types for family in families())
 
 
 class RolloutEngine:
@@ -159,7 +136,8 @@ class RolloutEngine:
 
         self.cfg = cfg
         self._kwargs = kwargs
-        self._video_metadata = _needs_video_metadata(cfg.model)
+        # videos with their frame rate for timed model types, as the trainer's processor gets them
+        self.timed_videos = has_timed_videos(cfg.model)
         self._llm_cls = LLM
         self.llm = None
         self.startup_seconds = self._start()
@@ -277,12 +255,17 @@ class RolloutEngine:
             request.messages, tokenize=False, add_generation_prompt=True
         )
 
+    def processor_media(self, request: Request) -> dict[str, Any]:
+        """An HF processor call's media kwargs for `request`, videos described as vLLM gets them
+        (the trainer's samples are built from these: yatt_mm/rl/samples.py)."""
+        return processor_media(request.images, request.videos, self.timed_videos)
+
     def _vllm_input(self, request: Request) -> dict[str, Any]:
         mm: dict[str, Any] = {}
         if request.images:
             mm["image"] = request.images if len(request.images) > 1 else request.images[0]
         if request.videos:
-            videos = [_with_metadata(v) for v in request.videos] if self._video_metadata else request.videos
+            videos = [vllm_video(v, self.timed_videos) for v in request.videos]
             mm["video"] = videos if len(videos) > 1 else videos[0]
         item: dict[str, Any] = {"prompt": self.prompt_text(request)}
         if mm:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +18,7 @@ import torch
 from models.inputs import VLMInputs
 from models.trainer import MicroBatch
 from yatt_mm.engines.engine import Request, Response
+from yatt_mm.engines.media import processor_media as processor_media_of
 
 
 @dataclass
@@ -94,19 +94,18 @@ class TrainSample:
 class SampleBuilder:
     """Turns a group into training samples with the policy's own processor."""
 
-    def __init__(self, processor, prompt_text):
+    def __init__(self, processor, prompt_text, processor_media=None):
         self.processor = processor
         self.prompt_text = prompt_text  # the rollout engine's chat formatting
+        # request -> the processor's media kwargs: the rollout engine's (RolloutEngine.processor_media),
+        # so videos carry the frame rate vLLM was given; None: the media as they are
+        self.processor_media = processor_media or (lambda req: processor_media_of(req.images, req.videos))
 
     def build(self, group: Group, advantages: list[float], masked: bool, stale: bool = False) -> list[TrainSample]:
         """One sample per response; `group.rewards` and `advantages` are per response."""
         prompt = group.prompt
-        media: dict[str, Any] = {}
-        if prompt.images:
-            media["images"] = prompt.images
-        if prompt.videos:
-            media["videos"] = prompt.videos
-        enc = self.processor(text=[self.prompt_text(prompt.request())], return_tensors="pt", **media)
+        request = prompt.request()
+        enc = self.processor(text=[self.prompt_text(request)], return_tensors="pt", **self.processor_media(request))
         prompt_ids = enc["input_ids"][0]
         seconds = enc.get("second_per_grid_ts")
         seconds = None if seconds is None else torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)

@@ -84,7 +84,7 @@ class Run:
         self.controller = self.eval_prompts = None
         self.eval_rule = get_rule(cfg.eval.reward)
         if ranks.leader:
-            self.controller = self._controller(SampleBuilder(processor, self.engine.prompt_text))
+            self.controller = self._controller(SampleBuilder(processor, self.engine.prompt_text, self.engine.processor_media))
             self.eval_prompts = self._eval_prompts()
             self.controller.probe_prompt = self.eval_prompts[0] if self.eval_prompts else None
 

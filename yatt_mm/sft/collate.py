@@ -6,8 +6,10 @@ import json
 
 import torch
 
+from models.family import family_of
 from models.inputs import VLMInputs
 from models.trainer import MicroBatch
+from yatt_mm.engines.media import processor_media
 from yatt_mm.sft.examples import Example
 
 # what the processor returns for media, in the order the model reads them
@@ -30,6 +32,8 @@ class Collator:
         self.processor = processor
         self.spec = spec
         self.pad_id = processor.tokenizer.pad_token_id
+        # videos with their frame rate for timed model types, as RL's engine and samples give them
+        self.timed_videos = spec.model_type in family_of(spec).timed_video_types
 
     def collate(self, examples: list[Example], weights: list[int] | None = None) -> MicroBatch:
         """`weights`: how many examples each row stands for (merge_duplicates); they scale the
@@ -37,13 +41,8 @@ class Collator:
         kept as extra["rows"]."""
         prompts = [self.processor.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
                    for ex in examples]
-        kw = {}
-        images = [im for ex in examples for im in ex.images]
-        videos = [v for ex in examples for v in ex.videos]
-        if images:
-            kw["images"] = images
-        if videos:
-            kw["videos"] = videos
+        kw = processor_media([im for ex in examples for im in ex.images], [v for ex in examples for v in ex.videos],
+                             self.timed_videos)
         enc = self.processor(text=prompts, padding=False, **kw)  # ids as lists, one per prompt
         targets = self.processor.tokenizer([ex.target for ex in examples], add_special_tokens=False)["input_ids"]
         n = max(len(p) + len(t) for p, t in zip(enc["input_ids"], targets))
