@@ -101,6 +101,11 @@ class Comm:
     mp_cpu: object  # the model-parallel ranks of this DP group (TP x PP): samples reach all of them
     dp_cpu: object
     leaders_cpu: object | None
+    # expert parallelism (MoE models): the experts of each layer spread over `ep_size`
+    # consecutive DP ranks (same TP rank and stage); `ep` is Megatron's group of them (accelerator)
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep: object = None
 
     @property
     def leader(self) -> bool:
@@ -144,9 +149,11 @@ def comm() -> Comm:
     return _comm
 
 
-def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel: int = 1) -> Comm:
-    """torch.distributed, Megatron's tensor/pipeline/data-parallel groups and its RNG tracker,
-    then the gloo groups beside them. Every rank must call it (group creation is collective)."""
+def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel: int = 1,
+                  expert_parallel: int = 1) -> Comm:
+    """torch.distributed, Megatron's tensor/pipeline/data-parallel groups (and expert-parallel
+    ones: `expert_parallel` consecutive DP ranks share out each MoE layer's experts) and its RNG
+    tracker, then the gloo groups beside them. Every rank must call it (group creation is collective)."""
     global _comm
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tp_mod
@@ -155,12 +162,13 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
     if _comm is not None:
         return _comm
     world = dist.get_world_size()
-    if world % (tensor_parallel * pipeline_parallel):
-        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel = "
-                         f"{tensor_parallel} x {pipeline_parallel}")
+    if world % (tensor_parallel * pipeline_parallel * expert_parallel):
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel x "
+                         f"expert_parallel = {tensor_parallel} x {pipeline_parallel} x {expert_parallel}")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                     pipeline_model_parallel_size=pipeline_parallel)
+                                     pipeline_model_parallel_size=pipeline_parallel,
+                                     expert_model_parallel_size=expert_parallel)
         tp_mod.model_parallel_cuda_manual_seed(seed)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     dp = world // (tp * pp)
@@ -179,6 +187,14 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
         if dist.get_process_group_ranks(megatrons) != expected:
             raise RuntimeError(f"Megatron's groups {dist.get_process_group_ranks(megatrons)} are not the "
                                f"layout yatt-mm assumes ({expected})")
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1:  # Megatron's expert ranks (tp-ep-dp-pp, expert TP = TP): blocks of ep consecutive DP ranks
+        first = d // ep * ep
+        expected = ranks([t], range(first, first + ep), [p])
+        if dist.get_process_group_ranks(ps.get_expert_model_parallel_group()) != expected:
+            raise RuntimeError(f"Megatron's expert-parallel group "
+                               f"{dist.get_process_group_ranks(ps.get_expert_model_parallel_group())} is not the "
+                               f"layout yatt-mm assumes ({expected})")
     made = {kind: [_gloo(g) for g in groups][groups.index(mine(groups))]
             for kind, groups in (("tp", tp_groups), ("pp", pp_groups), ("dp", dp_groups), ("mp", mp_groups))}
     _comm = Comm(rank=rank, world=world, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_rank=d, dp_size=dp,
@@ -186,7 +202,9 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
                  tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
                  dp=ps.get_data_parallel_group(), world_cpu=_gloo(list(range(world))), tp_cpu=made["tp"],
                  pp_cpu=made["pp"], mp_cpu=made["mp"], dp_cpu=made["dp"],
-                 leaders_cpu=made["dp"] if t == 0 and p == 0 else None)
+                 leaders_cpu=made["dp"] if t == 0 and p == 0 else None,
+                 ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else 0, ep_size=ep,
+                 ep=ps.get_expert_model_parallel_group() if ep > 1 else None)
     return _comm
 
 

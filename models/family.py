@@ -65,7 +65,7 @@ class ModelFamily:
 
 
 # The family modules, imported on the first lookup (an import error surfaces there).
-_FAMILY_MODULES = ["models.qwen2vl.family", "models.qwen3vl.family"]
+_FAMILY_MODULES = ["models.qwen2vl.family", "models.qwen3vl.family", "models.qwen3vl_moe.family"]
 _REGISTRY: dict[str, ModelFamily] = {}  # model_type -> family
 _loaded = False
 

@@ -359,6 +359,69 @@ def _cpu_checkpoint_preload(filesystem_async: ModuleType) -> None:
     writer.preload_tensors = staticmethod(preload_tensors)
 
 
+def _cpu_moe_dispatcher(token_dispatcher: ModuleType) -> None:
+    # MoE, megatron-core 0.16.1. The all-to-all token dispatcher makes a torch.cuda.Stream in
+    # __init__ (for its device-to-host copy of the split sizes) and enters it with
+    # torch.cuda.stream(); without CUDA both fail. On the CPU there is one stream: the module
+    # sees a torch whose cuda.Stream()/current_stream() give one no-op stand-in and whose
+    # cuda.stream() is a null context.
+    token_dispatcher.torch = _TorchWithOneCpuStream()
+    # Its maybe_move_tensor_to_cpu turns the split sizes into numpy only for CUDA tensors; CPU
+    # tensors stay tensors, which gloo's all_to_all_single rejects as split sizes (it takes lists).
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(move)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+class _CpuStream:
+    """One stand-in for the dispatcher's side stream and the current stream: gloo's collectives
+    on CPU tensors are complete when they return, so there is nothing to wait for."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self):
+        return self  # an event that is already complete
+
+
+class _TorchWithOneCpuStream:
+    """`torch` as the MoE token dispatcher sees it (see `_cpu_moe_dispatcher`)."""
+
+    class cuda:  # noqa: N801 - stands in for torch.cuda
+        _stream = _CpuStream()
+        Stream = staticmethod(lambda *args, **kwargs: _TorchWithOneCpuStream.cuda._stream)
+        current_stream = staticmethod(lambda *args, **kwargs: _TorchWithOneCpuStream.cuda._stream)
+        stream = staticmethod(lambda stream: contextlib.nullcontext())
+
+        def __getattr__(self, name: str):
+            return getattr(torch.cuda, name)
+
+    cuda = cuda()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _moe_utils_without_te(moe_utils: ModuleType) -> None:
+    # MoE, megatron-core 0.16.1 bug: moe_utils imports te_general_gemm and the fused_* kernels
+    # only when Transformer Engine imports, but router_gating_linear tests `te_general_gemm is
+    # not None` (NameError without TE, i.e. always on CPU). None is the code's own fallback.
+    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
 # module -> its shim. Modules and names as in megatron-core 0.16.1.
 _MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.tensor_parallel.random": _cpu_rng,
@@ -398,4 +461,8 @@ _MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.models.vision.clip_vit_model": _on_cpu("CLIPViTModel.__init__"),
     "megatron.core.dist_checkpointing.strategies.async_utils": _cpu_checkpoint_worker,
     "megatron.core.dist_checkpointing.strategies.filesystem_async": _cpu_checkpoint_preload,
+    # Mixture-of-experts layers (Qwen3-VL-MoE): the token dispatcher's CUDA stream and gloo's
+    # split sizes, and a name moe_utils leaves undefined without Transformer Engine.
+    "megatron.core.transformer.moe.token_dispatcher": _cpu_moe_dispatcher,
+    "megatron.core.transformer.moe.moe_utils": _moe_utils_without_te,
 }

@@ -1,0 +1,116 @@
+"""Qwen3-VL-MoE's Hugging Face config, read into the Megatron-Core config its language model needs.
+
+Everything but the language model's MLP is Qwen3-VL's (models/qwen3vl/config.py: vision tower,
+DeepStack, interleaved M-RoPE, Qwen3 blocks). Every language layer's MLP is a mixture of experts:
+- a router (a bias-free linear, hidden -> experts) whose softmax picks the top-k experts of each
+  token, their probabilities renormalised to sum to 1 (`norm_topk_prob`; transformers always
+  renormalises). Megatron's softmax over the top-k logits is the same function;
+- the experts, each a SwiGLU MLP of width `moe_intermediate_size`; no shared expert;
+- training only: Megatron's load-balancing loss (Switch Transformer, per layer) weighted by the
+  config's `router_aux_loss_coef`, and optionally a router z-loss (`router_z_loss_coef`, not a
+  transformers field: 0 or absent = none).
+
+Expert parallelism (`ep`) spreads the experts over `ep` ranks of each data-parallel group
+(Megatron's expert-model-parallel groups); the experts' tensor parallelism follows `tp`.
+Settings this implementation does not compute are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.qwen3vl.config import Qwen3VLSpec
+from models.qwen3vl.config import check_layout as check_dense_layout
+from models.qwen3vl.config import language_config as dense_language_config
+
+
+@dataclass(frozen=True)
+class Qwen3VLMoeSpec(Qwen3VLSpec):
+    """Qwen3VLSpec's numbers plus the experts'. `intermediate_size` is the dense MLP width
+    transformers keeps in the config (no layer here uses it)."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    model_type: str = "qwen3_vl_moe"
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Qwen3VLMoeSpec":
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()), str(path))
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, where: str = "config") -> "Qwen3VLMoeSpec":
+        model_type = cfg.get("model_type")
+        if model_type != "qwen3_vl_moe":
+            raise ValueError(f"{where}: model_type is {model_type!r}; this loader reads qwen3_vl_moe")
+        text = cfg["text_config"]
+        experts = text.get("num_experts", text.get("num_local_experts"))
+        if not experts:
+            raise ValueError(f"{where}: text_config has no num_experts (a Qwen3-VL-MoE has experts)")
+        topk = text.get("num_experts_per_tok", 0)
+        if not 1 <= topk <= experts:
+            raise ValueError(f"{where}: num_experts_per_tok {topk} must be between 1 and num_experts ({experts})")
+        if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"{where}: dense layers between the MoE layers (mlp_only_layers "
+                             f"{text.get('mlp_only_layers')}, decoder_sparse_step {text.get('decoder_sparse_step', 1)}) "
+                             "are not implemented: every layer must be a MoE layer")
+        if text.get("norm_topk_prob", True) is not True:
+            raise ValueError(f"{where}: norm_topk_prob false is not implemented (transformers renormalises the "
+                             "top-k probabilities whatever the flag says, vLLM follows it)")
+        if text.get("shared_expert_intermediate_size"):
+            raise ValueError(f"{where}: shared experts (shared_expert_intermediate_size) are not implemented")
+        # the dense reader checks and reads everything else; the MoE config keeps the same fields
+        dense_text = {**text, "intermediate_size": text.get("intermediate_size") or text["moe_intermediate_size"]}
+        dense = Qwen3VLSpec.from_hf_config({**cfg, "model_type": "qwen3_vl", "text_config": dense_text}, where)
+        fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(Qwen3VLSpec) if f.name != "model_type"}
+        return cls(**fields, num_experts=int(experts), num_experts_per_tok=int(topk),
+                   moe_intermediate_size=int(text["moe_intermediate_size"]),
+                   router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
+                   router_z_loss_coef=float(text.get("router_z_loss_coef") or 0.0))
+
+
+def check_layout(spec: Qwen3VLMoeSpec, tp: int, pp: int, prefix: str = "", layers=(), ep: int = 1) -> None:
+    """Qwen3-VL's tensor/pipeline checks (models/qwen3vl/config.py), and whether the experts
+    split evenly over `ep` expert-parallel ranks."""
+    check_dense_layout(spec, tp, pp, prefix, *((tuple(layers),) if layers else ()))
+    if ep < 1 or spec.num_experts % ep:
+        raise ValueError(f"{prefix}expert_parallel={ep}: the model's {spec.num_experts} experts must divide by it")
+    if tp > 1 and ep > 1:
+        # Megatron requires sequence parallelism beside TP x EP, which yatt-mm does not run
+        raise ValueError(f"{prefix}expert_parallel={ep} with {prefix}tensor_parallel={tp}: expert parallelism "
+                         "together with tensor parallelism is not implemented (Megatron needs sequence "
+                         "parallelism for it); use one of them")
+
+
+def language_config(spec: Qwen3VLMoeSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
+                    pp: int = 1, layers=(), ep: int = 1):
+    """Qwen3-VL's language config with every MLP a mixture of experts."""
+    check_layout(spec, tp, pp, "", layers, ep)
+    dense = dense_language_config(spec, dtype, tp, recompute, pp, *((tuple(layers),) if layers else ()))
+    return dataclasses.replace(
+        dense,
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_intermediate_size,
+        # softmax over the top-k logits = the top-k softmax probabilities renormalised (norm_topk_prob)
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=False,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=spec.router_aux_loss_coef,
+        moe_z_loss_coeff=spec.router_z_loss_coef or None,
+        # every token reaches its experts (no capacity factor, no dropping), as in transformers
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep,
+        # grouped GEMM and the fused permute/router kernels need Transformer Engine or CUDA:
+        # experts run one after another (SequentialMLP), exactly
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )

@@ -1,0 +1,244 @@
+"""Hugging Face Qwen3-VL-MoE <-> Megatron weights, at any tensor- and expert-parallel size.
+
+Everything but the MoE blocks converts as Qwen3-VL (models/qwen3vl/convert.py). A layer's MoE
+block, per layer i:
+
+    HF (released layout, what vLLM loads)           Megatron (full, global expert e)
+    mlp.gate.weight              [E, H]             mlp.router.weight                               [E, H]
+    mlp.experts.gate_up_proj     [E, H, 2I]         mlp.experts.local_experts.e.linear_fc1.weight   [2I, H] = [gate; up]
+    mlp.experts.down_proj        [E, I, H]          mlp.experts.local_experts.e.linear_fc2.weight   [H, I]
+
+transformers 5.19 keeps the experts transposed in memory ([E, 2I, H], [E, H, I]) and its
+save_pretrained writes that layout; it transposes the released layout on load. The loader here
+reads either (told apart by shape; a square ambiguity is read as released) and the export
+writes the released one. Under expert parallelism each rank holds `local_experts` experts,
+numbered from 0 (`local_experts.j` is global expert expert_offset + j); the export gathers them
+from every expert-parallel rank, so each bucket holds the whole tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from itertools import groupby
+from pathlib import Path
+
+import torch
+
+from models.qwen2vl.convert import _TIED_OUTPUT, gather, hf_prefixes, load_hf_state, shard, sync_unit, whole_model_name
+from models.qwen3vl import convert as dense
+from models.qwen3vl_moe.config import Qwen3VLMoeSpec
+
+_EXPERT = re.compile(r"^(language\.decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_EXPERT_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight$")
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_MOE_HF = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], spec: Qwen3VLMoeSpec) -> dict[str, torch.Tensor]:
+    """HF tensors -> full Megatron tensors named as in the whole `Qwen3VLMoeModel.state_dict()`
+    (global expert numbers)."""
+    t, _ = hf_prefixes(hf)
+    placeholder = torch.empty(0)
+    # Qwen3-VL's converter for all but the MoE blocks: give it empty dense-MLP tensors to skip
+    base = {k: v for k, v in hf.items()}
+    for i in range(spec.num_layers):
+        for key in _DENSE_MLP:
+            base[f"{t}layers.{i}.{key}"] = placeholder
+    out = dense.hf_to_megatron(base, spec)
+    E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    for i in range(spec.num_layers):
+        src, dst = f"{t}layers.{i}.", f"language.decoder.layers.{i}.mlp."
+        del out[dst + "linear_fc1.weight"], out[dst + "linear_fc2.weight"]
+        out[dst + "router.weight"] = hf[src + "mlp.gate.weight"]
+        gate_up, down = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
+        released = tuple(gate_up.shape) == (E, H, 2 * I)
+        if not released and tuple(gate_up.shape) != (E, 2 * I, H):
+            raise ValueError(f"{src}mlp.experts.gate_up_proj has shape {tuple(gate_up.shape)}; expected "
+                             f"[{E}, {H}, {2 * I}] (released) or [{E}, {2 * I}, {H}] (transformers' in-memory)")
+        if tuple(down.shape) != ((E, I, H) if released else (E, H, I)):
+            raise ValueError(f"{src}mlp.experts.down_proj has shape {tuple(down.shape)}, which does not match "
+                             f"gate_up_proj's {'released' if released else 'in-memory'} layout")
+        for e in range(E):
+            expert = f"{dst}experts.local_experts.{e}."
+            out[expert + "linear_fc1.weight"] = gate_up[e].t() if released else gate_up[e]
+            out[expert + "linear_fc2.weight"] = down[e].t() if released else down[e]
+    return out
+
+
+def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen3VLMoeSpec,
+                   prefixes: tuple[str, str] = ("model.language_model.", "model.visual.")) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors (global expert numbers, every expert of a layer present) -> HF
+    names in the released layout. `full` may hold only some sync units, each complete."""
+    t, _ = prefixes
+    base = dict(full)
+    layers = []
+    for i in range(spec.num_layers):
+        src = f"language.decoder.layers.{i}."
+        if src + "mlp.router.weight" not in full:
+            continue
+        layers.append(i)
+        base[src + "mlp.linear_fc1.weight"] = torch.empty(2, 0)  # Qwen3-VL's converter splits it in halves
+        base[src + "mlp.linear_fc2.weight"] = torch.empty(0)
+    out = dense.megatron_to_hf(base, spec, prefixes)
+    for i in layers:
+        src, dst = f"language.decoder.layers.{i}.mlp.", f"{t}layers.{i}."
+        for key in _DENSE_MLP:
+            del out[dst + key]
+        experts = [f"{src}experts.local_experts.{e}." for e in range(spec.num_experts)]
+        out[dst + "mlp.gate.weight"] = full[src + "router.weight"]
+        out[dst + "mlp.experts.gate_up_proj"] = torch.stack([full[e + "linear_fc1.weight"].t() for e in experts])
+        out[dst + "mlp.experts.down_proj"] = torch.stack([full[e + "linear_fc2.weight"].t() for e in experts])
+    return out
+
+
+def global_name(name: str, model: torch.nn.Module) -> str:
+    """A parameter's name in the whole model: the pipeline stage's layer offset (as Qwen3-VL)
+    and this expert-parallel rank's expert offset."""
+    name = whole_model_name(name, model)
+    offset = getattr(model, "expert_offset", 0)
+    if offset:
+        name = _EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", name)
+    return name
+
+
+def _checkpoint_name(name: str, model: torch.nn.Module) -> str:
+    if name == _TIED_OUTPUT and model.spec.tie_word_embeddings:
+        return "language.embedding.word_embeddings.weight"
+    return global_name(name, model)
+
+
+def _shard(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's part; an expert's fc1 is [gate; up] (each rank: [its gate part; its up part])."""
+    if size > 1 and getattr(param, "tensor_model_parallel", False) and _EXPERT_FC1.match(name):
+        return torch.cat([half.chunk(size, param.partition_dim)[rank] for half in full.chunk(2, param.partition_dim)],
+                         param.partition_dim)
+    return shard(name, full, param, rank, size)
+
+
+def _gather(name: str, param: torch.Tensor, group) -> torch.Tensor:
+    """The full tensor over TP (an expert's fc1 as [gate; up])."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size > 1 and getattr(param, "tensor_model_parallel", False) and _EXPERT_FC1.match(name):
+        parts = [torch.empty_like(param) for _ in range(size)]
+        dist.all_gather(parts, param.detach().contiguous(), group=group)
+        dim = param.partition_dim
+        halves = [p.chunk(2, dim) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return gather(name, param, group)
+
+
+def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Copy an HF checkpoint into a (TP-sharded, one pipeline stage of, this EP rank's experts of
+    a) Megatron Qwen3VLMoeModel."""
+    full = hf_to_megatron(load_hf_state(hf_dir), model.spec)
+    params = {_checkpoint_name(n, model): (n, p) for n, p in model.named_parameters()}
+    missing = sorted(set(params) - set(full))
+    whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True) \
+        and getattr(model, "ep", 1) == 1
+    unexpected = sorted(set(full) - set(params)) if whole else []  # a stage / EP rank holds only its part
+    if missing or unexpected:
+        raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for key, (name, p) in params.items():
+            part = _shard(name, full[key], p, tp_rank, tp_size)
+            if part.shape != p.shape:
+                raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
+            p.copy_(part.to(p.dtype))
+
+
+def _ep_group(model):
+    """The expert-parallel group (models/comm.py's, Megatron's own) when experts are spread."""
+    if getattr(model, "ep", 1) == 1:
+        return None
+    from models.comm import comm
+
+    return comm().ep
+
+
+def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
+                  bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """This pipeline stage's HF-named full tensors, gathered over TP and (the experts) over EP,
+    in buckets of whole sync units (a layer, router and every expert included) of at most
+    `bucket_bytes` (None: one bucket). A collective over TP and EP: every rank iterates to the end."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
+    ep_group = _ep_group(model)
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    spec = model.spec
+    bucket: dict[str, torch.Tensor] = {}
+    size, done = 0, set()
+    named = [(whole_model_name(n, model), p) for n, p in model.named_parameters()
+             if not (n == _TIED_OUTPUT and spec.tie_word_embeddings)]
+    for unit, params in groupby(named, key=lambda item: sync_unit(item[0])):
+        if unit in done:
+            raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
+        done.add(unit)
+        params = list(params)
+        unit_bytes = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                         * (ep if _EXPERT.match(n) else 1) * (dtype or p.dtype).itemsize for n, p in params)
+        if bucket and bucket_bytes is not None and size + unit_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        full = {}
+        for name, p in params:
+            tensor = _gather(name, p, tp_group)
+            expert = _EXPERT.match(name)
+            if expert is None:
+                full[name] = tensor
+                continue
+            local = int(expert.group(2))
+            parts = [tensor]
+            if ep > 1:  # every EP rank's local expert j: global expert r * local_experts + j
+                parts = [torch.empty_like(tensor) for _ in range(ep)]
+                dist.all_gather(parts, tensor.contiguous(), group=ep_group)
+            for r, part in enumerate(parts):
+                full[f"{expert.group(1)}{r * model.local_experts + local}{expert.group(3)}"] = part
+        for k, v in megatron_to_hf(full, spec).items():
+            bucket[k] = (v.to(dtype) if dtype else v).contiguous()
+        size += unit_bytes
+    if bucket:
+        yield bucket
+
+
+def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-named full tensors of the model (one pipeline stage's part under PP)."""
+    return {k: t for bucket in stage_buckets(model, tp_group, dtype) for k, t in bucket.items()}
+
+
+def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
+                      bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole model's HF-named full tensors in buckets, every expert in them on every rank;
+    under pipeline parallelism the stages take turns as in models/qwen3vl/convert.py. A
+    collective over TP, EP and PP."""
+    from megatron.core import parallel_state as ps
+
+    local = stage_buckets(model, tp_group, dtype, bucket_bytes)
+    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if pp == 1 or (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        yield from local
+        return
+    from models.comm import broadcast_packed, comm
+
+    me, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    device = next(model.parameters()).device
+    for stage, src in enumerate(ranks):
+        while True:  # the stage's buckets, then an empty description that ends them
+            bucket = next(local, None) if stage == me else None
+            described = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in (bucket or {}).items()}
+            _, meta = broadcast_packed(({}, {"bucket": json.dumps(described)}) if stage == me else None, src,
+                                       comm().pp_cpu)
+            described = json.loads(meta["bucket"])
+            if not described:
+                break
+            if stage != me:
+                bucket = {k: torch.empty(shape, dtype=getattr(torch, dt), device=device)
+                          for k, (dt, shape) in described.items()}
+            for t in bucket.values():
+                torch.distributed.broadcast(t, src, group=group)
+            yield bucket
