@@ -1,14 +1,17 @@
-"""Training tokens/s of the tiny Qwen2-VL: yatt-mm's VLMTrainer (Megatron-Core, DDP, Megatron's
-optimizer) vs what a user would otherwise write: transformers' Qwen2VLForConditionalGeneration
-+ torch.optim.AdamW. Same weights, same batch (right-padded colour-question images, loss on the
-answer tokens), same loss, same clipping, one process, same cores, measured in the same run in
-interleaved rounds; the best round of each is reported (other processes on a shared machine
-only ever slow a round down, so the best round is the least disturbed), medians beside it.
+"""Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen3vl the tiny Qwen3-VL):
+yatt-mm's VLMTrainer (Megatron-Core, DDP, Megatron's optimizer) vs what a user would otherwise
+write: transformers' model class (Qwen2VLForConditionalGeneration,
+Qwen3VLForConditionalGeneration) + torch.optim.AdamW. Same weights, same batch (right-padded
+colour-question images, loss on the answer tokens), same loss, same clipping, one process, same
+cores, measured in the same run in interleaved rounds; the best round of each is reported (other
+processes on a shared machine only ever slow a round down, so the best round is the least
+disturbed), medians beside it.
 
-    python benchmarks/bench_train_step.py [--rounds 5] [--steps-per-round 3] [--batch 16]
+    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl] [--rounds 5] [--steps-per-round 3] [--batch 16]
 
-The last line is one JSON object: tokens_per_s, transformers_tokens_per_s, ratio_to_transformers
-(best rounds), median_round_ratio (the median over rounds of the two back-to-back steps' ratio).
+The last line is one JSON object: kind, tokens_per_s, transformers_tokens_per_s,
+ratio_to_transformers (best rounds), median_round_ratio (the median over rounds of the two
+back-to-back steps' ratio).
 """
 
 from __future__ import annotations
@@ -34,26 +37,33 @@ def make_batch(processor, spec, n: int, micro: int):
         s = colour_image(rng)
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.question}]}]
         examples.append(Example(f"k{i}", msgs, [s.image], [], f"{s.answer}<|im_end|>"))
-    col = Collator(processor, spec)
-    enc = [col.encode(e) for e in examples]
-    return [col.collate(enc[i:i + micro]) for i in range(0, n, micro)]
+    col = Collator(processor, spec)  # one processor call per micro-batch (it no longer encodes one by one)
+    return [col.collate(examples[i:i + micro]) for i in range(0, n, micro)]
+
+
+# --kind -> (the tiny model's kind, transformers' class for it)
+KINDS = {"qwen2vl": ("policy", "Qwen2VLForConditionalGeneration"),
+         "qwen3vl": ("qwen3vl", "Qwen3VLForConditionalGeneration")}
 
 
 def main() -> int:
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    import transformers
+    from transformers import AutoProcessor
 
     from models.tiny import tiny_model_dir
     from models.comm import init_parallel
     from models.trainer import TrainerConfig, VLMTrainer
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", choices=sorted(KINDS), default="qwen2vl", help="which tiny model family")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps-per-round", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--micro", type=int, default=8)
     args = ap.parse_args()
 
-    path = str(tiny_model_dir("policy"))
+    tiny_kind, hf_class = KINDS[args.kind]
+    path = str(tiny_model_dir(tiny_kind))
     lr = 1e-4
     init_parallel(1)
     trainer = VLMTrainer(path, TrainerConfig(lr=lr, clip_grad=1.0))
@@ -66,7 +76,7 @@ def main() -> int:
     def megatron_step():
         trainer.train_step(mbs, lambda lp, mb: (-(lp * mb.extra["mask"]).sum() / target, {}))
 
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    hf = getattr(transformers, hf_class).from_pretrained(path, dtype=torch.float32)
     hf.train()
     opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.0)
 
@@ -97,7 +107,7 @@ def main() -> int:
         print(f"round {r + 1}/{args.rounds}: VLMTrainer {ours[-1]:.0f} tokens/s, transformers {theirs[-1]:.0f} tokens/s",
               flush=True)
     a, b = max(ours), max(theirs)
-    print(json.dumps({"tokens_per_s": round(a, 1), "transformers_tokens_per_s": round(b, 1),
+    print(json.dumps({"kind": args.kind, "tokens_per_s": round(a, 1), "transformers_tokens_per_s": round(b, 1),
                       "ratio_to_transformers": round(a / b, 3),
                       # each round's pair ran back to back: the median of their ratios is the
                       # least sensitive to another job starting or stopping between rounds
