@@ -453,7 +453,7 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
-def _held_out_rewards(tmp_path, warm_policy, *settings: str) -> tuple[list[float], list[dict]]:
+def _held_out_rewards(tmp_path, warm_policy, *settings: str, policy=None) -> tuple[list[float], list[dict]]:
     """5 RL steps from the warm start with the rule reward, 8 prompts x 8 responses per rank per
     step, greedy held-out accuracy on 32 unseen prompts before step 1 and after step 5; the
     steps' metrics. The run is deterministic on a given machine."""
@@ -461,7 +461,7 @@ def _held_out_rewards(tmp_path, warm_policy, *settings: str) -> tuple[list[float
     write_shards(str(tmp_path / "eval"), images=32, videos=0, samples_per_shard=16, seed=4, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
-           f"run.run_dir={run_dir}", f"data.shards=[{tmp_path / 'train'}]", f"policy.model={warm_policy}",
+           f"run.run_dir={run_dir}", f"data.shards=[{tmp_path / 'train'}]", f"policy.model={policy or warm_policy}",
            f"eval.shards=[{tmp_path / 'eval'}]", "eval.num_prompts=16", "eval.every=5", "reward.judges=[]",
            "data.workers=0", "run.steps=5", "run.save_final=false", *settings]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -501,6 +501,22 @@ def test_each_algorithm_raises_held_out_reward_from_the_warm_start(tmp_path, war
     print(name, "held-out reward", evals, "train/loss", [r["train/loss"] for r in steps])
     assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, (name, evals)
     assert all(r["train/weights_checksum_after"] != r["train/weights_checksum_before"] for r in steps)
+
+
+@pytest.mark.slow  # the warm start (~40 s once) and a 5-step run
+def test_a_warm_started_tiny_qwen3vl_learns_the_demo_task(tmp_path):
+    """The Qwen3-VL family end to end: its warm start (8 SFT steps, `warmstart:qwen3vl`), then 5
+    GRPO steps on 2 ranks with vLLM sampling it, must lift held-out accuracy like the Qwen2-VL
+    policy's run (measured 0.31 -> 0.75)."""
+    from yatt_mm.demo.warmstart import warm_start
+
+    data = tmp_path / "warm-data"
+    write_shards(str(data), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
+    policy = warm_start("qwen3vl", data, quiet=True)
+    evals, steps = _held_out_rewards(tmp_path, None, policy=policy)
+    print("Qwen3-VL held-out reward", evals)
+    assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, evals
+    _assert_real_updates_reach_vllm(steps)
 
 
 def test_checkpoint_keeps_the_sampler_buffer_with_its_media():
