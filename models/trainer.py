@@ -35,6 +35,10 @@ class TrainerConfig:
     # to the model's layers): any layer count splits, and fewer layers on the first stage make
     # room for the vision tower's cost. Empty: an even split
     pipeline_layers: list[int] = field(default_factory=list)
+    # Megatron expert-parallel size (mixture-of-experts models): each MoE layer's experts split
+    # over this many data-parallel ranks (tokens reach them by all-to-all); must divide the
+    # experts, and tensor x pipeline x expert parallel must divide the world
+    expert_parallel: int = 1
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate
     min_lr: float = 0.0  # Megatron OptimizerConfig.min_lr; no decay schedule is run, so no effect yet
@@ -53,7 +57,8 @@ class TrainerConfig:
     distributed_optimizer: bool = True
 
     # allowed values, checked when a config is loaded (yatt_mm/config.py)
-    RANGES = {"tensor_parallel": ">= 1", "pipeline_parallel": ">= 1", "pipeline_layers": ">= 1", "lr": "> 0",
+    RANGES = {"tensor_parallel": ">= 1", "pipeline_parallel": ">= 1", "pipeline_layers": ">= 1",
+              "expert_parallel": ">= 1", "lr": "> 0",
               "min_lr": ">= 0", "weight_decay": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "clip_grad": ">= 0", "seed": ">= 0"}
 
     def __post_init__(self):
@@ -72,12 +77,25 @@ class TrainerConfig:
         if world_size < 1 or world_size % self.model_parallel:
             raise ValueError(f"{world_size} ranks: must be a positive multiple of {prefix}.tensor_parallel x "
                              f"{prefix}.pipeline_parallel = {self.tensor_parallel} x {self.pipeline_parallel}")
+        if world_size % (self.model_parallel * self.expert_parallel):
+            # the experts spread over DP ranks: the DP size must divide by expert_parallel
+            raise ValueError(f"{world_size} ranks: must be a multiple of {prefix}.tensor_parallel x "
+                             f"{prefix}.pipeline_parallel x {prefix}.expert_parallel = {self.tensor_parallel} x "
+                             f"{self.pipeline_parallel} x {self.expert_parallel}")
 
     def check_model(self, hf_dir: str, prefix: str) -> None:
         """Whether the model in `hf_dir` splits into this layout (before any rank starts)."""
         spec = read_spec(hf_dir)
+        if self.expert_parallel > 1 and not getattr(spec, "num_experts", 0):
+            raise ValueError(f"{prefix}.expert_parallel={self.expert_parallel}: {hf_dir} has no experts "
+                             f"({spec.model_type} is not a mixture-of-experts model)")
         family_of(spec).check_layout(spec, self.tensor_parallel, self.pipeline_parallel, f"{prefix}.",
-                                     tuple(self.pipeline_layers))
+                                     tuple(self.pipeline_layers), **self.expert_kwargs)
+
+    @property
+    def expert_kwargs(self) -> dict:
+        """What a MoE family's check_layout and build_model take beyond the dense ones'."""
+        return {"ep": self.expert_parallel} if self.expert_parallel > 1 else {}
 
     @property
     def offloads(self) -> bool:
@@ -296,7 +314,7 @@ def build_module(hf_dir: str, spec, cfg: TrainerConfig) -> torch.nn.Module:
 
     family = family_of(spec)
     module = family.build_model(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
-                                cfg.recompute, cfg.pipeline_parallel, tuple(cfg.pipeline_layers))
+                                cfg.recompute, cfg.pipeline_parallel, tuple(cfg.pipeline_layers), **cfg.expert_kwargs)
     module = module.to(accelerator_device())
     family.load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
     return module

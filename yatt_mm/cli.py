@@ -65,8 +65,8 @@ def _model_parity(args: argparse.Namespace) -> int:
 
     from yatt_mm.launch import relaunch
 
-    if args.tp < 1 or args.pp < 1:
-        raise SystemExit("--tp and --pp must be >= 1")
+    if args.tp < 1 or args.pp < 1 or args.ep < 1:
+        raise SystemExit("--tp, --pp and --ep must be >= 1")
     from models.family import family_for_dir
 
     from models.family import read_spec
@@ -75,13 +75,19 @@ def _model_parity(args: argparse.Namespace) -> int:
         family = family_for_dir(args.hf_dir)
         parity = family.parity_module  # the model's family compares its logits
         layers = tuple(int(n) for n in args.pipeline_layers.split(",") if n.strip()) if args.pipeline_layers else ()
-        family.check_layout(read_spec(args.hf_dir), args.tp, args.pp, "", layers)  # before any rank starts
+        spec = read_spec(args.hf_dir)
+        if args.ep > 1 and not getattr(spec, "num_experts", 0):
+            raise ValueError(f"--ep {args.ep}: {args.hf_dir} has no experts ({spec.model_type})")
+        experts = {"ep": args.ep} if args.ep > 1 else {}
+        family.check_layout(spec, args.tp, args.pp, "", layers, **experts)  # before any rank starts
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"yatt-mm model parity: {e}") from e
-    if args.tp * args.pp == 1:
+    if args.tp * args.pp * args.ep == 1:
         return subprocess.call([sys.executable, "-m", parity, args.hf_dir])  # output streams through
-    return relaunch(parity, args.tp * args.pp, [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)]
-                    + (["--pipeline-layers", ",".join(map(str, layers))] if layers else []))
+    # under EP the experts spread over data-parallel ranks: ep replicas of the TP x PP layout
+    return relaunch(parity, args.tp * args.pp * args.ep, [args.hf_dir, "--tp", str(args.tp), "--pp", str(args.pp)]
+                    + (["--pipeline-layers", ",".join(map(str, layers))] if layers else [])
+                    + (["--ep", str(args.ep)] if args.ep > 1 else []))
 
 
 def ClusterWorkloadDefaults():  # noqa: N802 - the dataclass's defaults, without importing the simulator
@@ -163,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (TP x PP > 1 runs under torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size: the language layers split in stages")
     p.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,2 (default: even)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallel size (mixture-of-experts models): TP x PP x EP ranks under torchrun")
     p.set_defaults(func=_model_parity)
 
     p = sub.add_parser("make-tiny-model", help="build a tiny random model offline (cached)")

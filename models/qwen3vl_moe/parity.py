@@ -22,7 +22,7 @@ from models.qwen2vl.parity import probes, stage_logits
 from models.qwen3vl.parity import exports_the_checkpoint, with_video_metadata
 
 
-def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, float]:
+def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, layers=()) -> dict[str, float]:
     import models  # noqa: F401 - CPU runtime hooks
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -32,7 +32,7 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, 
 
     groups = init_parallel(tp, seed=0, pipeline_parallel=pp, expert_parallel=ep)
     family, spec = family_for_dir(hf_dir), read_spec(hf_dir)
-    model = family.build_model(spec, torch.float32, tp, "none", pp, (), ep).eval()
+    model = family.build_model(spec, torch.float32, tp, "none", pp, tuple(layers), ep).eval()
     family.load_hf_into(model, hf_dir, groups.tp_rank, tp)
     hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(hf_dir)
@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,3")
     args = parser.parse_args(argv)
-    result = run_parity(args.hf_dir, args.tp, args.pp, args.ep)
+    layers = tuple(int(n) for n in args.pipeline_layers.split(",") if n.strip())
+    result = run_parity(args.hf_dir, args.tp, args.pp, args.ep, layers)
     if dist.get_rank() == 0:
         for name, diff in result.items():
             print(f"{name:12s} max |logits diff| = {diff:.3e}")

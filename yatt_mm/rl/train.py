@@ -48,7 +48,8 @@ class Run:
 
         self.cfg = cfg
         trainer_cfg = cfg.policy.trainer
-        self.ranks = ranks = init_parallel(trainer_cfg.tensor_parallel, cfg.run.seed, trainer_cfg.pipeline_parallel)
+        self.ranks = ranks = init_parallel(trainer_cfg.tensor_parallel, cfg.run.seed, trainer_cfg.pipeline_parallel,
+                                           trainer_cfg.expert_parallel)
         self.run_dir = cfg.fix_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ranks.rank == 0:

@@ -1,0 +1,75 @@
+"""One training step of the tiny Qwen3-VL-MoE under torchrun (gloo, 2 ranks = DP 2), with the
+experts on every rank (--ep 1) or spread over both (--ep 2): different image samples on each DP
+rank, a supervised loss on the answer tokens (plus Megatron's load-balancing loss), Megatron's
+distributed optimizer. Every rank writes its logits before the step, rank 0 the HF export after
+it (experts gathered from every EP rank), to --out, and prints one JSON line.
+
+    torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import models  # noqa: F401 - CPU runtime hooks first
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vlm_train_steps import sft_batch  # noqa: E402
+
+from dataio.synth import colour_image  # noqa: E402
+from models.comm import comm, init_parallel  # noqa: E402
+from models.tiny import tiny_model_dir  # noqa: E402
+from models.trainer import TrainerConfig, VLMTrainer  # noqa: E402
+
+
+def main() -> int:
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+    from transformers import AutoProcessor
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    path = str(tiny_model_dir("qwen3vlmoe"))
+    groups = init_parallel(1, 0, 1, args.ep)
+    trainer = VLMTrainer(path, TrainerConfig(expert_parallel=args.ep, lr=1e-3, distributed_optimizer=True))
+    processor = AutoProcessor.from_pretrained(path)
+    processor.tokenizer.padding_side = "right"
+    rng = random.Random(100 + groups.dp_rank)  # different data per DP rank
+    batches = [sft_batch(processor, trainer.spec, [colour_image(rng) for _ in range(2)]) for _ in range(2)]
+    tokens = torch.tensor(sum(float(b.extra["mask"].sum()) for b in batches))
+    dist.all_reduce(tokens, group=comm().dp_cpu)
+
+    def loss_fn(lp, mb):
+        return -(lp * mb.extra["mask"]).sum() * trainer.dp_size / tokens, {}
+
+    with torch.no_grad():
+        trainer.model.eval()
+        logits = trainer.model(batches[0].inputs).detach().clone()
+        trainer.model.train()
+    local = sorted({n.split("local_experts.")[1].split(".")[0] for n, _ in trainer.module.named_parameters()
+                    if "local_experts." in n})
+    metrics = trainer.train_step(batches, loss_fn)
+    exported = trainer.export_hf()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"logits": logits}, str(out / f"ep{args.ep}_logits_rank{groups.rank}.safetensors"))
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in exported.items()}, str(out / f"ep{args.ep}.safetensors"))
+        print(json.dumps({"ep": args.ep, "ep_size": groups.ep_size, "dp": trainer.dp_size,
+                          "local_experts_rank0": local, "loss": metrics["train/loss"],
+                          "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}), flush=True)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
