@@ -95,18 +95,25 @@ class Qwen3VisionModel(nn.Module):
 
     def position_embedding(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """The learned position table resampled to every frame's grid, in the processor's patch
-        order (merge x merge blocks row-major), repeated for each temporal patch: [patches, width]."""
-        side, out = self.spec.position_grid_side, []
-        weight = self.pos_embed.weight
+        order (merge x merge blocks row-major), repeated for each temporal patch: [patches, width].
+        Resampled once per distinct grid: a batch's media mostly share a few sizes (a per-item
+        loop cost ~8 ms of a tiny training step)."""
+        resampled: dict[tuple[int, int], torch.Tensor] = {}
+        out = []
         for t, h, w in grid_thw.tolist():
-            pos = vision_position_ids(torch.tensor([[1, h, w]]), self.spec.spatial_merge_size).to(weight.device)
-            h_taps, h_w = interpolation_taps(pos[:, 0], torch.tensor(h, device=weight.device), side)
-            w_taps, w_w = interpolation_taps(pos[:, 1], torch.tensor(w, device=weight.device), side)
-            index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
-            taps = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
-            emb = (self.pos_embed(index) * taps[:, :, None]).sum(1)  # in float32, as transformers
-            out.append(emb.repeat(t, 1))
+            if (h, w) not in resampled:
+                resampled[(h, w)] = self._resample_table(h, w)
+            out.append(resampled[(h, w)].repeat(t, 1))
         return torch.cat(out)
+
+    def _resample_table(self, h: int, w: int) -> torch.Tensor:
+        side, device = self.spec.position_grid_side, self.pos_embed.weight.device
+        pos = vision_position_ids(torch.tensor([[1, h, w]]), self.spec.spatial_merge_size).to(device)
+        h_taps, h_w = interpolation_taps(pos[:, 0], torch.tensor(h, device=device), side)
+        w_taps, w_w = interpolation_taps(pos[:, 1], torch.tensor(w, device=device), side)
+        index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+        taps = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+        return (self.pos_embed(index) * taps[:, :, None]).sum(1)  # in float32, as transformers
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values [patches, C*T*P*P] as the HF processor emits them -> the merged features
