@@ -32,9 +32,15 @@ from PIL import Image, ImageOps
 from dataio.errors import MediaError
 
 
+DEFAULT_FACTOR = 28  # Qwen2-VL's 14-px patches merged 2 x 2: MediaConfig.factor 0 without a model
+
+
 @dataclass(frozen=True)
 class MediaConfig:
-    factor: int = 28  # output sides are multiples of this (Qwen2-VL: 14-px patches merged 2x2); >= 1
+    # output sides are multiples of this: the model's patch size x spatial merge (Qwen2-VL 14 x 2 = 28,
+    # Qwen3-VL 16 x 2 = 32). 0: the model's, set by yatt-mm rl/sft once the model is known (28 where
+    # no model is: data tools); another value than the model's is refused there
+    factor: int = 0
     image_min_pixels: int = 4 * 28 * 28  # images are upscaled to at least this many pixels (H * W)
     image_max_pixels: int = 1280 * 28 * 28  # images are downscaled to at most this many pixels (H * W)
     image_draft: bool = True  # JPEG DCT-domain downscale when the target is smaller (faster)
@@ -50,20 +56,25 @@ class MediaConfig:
     frames_fps: float = 1.0  # frame rate assumed for KEY.000.jpg ... sequences without metadata
 
     # allowed values, checked when yatt-mm loads a config (yatt_mm/config.py)
-    RANGES = {"factor": ">= 1", "image_min_pixels": ">= 1", "image_max_pixels": ">= 1", "video_min_pixels": ">= 1",
+    RANGES = {"factor": ">= 0", "image_min_pixels": ">= 1", "image_max_pixels": ">= 1", "video_min_pixels": ">= 1",
               "video_max_pixels": ">= 1", "video_frames": ">= 1", "video_fps": "> 0", "video_max_frames": ">= 1",
               "video_start_s": ">= 0", "video_end_s": "> 0", "video_max_reported_frames": ">= 1", "video_threads": ">= 0",
               "frames_fps": "> 0"}
 
+    @property
+    def side(self) -> int:
+        """The side multiple media are resized to: `factor`, or Qwen2-VL's 28 while it is 0."""
+        return self.factor or DEFAULT_FACTOR
+
     def validate(self) -> None:
-        if self.factor < 1:
-            raise ValueError(f"factor must be >= 1, got {self.factor}")
+        if self.factor < 0:
+            raise ValueError(f"factor must be >= 0, got {self.factor}")
         for lo, hi in (("image_min_pixels", "image_max_pixels"), ("video_min_pixels", "video_max_pixels")):
             a, b = getattr(self, lo), getattr(self, hi)
             if not 0 < a <= b:
                 raise ValueError(f"{lo} ({a}) must be > 0 and <= {hi} ({b})")
-            if b < self.factor * self.factor:
-                raise ValueError(f"{hi} ({b}) must be >= factor^2 = {self.factor ** 2}")
+            if b < self.side * self.side:
+                raise ValueError(f"{hi} ({b}) must be >= factor^2 = {self.side ** 2}")
         if self.video_fps is None and self.video_frames < 1:
             raise ValueError(f"video_frames must be >= 1 (or set video_fps), got {self.video_frames}")
         if self.video_fps is not None and self.video_fps <= 0:
@@ -123,7 +134,7 @@ def decode_image(data: bytes, cfg: MediaConfig, min_pixels: int | None = None, m
         w, h = im.size
         rotated = orientation in (5, 6, 7, 8)  # EXIF transposes that swap width and height
         ow, oh = (h, w) if rotated else (w, h)
-        th, tw = size or smart_resize(oh, ow, cfg.factor, min_pixels, max_pixels)
+        th, tw = size or smart_resize(oh, ow, cfg.side, min_pixels, max_pixels)
         if cfg.image_draft and im.format == "JPEG" and tw * th < ow * oh:
             # decode at the smallest 1/2, 1/4, 1/8 scale still >= the target (libjpeg DCT scaling)
             im.draft("RGB", (th, tw) if rotated else (tw, th))
@@ -163,7 +174,7 @@ def resize_frames(frames: np.ndarray, cfg: MediaConfig, alloc=None) -> np.ndarra
     import cv2
 
     t, h, w, _ = frames.shape
-    th, tw = smart_resize(h, w, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
+    th, tw = smart_resize(h, w, cfg.side, cfg.video_min_pixels, cfg.video_max_pixels)
     if (th, tw) == (h, w):
         return np.ascontiguousarray(frames)
     interp = cv2.INTER_AREA if th * tw < h * w else cv2.INTER_CUBIC
@@ -236,7 +247,7 @@ def decode_frame_sequence(datas: list[bytes], cfg: MediaConfig, fps: float | Non
         w, h = first.size
     except Exception as e:
         raise MediaError("corrupt_image", str(e)) from None
-    size = smart_resize(h, w, cfg.factor, cfg.video_min_pixels, cfg.video_max_pixels)
+    size = smart_resize(h, w, cfg.side, cfg.video_min_pixels, cfg.video_max_pixels)
     out = [np.asarray(decode_image(datas[i], cfg, size=size)) for i in idx]
     return np.stack(out)
 

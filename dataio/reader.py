@@ -240,7 +240,7 @@ class DataReader:
         if len(self.index) == 0:
             raise ValueError(f"data.shards: the dataset {cfg.shards or cfg.index!r} has no samples")
         if budget is None and cfg.max_sample_tokens:
-            budget = TokenBudget(cfg.max_sample_tokens, factor=cfg.media.factor)
+            budget = TokenBudget(cfg.max_sample_tokens, factor=cfg.media.side)
         self.budget = budget
         self.decoder = SampleDecoder(self.index, cfg, budget)
         self.epoch = 0

@@ -248,7 +248,7 @@ RL, SFT = (RLConfig, "tiny_demo.yaml"), (SFTConfig, "tiny_sft.yaml")
     (RL, "data.workers=-1", "data.workers must be >= 0, got -1"),
     (RL, "data.shuffle_buffer=0", "data.shuffle_buffer must be >= 1, got 0"),
     (RL, "data.media.video_fps=0", "data.media.video_fps must be > 0, got 0.0"),
-    (RL, "data.media.factor=0", "data.media.factor must be >= 1, got 0"),
+    (RL, "data.media.factor=-1", "data.media.factor must be >= 0, got -1"),
     (RL, "algorithm.clip_low=1.5", "algorithm.clip_low must be in [0, 1], got 1.5"),
     (RL, "algorithm.kl_coef=-0.1", "algorithm.kl_coef must be >= 0, got -0.1"),
     (RL, "algorithm.epochs=0", "algorithm.epochs must be >= 1, got 0"),

@@ -55,3 +55,25 @@ def processor_media(images=(), videos=(), timed: bool = False) -> dict[str, Any]
         if timed:
             media.update(video_metadata=[frame_metadata(v) for v in videos], do_sample_frames=False)
     return media
+
+
+def media_for_model(media, model_dir: str | Path, setting: str = "data.media.factor"):
+    """`media` (dataio's MediaConfig) with the model's side multiple (its family's `media_factor`:
+    patch size x spatial merge) where its factor is 0; ValueError naming `setting` where it is
+    set to another value (the processor would resize every image and frame a second time)."""
+    import dataclasses
+
+    from models.family import family_for_dir, read_spec
+
+    family, spec = family_for_dir(model_dir), read_spec(model_dir)
+    factor = family.media_factor(spec)
+    if media.factor not in (0, factor):
+        raise ValueError(f"{setting}={media.factor}: {family.name} takes media in multiples of {factor} px (patch "
+                         f"{spec.patch_size} x merge {spec.spatial_merge_size}); set {setting}={factor}, or 0 for "
+                         "the model's")
+    media = dataclasses.replace(media, factor=factor)
+    try:
+        media.validate()
+    except ValueError as e:
+        raise ValueError(f"{setting.rsplit('.', 1)[0]}: {e}") from None
+    return media

@@ -27,7 +27,7 @@ def media_per_sample(media, factor: int | None = None) -> tuple[int, int]:
     """(media tokens, tokens per frame) of the larger of one image and one video at the
     data.media limits (dataio/decode.py MediaConfig): a merged token covers factor^2 pixels,
     `factor` the model's (its family's `media_factor`; default data.media.factor)."""
-    per_token = (factor or media.factor) ** 2
+    per_token = (factor or media.side) ** 2
     image = media.image_max_pixels // per_token
     frames = media.video_max_frames if media.video_fps is not None else min(media.video_frames, media.video_max_frames)
     frame = media.video_max_pixels // per_token

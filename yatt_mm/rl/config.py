@@ -136,8 +136,12 @@ class RLConfig:
         self.policy.trainer.check_world(world_size, "policy.trainer")
 
     def check_model(self) -> None:
-        """After resolve_models: the policy splits into the trainer's TP x PP layout."""
+        """After resolve_models: the policy splits into the trainer's TP x PP layout, and media
+        are sized for it (data.media.factor 0: the policy's patch x merge)."""
+        from yatt_mm.engines.media import media_for_model
+
         self.policy.trainer.check_model(self.policy.model, "policy.trainer")
+        self.data.media = media_for_model(self.data.media, self.policy.model, "data.media.factor")
 
     def resolve_models(self, resolve) -> None:
         """Replace model names (tiny:, warmstart:) by directories; `resolve(name, data_shards)`."""

@@ -58,8 +58,12 @@ class SFTConfig:
         self.trainer.check_world(world_size, "trainer")
 
     def check_model(self) -> None:
-        """After resolve_models: the model splits into the trainer's TP x PP layout."""
+        """After resolve_models: the model splits into the trainer's TP x PP layout, and media
+        are sized for it (data.media.factor 0: the model's patch x merge)."""
+        from yatt_mm.engines.media import media_for_model
+
         self.trainer.check_model(self.model, "trainer")
+        self.data.media = media_for_model(self.data.media, self.model, "data.media.factor")
 
     def resolve_models(self, resolve) -> None:
         self.model = resolve(self.model, self.data.shards)
