@@ -3,7 +3,7 @@ mean/std (device-side normalisation, `mm_device_do_normalize`), where transforme
 video processor's. A checkpoint whose two processors normalise differently then gets other video
 embeddings in vLLM than in transformers, and video logprobs 0.1-0.5 apart; images agree.
 
-    .venv/bin/python scripts/repro_vllm_qwen3vl_video.py [MODEL_DIR]
+    .venv/bin/python scripts/repro_vllm_qwen3vl_video.py [MODEL_DIR] [--as-yatt-mm]
 
 MODEL_DIR defaults to the tiny random Qwen3-VL (models/qwen3vl/tiny.py) copied to a temporary
 folder with its image processor's mean/std set to CLIP's (0.481.../0.268..., the defaults of
@@ -15,6 +15,9 @@ For the same prompt, frames and metadata it prints the vision embeddings' max di
 max |logprob| gap of 8 sampled tokens (vLLM vs transformers, fp32), for an image and a video,
 without and with yatt-mm's workaround (yatt_mm/engines/vllm_fixes.py: `mm_device_do_normalize=False`,
 so the HF processors normalise each modality on the host). The last line is one JSON object.
+`--as-yatt-mm` runs one engine only, with the settings yatt-mm's engine gives this checkpoint
+(`engine_fixes`): a check that a model directory (e.g. a run's export) answers in vLLM as in
+transformers.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def main() -> int:
     from yatt_mm.engines.vllm_fixes import engine_fixes
 
     tmp = Path(tempfile.mkdtemp(prefix="repro-q3vl-"))
-    model_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else mismatched_tiny(tmp / "model")
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    model_dir = Path(args[0]) if args else mismatched_tiny(tmp / "model")
     proc = AutoProcessor.from_pretrained(model_dir)
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
@@ -113,7 +117,9 @@ def main() -> int:
     encs = {k: proc(return_tensors="pt", **kw) for k, (kw, _) in cases.items()}
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=0, logprobs=0, ignore_eos=True)
     result: dict = {"model": str(model_dir), "fix_kwargs": engine_fixes(model_dir)}
-    for label, extra in (("without_fix", {}), ("with_fix", {"mm_device_do_normalize": False})):
+    engines = ((("as_yatt_mm", engine_fixes(model_dir)),) if "--as-yatt-mm" in sys.argv else
+               (("without_fix", {}), ("with_fix", {"mm_device_do_normalize": False})))
+    for label, extra in engines:
         llm = LLM(model=str(model_dir), dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
                   distributed_executor_backend="uni", limit_mm_per_prompt={"image": 1, "video": 1}, **extra)
         captured = capture_vision(llm)

@@ -2,9 +2,13 @@
 logprobs of vLLM-sampled responses under both, before and after a training step whose weights
 are pushed into the engine. Prints one JSON line.
 
-`--kind policy25` runs the tiny Qwen2.5-VL; the script then also records the M-RoPE positions
-vLLM computes for each prompt and compares them with ours (`positions_equal`), and reports the
-sampled responses' lengths (vLLM generated from the image and the video)."""
+`--kind policy25` runs the tiny Qwen2.5-VL, `--kind qwen3vl` the tiny Qwen3-VL; the script
+records the M-RoPE positions vLLM computes for each prompt and compares them with ours
+(`positions_equal`), and reports the sampled responses' lengths (vLLM generated from the image
+and the video). Videos reach the processor as the RL samples give them
+(`RolloutEngine.processor_media`: with their frame rate for timed models). `--two-images` adds
+a prompt with two images; the gaps are also reported per prompt (`before_max_each`, and over
+every prompt token, media tokens included, `before_prompt_max_each`)."""
 
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ from yatt_mm.engines.engine import EngineConfig, Request, RolloutEngine, Samplin
 
 
 def build(processor, spec, engine, request, response_ids):
-    media = {"images": request.images} if request.images else {"videos": request.videos}
-    batch = dict(processor(text=[engine.prompt_text(request)], return_tensors="pt", **media))
+    # the media as the RL samples get them: videos with the metadata vLLM was given (timed models)
+    batch = dict(processor(text=[engine.prompt_text(request)], return_tensors="pt", **engine.processor_media(request)))
     prompt_len = batch["input_ids"].shape[1]
     batch["input_ids"] = torch.cat([batch["input_ids"], torch.tensor([response_ids], dtype=torch.long)], 1)
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
@@ -39,9 +43,10 @@ VLLM_POSITIONS: dict[tuple, list] = {}  # prompt token ids -> vLLM's M-RoPE posi
 def record_vllm_positions() -> None:
     """Wrap vLLM's get_mrope_input_positions (the engine runs in this process) to keep what it
     computes for each prompt."""
-    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl
+    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl, qwen3_vl
 
-    for cls in (qwen2_vl.Qwen2VLForConditionalGeneration, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration):
+    for cls in (qwen2_vl.Qwen2VLForConditionalGeneration, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration,
+                qwen3_vl.Qwen3VLForConditionalGeneration):
         original = cls.get_mrope_input_positions
 
         def wrapped(self, input_tokens, mm_features, _original=original):
@@ -61,21 +66,26 @@ def positions_equal(processor, spec, engine, requests) -> bool:
     return True
 
 
-def diffs(trainer, processor, engine, requests, sampling, lengths=None):
+def diffs(trainer, processor, engine, requests, sampling, lengths=None, per_request=None):
+    """Max and mean |logprob diff| of the sampled tokens; `per_request` gets each request's max."""
     result = engine.generate(requests, sampling)
     out = []
     for req, group in zip(requests, result.responses):
         if lengths is not None:
             lengths.append([len(r.token_ids) for r in group])
+        mine = []
         for r in group:
             mb, p = build(processor, trainer.spec, engine, req, r.token_ids)
             ours = trainer.logprobs([mb])[0][0, p - 1 : p - 1 + len(r.token_ids)]
-            out.append((ours - torch.tensor(r.logprobs)).abs())
+            mine.append((ours - torch.tensor(r.logprobs)).abs())
+        out += mine
+        if per_request is not None:
+            per_request.append(float(torch.cat(mine).max()))
     d = torch.cat(out)
     return float(d.max()), float(d.mean())
 
 
-def prompt_diff(trainer, processor, engine, requests) -> float:
+def prompt_diff(trainer, processor, engine, requests, per_request=None) -> float:
     """Max |logprob diff| over every prompt token, media tokens included: unlike sampled answers,
     which a trained-to-collapse model gives with probability ~1 whatever its weights, this sees
     any weight the engine holds differently from the trainer."""
@@ -91,7 +101,10 @@ def prompt_diff(trainer, processor, engine, requests) -> float:
         if mb.inputs.input_ids[0].tolist() != list(ids):
             raise AssertionError("vLLM and the processor tokenise the prompt differently")
         ours = trainer.logprobs([mb])[0][0, :-1]
-        worst = max(worst, float((ours - theirs).abs().max()))
+        diff = float((ours - theirs).abs().max())
+        worst = max(worst, diff)
+        if per_request is not None:
+            per_request.append(diff)
     return worst
 
 
@@ -100,6 +113,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--kind", default="policy")
+    parser.add_argument("--two-images", action="store_true", help="also a prompt with two images")
     args = parser.parse_args()
     path = str(tiny_model_dir(args.kind))
     record_vllm_positions()
@@ -113,9 +127,19 @@ def main() -> int:
         Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": img.question}]}], images=[img.image]),
         Request([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": vid.question}]}], videos=[vid.video]),
     ]
+    names = ["image", "video"]
+    if args.two_images:  # two images of other sizes in one prompt
+        a, b = colour_image(rng), colour_image(rng)
+        requests.append(Request([{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                                              {"type": "text", "text": a.question}]}],
+                                images=[a.image, b.image.resize((96, 64))]))
+        names.append("two_images")
     sampling = SamplingConfig(n=2, max_tokens=16, seed=0)
     lengths: list = []
-    before_max, before_mean = diffs(trainer, processor, engine, requests, sampling, lengths)
+    before_each: list = []
+    before_max, before_mean = diffs(trainer, processor, engine, requests, sampling, lengths, before_each)
+    before_prompt_each: list = []
+    before_prompt_max = prompt_diff(trainer, processor, engine, requests, before_prompt_each)
     same_positions = positions_equal(processor, trainer.spec, engine, requests)
 
     # one SFT-style step on a fixed answer, then push the new weights into the engine
@@ -150,7 +174,11 @@ def main() -> int:
                       "buckets_cover_export": sorted(sync["keys"]) == sorted(whole) and sync["equal"],
                       "grad_norm": metrics["train/grad_norm"], "kind": args.kind,
                       "model_type": trainer.spec.model_type, "positions_equal": same_positions,
-                      "response_lengths": lengths}))
+                      "response_lengths": lengths, "requests": names,
+                      "before_max_each": dict(zip(names, before_each)), "before_prompt_max": before_prompt_max,
+                      "before_prompt_max_each": dict(zip(names, before_prompt_each)),
+                      "video_timed": engine.timed_videos, "engine_fixes": {k: engine._kwargs[k] for k in
+                                                                           ("mm_device_do_normalize",) if k in engine._kwargs}}))
     return 0
 
 

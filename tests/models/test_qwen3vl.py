@@ -157,3 +157,22 @@ def test_parity_with_transformers_pp2(tiny3):
     print("Qwen3-VL PP 2 max |logits diff| vs transformers:", result)
     assert result["pp"] == 2 and set(result["max_abs_diff"]) == PROBES
     assert all(d <= 1e-5 for d in result["max_abs_diff"].values()), result  # measured 0.0
+
+
+@pytest.mark.slow
+def test_trainer_logprobs_match_vllm_on_an_image_two_images_and_a_video(tiny3):
+    """The Megatron trainer and vLLM (in one process, as in an RL rank, ~60 s): logprobs of vLLM's
+    sampled tokens and of every prompt token, per prompt, before and after a step whose weights
+    are pushed into the engine in buckets. The video was 0.45 apart before tiny Qwen3-VL v2 and
+    the trainer's video metadata (yatt_mm/engines/vllm_fixes.py, media.py)."""
+    result = run_json([sys.executable, str(ROOT / "tests/dist/vlm_vs_vllm.py"), "--kind", "qwen3vl", "--two-images"],
+                      timeout=600)
+    print("Qwen3-VL trainer vs vLLM logprob |diff|:", result)
+    assert result["model_type"] == "qwen3_vl" and result["video_timed"] and result["positions_equal"], result
+    assert set(result["before_max_each"]) == {"image", "video", "two_images"}
+    # measured 5.5e-6 (image), 9.1e-6 (video), 8.3e-6 (two images); every prompt token 7.6e-6 to 1.1e-5
+    assert all(d < 1e-4 for d in result["before_max_each"].values()), result
+    assert all(d < 1e-4 for d in result["before_prompt_max_each"].values()), result
+    assert result["before_mean"] < 1e-5  # measured 1.6e-6
+    assert result["buckets_cover_export"] and result["sync_buckets"] > 3, result
+    assert result["after_max"] < 1e-4 and result["after_prompt_max"] < 1e-4, result  # 3.8e-6, 1.1e-5
