@@ -36,6 +36,16 @@ def test_device_normalisation_is_turned_off_only_where_video_is_normalised_apart
     config["image_processor"].update(image_mean=CLIP_MEAN, image_std=CLIP_STD)
     (apart / "processor_config.json").write_text(json.dumps(config))
     assert video_normalised_apart(apart) and engine_fixes(apart) == {"mm_device_do_normalize": False}
+    # a judge served by vLLM's OpenAI server gets the same as a flag
+    from types import SimpleNamespace
+
+    from yatt_mm.engines.server import JudgeServer
+
+    def served(model):
+        return SimpleNamespace(name="j", model=str(model), host="127.0.0.1", port=1, gpu_memory_utilization=0.5)
+
+    assert "--no-mm-device-do-normalize" in JudgeServer(served(apart)).command()
+    assert not any("normalize" in a for a in JudgeServer(served(tiny3)).command())
     assert engine_fixes(tmp_path) == {}  # not a model directory (a judge vLLM may still run): no fix
 
 

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from models import runtime
 from models.comm import free_port
+from yatt_mm.engines.vllm_fixes import engine_fix_args
 
 
 class ServedModel(Protocol):
@@ -61,7 +62,7 @@ class JudgeServer:
             cmd += ["--gpu-memory-utilization", str(self.cfg.gpu_memory_utilization)]
         else:
             cmd += ["--dtype", "float32", "--enforce-eager"]
-        return cmd
+        return cmd + engine_fix_args(self.cfg.model)  # vLLM bugs worked around for this checkpoint
 
     def start(self) -> "JudgeServer":
         env = dict(os.environ)

@@ -81,3 +81,12 @@ def video_normalisation_kwargs(model_dir: str | Path) -> dict[str, Any]:
 def engine_fixes(model_dir: str | Path) -> dict[str, Any]:
     """Every workaround's LLM() kwargs for this checkpoint."""
     return video_normalisation_kwargs(model_dir)
+
+
+def engine_fix_args(model_dir: str | Path) -> list[str]:
+    """The same workarounds as command-line flags of vLLM's OpenAI server (judge servers)."""
+    args = []
+    for key, value in engine_fixes(model_dir).items():
+        flag = key.replace("_", "-")
+        args.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}")
+    return args
