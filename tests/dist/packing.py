@@ -1,4 +1,5 @@
-"""Sequence packing against the padded micro-batch, on the Megatron Qwen2-VL (TP as launched):
+"""Sequence packing against the padded micro-batch, on the Megatron Qwen2-VL (or the tiny model
+kind given as the argument; TP as launched):
 a realistic mix (images of three sizes, a video, responses of 2 to 60 tokens) run as one
 right-padded micro-batch and as one packed row. Logprobs and entropy at every real token, the
 gradients of an RL-style loss, and the weights after a train step through the schedule (two
@@ -10,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 
 import models  # noqa: F401 - CPU runtime hooks first
 import torch
@@ -47,7 +49,8 @@ def main() -> None:
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     init_parallel(tp, 0)
-    path = str(tiny_model_dir("policy"))
+    kind = sys.argv[1] if len(sys.argv) > 1 else "policy"  # a tiny model kind: any family's
+    path = str(tiny_model_dir(kind))
     cfg = TrainerConfig(tensor_parallel=tp, lr=1e-3)
     trainer, twin = VLMTrainer(path, cfg), VLMTrainer(path, cfg)
     processor = AutoProcessor.from_pretrained(path)
@@ -79,7 +82,7 @@ def main() -> None:
     lengths = real.sum(1)
     if parallel_state.get_tensor_model_parallel_rank() == 0 and torch.distributed.get_rank() == 0:
         print(json.dumps({
-            "tp": tp, "rows": int(real.shape[0]), "padded_tokens": int(real.numel()), "real_tokens": int(lengths.sum()),
+            "tp": tp, "kind": kind, "rows": int(real.shape[0]), "padded_tokens": int(real.numel()), "real_tokens": int(lengths.sum()),
             "shortest": int(lengths.min()), "longest": int(lengths.max()), "images_and_videos": int(
                 padded.inputs.image_grid_thw.shape[0] + padded.inputs.video_grid_thw.shape[0]),
             "logprob_max_diff": float((lp_a - lp_b).abs().max()), "entropy_max_diff": float((ent_a - ent_b).abs().max()),

@@ -318,6 +318,19 @@ def test_packed_row_matches_the_padded_micro_batch(tp, tiny_policy):
     assert r["weight_max_diff_after_step"] < 1e-4, r
 
 
+@pytest.mark.slow  # a second model family's packing (one process, ~30 s)
+def test_packed_rows_match_padded_ones_for_qwen3vl():
+    """The same packed-vs-padded check on the tiny Qwen3-VL: its interleaved M-RoPE positions,
+    per-frame video groups and DeepStack features at the visual positions of a packed row."""
+    r = _run([sys.executable, str(ROOT / "tests" / "dist" / "packing.py"), "qwen3vl"])
+    print("packed vs padded, Qwen3-VL:", r)
+    assert r["kind"] == "qwen3vl" and r["images_and_videos"] == 12 and r["real_tokens"] < 0.7 * r["padded_tokens"], r
+    assert r["logprob_max_diff"] < 5e-5 and r["entropy_max_diff"] < 5e-5, r
+    assert r["grad_max_diff"] < 3e-6 * r["grad_scale"], r
+    assert abs(r["loss_packed"] - r["loss_padded"]) < 1e-6 * abs(r["loss_padded"]), r
+    assert r["weight_max_diff_after_step"] < 1e-4, r
+
+
 def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(tiny_policy):
     """policy.trainer.recompute on a 1442-token image + text micro-batch: the gradients equal the
     run without recompute, and the bytes autograd keeps for the backward (the activation memory)
