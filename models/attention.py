@@ -10,6 +10,8 @@ CPU the kernel is about twice as fast as the local path (tests compare it with t
 
 Three cases, by what the caller passes:
 - packed rows (`packed_seq_params`, models/packing.py): causal attention within each sample;
+- context parallelism (`packed_seq_params` a models/context.py plan): this rank's chunks of the
+  sequence against all ranks' keys and values, masked by global position (and sample);
 - no mask: causal for the language model (right padding: real tokens never see pads), full
   attention for the vision tower (Qwen2-VL runs each frame as a batch row);
 - a mask: Qwen2.5-VL's window and frame masks, boolean (True = masked, Megatron's convention) or
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from models.context import ContextParallel
+
 
 class CoreAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -36,7 +40,9 @@ class CoreAttention(DotProductAttention):
         dropout = self.config.attention_dropout if self.training else 0.0
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         gqa = q.shape[1] != k.shape[1]
-        if packed_seq_params is not None:
+        if isinstance(packed_seq_params, ContextParallel):  # this rank's chunks; K/V gathered (models/context.py)
+            out = packed_seq_params.attention(q, k, v, dropout, self.softmax_scale, gqa)
+        elif packed_seq_params is not None:
             cu = packed_seq_params.cu_seqlens_q.tolist()
             out = torch.cat([F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
                                                             is_causal=True, dropout_p=dropout, scale=self.softmax_scale,

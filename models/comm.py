@@ -106,15 +106,23 @@ class Comm:
     ep_rank: int = 0
     ep_size: int = 1
     ep: object = None
+    # context parallelism (models/context.py): each sequence split over `cp_size` ranks (same TP
+    # rank, DP rank and stage; Megatron's order tp-cp-dp-pp puts them between TP and DP); `cp` is
+    # Megatron's group of them (accelerator: the K/V and logprob gathers), `cp_cpu` its gloo twin.
+    # A model replica spans TP x CP x PP ranks: they all get the DP group's samples (mp_cpu)
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp: object = None
+    cp_cpu: object = None
 
     @property
     def leader(self) -> bool:
-        return self.tp_rank == 0 and self.pp_rank == 0
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
     @property
     def leader_rank(self) -> int:
         """Global rank of this DP group's leader."""
-        return layout_rank(0, self.dp_rank, 0, self.tp_size, self.dp_size)
+        return layout_rank(0, self.dp_rank, 0, self.tp_size, self.dp_size, 0, self.cp_size)
 
     @property
     def first_stage(self) -> bool:
@@ -125,14 +133,14 @@ class Comm:
         return self.pp_rank == self.pp_size - 1
 
     def pp_peer(self, stage: int) -> int:
-        """Global rank of this rank's counterpart (same TP and DP rank) on pipeline `stage`."""
-        return layout_rank(self.tp_rank, self.dp_rank, stage, self.tp_size, self.dp_size)
+        """Global rank of this rank's counterpart (same TP, CP and DP rank) on pipeline `stage`."""
+        return layout_rank(self.tp_rank, self.dp_rank, stage, self.tp_size, self.dp_size, self.cp_rank, self.cp_size)
 
 
-def layout_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    """Megatron's default rank order (tp-cp-ep-dp-pp, no CP or EP): TP ranks are consecutive,
-    then DP replicas, then pipeline stages."""
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
+def layout_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1) -> int:
+    """Megatron's default rank order (tp-cp-ep-dp-pp, EP folded into DP): TP ranks are
+    consecutive, then CP ranks, then DP replicas, then pipeline stages."""
+    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 
 _comm: Comm | None = None
@@ -150,10 +158,11 @@ def comm() -> Comm:
 
 
 def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel: int = 1,
-                  expert_parallel: int = 1) -> Comm:
+                  expert_parallel: int = 1, context_parallel: int = 1) -> Comm:
     """torch.distributed, Megatron's tensor/pipeline/data-parallel groups (and expert-parallel
-    ones: `expert_parallel` consecutive DP ranks share out each MoE layer's experts) and its RNG
-    tracker, then the gloo groups beside them. Every rank must call it (group creation is collective)."""
+    ones: `expert_parallel` consecutive DP ranks share out each MoE layer's experts; and
+    context-parallel ones: `context_parallel` ranks share each sequence) and its RNG tracker,
+    then the gloo groups beside them. Every rank must call it (group creation is collective)."""
     global _comm
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel as tp_mod
@@ -162,28 +171,42 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
     if _comm is not None:
         return _comm
     world = dist.get_world_size()
+    if context_parallel > 1 and expert_parallel > 1:
+        raise ValueError("context_parallel and expert_parallel together are not supported yet")
+    if world % (tensor_parallel * pipeline_parallel * context_parallel):
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel x "
+                         f"context_parallel = {tensor_parallel} x {pipeline_parallel} x {context_parallel}")
     if world % (tensor_parallel * pipeline_parallel * expert_parallel):
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel x "
                          f"expert_parallel = {tensor_parallel} x {pipeline_parallel} x {expert_parallel}")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                      pipeline_model_parallel_size=pipeline_parallel,
-                                     expert_model_parallel_size=expert_parallel)
+                                     expert_model_parallel_size=expert_parallel,
+                                     context_parallel_size=context_parallel)
         tp_mod.model_parallel_cuda_manual_seed(seed)
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    dp = world // (tp * pp)
+    cp = ps.get_context_parallel_world_size()
+    dp = world // (tp * cp * pp)
     rank = dist.get_rank()
-    t, d, p = rank % tp, rank // tp % dp, rank // (tp * dp)
-    ranks = lambda ts, ds, ps_: [layout_rank(a, b, c, tp, dp) for c in ps_ for b in ds for a in ts]  # noqa: E731
+    t, c_, d, p = rank % tp, rank // tp % cp, rank // (tp * cp) % dp, rank // (tp * cp * dp)
+    # with CP 1 (cs = [0]) every group is what it was before context parallelism
+    ranks = lambda ts, ds, ps_, cs=(c_,): [layout_rank(a, b, c, tp, dp, e, cp)  # noqa: E731
+                                           for c in ps_ for b in ds for e in cs for a in ts]
     # every group of each kind, in the same order on every rank (group creation is collective)
-    tp_groups = [ranks(range(tp), [b], [c]) for c in range(pp) for b in range(dp)]
-    pp_groups = [ranks([a], [b], range(pp)) for b in range(dp) for a in range(tp)]
-    dp_groups = [ranks([a], range(dp), [c]) for c in range(pp) for a in range(tp)]
-    mp_groups = [ranks(range(tp), [b], range(pp)) for b in range(dp)]
+    tp_groups = [ranks(range(tp), [b], [c], [e]) for c in range(pp) for b in range(dp) for e in range(cp)]
+    pp_groups = [ranks([a], [b], range(pp), [e]) for b in range(dp) for e in range(cp) for a in range(tp)]
+    dp_groups = [ranks([a], range(dp), [c], [e]) for c in range(pp) for e in range(cp) for a in range(tp)]
+    mp_groups = [ranks(range(tp), [b], range(pp), range(cp)) for b in range(dp)]
+    cp_groups = [ranks([a], [b], [c], range(cp)) for c in range(pp) for b in range(dp) for a in range(tp)]
     mine = lambda groups: next(g for g in groups if rank in g)  # noqa: E731
     for expected, megatrons in ((mine(tp_groups), ps.get_tensor_model_parallel_group()),
                                 (mine(pp_groups), ps.get_pipeline_model_parallel_group()),
-                                (mine(dp_groups), ps.get_data_parallel_group())):
+                                (mine(dp_groups), ps.get_data_parallel_group()),
+                                (mine(cp_groups), ps.get_context_parallel_group()),
+                                # Megatron's DDP reduces gradients over DP x CP (its dp_cp group)
+                                (sorted(ranks([t], range(dp), [p], range(cp))), ps.get_data_parallel_group(
+                                    with_context_parallel=True))):
         if dist.get_process_group_ranks(megatrons) != expected:
             raise RuntimeError(f"Megatron's groups {dist.get_process_group_ranks(megatrons)} are not the "
                                f"layout yatt-mm assumes ({expected})")
@@ -196,15 +219,18 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
                                f"{dist.get_process_group_ranks(ps.get_expert_model_parallel_group())} is not the "
                                f"layout yatt-mm assumes ({expected})")
     made = {kind: [_gloo(g) for g in groups][groups.index(mine(groups))]
-            for kind, groups in (("tp", tp_groups), ("pp", pp_groups), ("dp", dp_groups), ("mp", mp_groups))}
+            for kind, groups in (("tp", tp_groups), ("pp", pp_groups), ("dp", dp_groups), ("mp", mp_groups))
+            + ((("cp", cp_groups),) if cp > 1 else ())}
     _comm = Comm(rank=rank, world=world, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_rank=d, dp_size=dp,
                  node=int(os.environ.get("GROUP_RANK", 0)), device=accelerator_device(),
                  tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
                  dp=ps.get_data_parallel_group(), world_cpu=_gloo(list(range(world))), tp_cpu=made["tp"],
                  pp_cpu=made["pp"], mp_cpu=made["mp"], dp_cpu=made["dp"],
-                 leaders_cpu=made["dp"] if t == 0 and p == 0 else None,
+                 leaders_cpu=made["dp"] if t == 0 and p == 0 and c_ == 0 else None,
                  ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else 0, ep_size=ep,
-                 ep=ps.get_expert_model_parallel_group() if ep > 1 else None)
+                 ep=ps.get_expert_model_parallel_group() if ep > 1 else None,
+                 cp_rank=c_, cp_size=cp, cp=ps.get_context_parallel_group() if cp > 1 else None,
+                 cp_cpu=made.get("cp"))
     return _comm
 
 

@@ -20,6 +20,7 @@ from models.family import family_of, read_spec
 from models.inputs import VLMInputs
 from models.offload import HostOffload, optimizer_tensors
 from models.optimizer import build_optimizer, inner_optimizers
+from models.context import padded_length, plan as context_plan
 from models.packing import pack
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 
@@ -39,6 +40,10 @@ class TrainerConfig:
     # over this many data-parallel ranks (tokens reach them by all-to-all); must divide the
     # experts, and tensor x pipeline x expert parallel must divide the world
     expert_parallel: int = 1
+    # context-parallel size (models/context.py): each sequence split over this many ranks in
+    # zig-zag chunks, K/V all-gathered in attention; tensor x context x pipeline parallel must
+    # divide the world. Qwen2-VL / Qwen2.5-VL only for now
+    context_parallel: int = 1
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate
     min_lr: float = 0.0  # Megatron OptimizerConfig.min_lr; no decay schedule is run, so no effect yet
@@ -58,7 +63,7 @@ class TrainerConfig:
 
     # allowed values, checked when a config is loaded (yatt_mm/config.py)
     RANGES = {"tensor_parallel": ">= 1", "pipeline_parallel": ">= 1", "pipeline_layers": ">= 1",
-              "expert_parallel": ">= 1", "lr": "> 0",
+              "expert_parallel": ">= 1", "context_parallel": ">= 1", "lr": "> 0",
               "min_lr": ">= 0", "weight_decay": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "clip_grad": ">= 0", "seed": ">= 0"}
 
     def __post_init__(self):
@@ -77,6 +82,12 @@ class TrainerConfig:
         if world_size < 1 or world_size % self.model_parallel:
             raise ValueError(f"{world_size} ranks: must be a positive multiple of {prefix}.tensor_parallel x "
                              f"{prefix}.pipeline_parallel = {self.tensor_parallel} x {self.pipeline_parallel}")
+        if world_size % (self.model_parallel * self.context_parallel):
+            raise ValueError(f"{world_size} ranks: must be a multiple of {prefix}.tensor_parallel x "
+                             f"{prefix}.pipeline_parallel x {prefix}.context_parallel = {self.tensor_parallel} x "
+                             f"{self.pipeline_parallel} x {self.context_parallel}")
+        if self.context_parallel > 1 and self.expert_parallel > 1:
+            raise ValueError(f"{prefix}.context_parallel and {prefix}.expert_parallel together are not supported yet")
         if world_size % (self.model_parallel * self.expert_parallel):
             # the experts spread over DP ranks: the DP size must divide by expert_parallel
             raise ValueError(f"{world_size} ranks: must be a multiple of {prefix}.tensor_parallel x "
@@ -86,6 +97,9 @@ class TrainerConfig:
     def check_model(self, hf_dir: str, prefix: str) -> None:
         """Whether the model in `hf_dir` splits into this layout (before any rank starts)."""
         spec = read_spec(hf_dir)
+        if self.context_parallel > 1 and spec.model_type not in CONTEXT_PARALLEL_TYPES:
+            raise ValueError(f"{prefix}.context_parallel={self.context_parallel}: not supported for {spec.model_type} "
+                             f"yet (only {', '.join(CONTEXT_PARALLEL_TYPES)})")
         if self.expert_parallel > 1 and not getattr(spec, "num_experts", 0):
             raise ValueError(f"{prefix}.expert_parallel={self.expert_parallel}: {hf_dir} has no experts "
                              f"({spec.model_type} is not a mixture-of-experts model)")
@@ -100,6 +114,10 @@ class TrainerConfig:
     @property
     def offloads(self) -> bool:
         return self.offload == "always" or (self.offload == "auto" and torch.cuda.is_available())
+
+
+# model types whose forward takes a context-parallel plan (models/context.py)
+CONTEXT_PARALLEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass
@@ -135,6 +153,9 @@ class VLMTrainer:
         self.tp_rank, self.tp_group = groups.tp_rank, groups.tp  # accelerator: the weight gather
         self.dp_cpu, self.dp_size = groups.dp_cpu, groups.dp_size  # CPU: the loss's token counts
         self.pipeline = Pipeline.of(groups)
+        if groups.cp_size != cfg.context_parallel:
+            raise ValueError(f"context_parallel={cfg.context_parallel} but init_parallel made CP groups of "
+                             f"{groups.cp_size} ranks")
         module = build_module(hf_dir, self.spec, cfg)
         self.module = module
         self.config = module.config
@@ -197,8 +218,12 @@ class VLMTrainer:
         device = self.device
 
         def compute(model, mb):
-            out = _stage_forward(model, mb, device)
-            return fn(out, mb) if _module(model).post_process else out
+            cp = context_plan(mb.inputs.input_ids.shape[1])
+            out = _stage_forward(model, mb, device, None, cp)
+            if not _module(model).post_process:
+                return out
+            # context parallelism: `fn` gets the whole sequence's logits (gathered over CP)
+            return fn(out if cp is None else cp.gather_sequence(out), mb)
 
         try:
             return forward_only(self.model, micro_batches, compute, self.pipeline)
@@ -392,12 +417,15 @@ def _module(model) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def _stage_forward(model, mb: MicroBatch, device: torch.device, packed=None):
+def _stage_forward(model, mb: MicroBatch, device: torch.device, packed=None, cp=None):
     """One pipeline stage's forward of a micro-batch (the whole model without PP): logits on the
-    last stage, hidden states elsewhere. Stages after the first take no media."""
+    last stage, hidden states elsewhere. Stages after the first take no media. With a
+    context-parallel plan `cp`, this rank's chunks of the sequence."""
     inputs = (packed.inputs if packed else mb.inputs)
     if not _module(model).pre_process:
         inputs = inputs.text_only()
+    if cp is not None:
+        return model(inputs.to(device), cp)
     return model(inputs.to(device), packed.params) if packed else model(inputs.to(device))
 
 
@@ -406,15 +434,24 @@ def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: b
     before the last pipeline stage, the hidden states."""
     labels, where = mb.labels, mb.score_mask
     row = pack(mb.inputs) if mb.packed else None
-    out = _stage_forward(model, mb, device, row)
+    cp = context_plan((row or mb).inputs.input_ids.shape[1], row.params.cu_seqlens_q if row else None)
+    out = _stage_forward(model, mb, device, row, cp)
     if not _module(model).post_process:
         return out
-    if not mb.packed:
+    if cp is not None:  # this rank's chunks scored, then every CP rank gets the whole sequence's scores
+        if mb.packed:
+            labels, where = labels[row.rows, row.cols][None], None if where is None else where[row.rows, row.cols][None]
+        lp, entropy = _token_scores(out, cp.local(labels), cp.local(where, pad_value=False), device, with_entropy,
+                                    entropy_grad)
+        lp, entropy = cp.gather(lp), cp.gather(entropy) if with_entropy else None
+        if not mb.packed:
+            return lp, entropy
+    elif not mb.packed:
         return _token_scores(out, labels, where, device, with_entropy, entropy_grad)
-    logits = out
-    lp, entropy = _token_scores(logits, labels[row.rows, row.cols][None],
-                                None if where is None else where[row.rows, row.cols][None], device, with_entropy,
-                                entropy_grad)
+    else:
+        lp, entropy = _token_scores(out, labels[row.rows, row.cols][None],
+                                    None if where is None else where[row.rows, row.cols][None], device, with_entropy,
+                                    entropy_grad)
     shape = mb.inputs.input_ids.shape
     return row.unpack(lp, shape), row.unpack(entropy, shape) if with_entropy else None
 
@@ -436,7 +473,9 @@ def _token_scores(logits: torch.Tensor, labels: torch.Tensor, where: torch.Tenso
 
 
 def _tokens(mb: MicroBatch) -> int:
-    """The sequence length the model sees: the padded width, or a packed row's real tokens."""
-    return int(mb.inputs.attention_mask.sum()) if mb.packed and mb.inputs.attention_mask is not None \
+    """The sequence length the model sees: the padded width, or a packed row's real tokens (with
+    context parallelism, padded to a multiple of 2 x CP; Megatron's schedule divides it by CP)."""
+    length = int(mb.inputs.attention_mask.sum()) if mb.packed and mb.inputs.attention_mask is not None \
         else mb.inputs.input_ids.shape[1]
+    return padded_length(length, comm().cp_size)
 

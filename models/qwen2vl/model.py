@@ -53,6 +53,9 @@ class Qwen2VLModel(nn.Module):
             pre_process=self.pre_process,
             post_process=self.post_process,
         )
+        # context parallelism slices the position ids itself (models/context.py): Megatron's
+        # rotary embedding must not slice them again (its CP group is its default)
+        self.language.rotary_pos_emb.cp_group = None
         # this stage's first language layer in the whole model (Megatron numbers layers from 1)
         self.layer_offset = self.language.decoder.layers[0].layer_number - 1
 
@@ -104,11 +107,16 @@ class Qwen2VLModel(nn.Module):
     def forward(self, inputs: VLMInputs, packed_seq_params=None) -> torch.Tensor:
         """Causal attention over each row (with right padding real tokens never see pads, so no
         padding mask is needed); with `packed_seq_params`, over each sample of a packed row
-        (models/packing.py)."""
+        (models/packing.py); with a context-parallel plan (models/context.py), over this rank's
+        chunks of each sequence, returning their logits [b, s / cp, vocab / tp]."""
+        from models.context import ContextParallel
         from models.rotary import angles_computed_once
 
         with angles_computed_once():  # every layer's rotary cos/sin from one computation
             decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
-            logits = self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
+            position_ids = inputs.position_ids
+            if isinstance(packed_seq_params, ContextParallel):  # this CP rank's chunks of the sequence
+                decoder_input, position_ids = packed_seq_params.localise(decoder_input, position_ids)
+            logits = self.language(input_ids=None, position_ids=position_ids, attention_mask=None,
                                    decoder_input=decoder_input, packed_seq_params=packed_seq_params)
         return logits  # GPTModel returns [b, s, v] when no labels are given (hidden states before the last stage)

@@ -1,0 +1,177 @@
+"""Context parallelism: each sequence of a micro-batch (every padded row, or the packed row)
+split over the `cp` ranks of Megatron's context-parallel group (models/comm.py makes it), so a
+long video sample's activations are shared out along the sequence.
+
+- The sequence (padded to a multiple of 2 x cp with pad tokens at its end, which real tokens
+  never see: causal) is cut into 2 x cp chunks in Megatron's load-balanced zig-zag order: rank r
+  holds chunks r and 2cp-1-r, so every rank gets the same share of causal attention's work.
+- The vision tower and the embeddings run once per CP rank on the full media and tokens (the
+  simplest exact choice: every CP rank of a DP group holds the same samples), then the
+  embeddings and the M-RoPE position ids [3, b, s] are sliced to this rank's chunks.
+- Core attention (models/attention.py) all-gathers K and V over the CP group (differentiable:
+  the backward sums the K/V gradients of all ranks' queries) and masks by the chunks' global
+  positions: causal, and within each sample for a packed row.
+- The per-token logprobs (and entropy) of the local chunks are all-gathered back to the full
+  sequence on every CP rank, so the loss function and metrics see the same [b, s] tensors as
+  without CP, and each rank computes the same loss. The gather's backward keeps only the rank's
+  own slice of the gradient; Megatron's schedule multiplies the loss by cp and its DDP averages
+  over DP x CP (the dp_cp group), which together give CP 1's gradients.
+
+The plan rides to the core attention as the model's `packed_seq_params` (a `PackedSeqParams`
+subclass), so an activation recompute in the backward pass sees it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+def padded_length(length: int, cp: int) -> int:
+    """The sequence length a CP run computes: `length` rounded up to a multiple of 2 x cp."""
+    return length if cp == 1 else -(-length // (2 * cp)) * 2 * cp
+
+
+def chunk_index(length: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions rank `rank` holds of a sequence of `length` (a multiple of 2 x cp):
+    chunks rank and 2cp-1-rank (Megatron's get_pos_emb_on_this_cp_rank order)."""
+    c = length // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+@dataclass
+class ContextParallel(PackedSeqParams):
+    """One micro-batch's split over the CP group (built by `plan`)."""
+
+    group: object = None  # Megatron's CP group (accelerator)
+    size: int = 1
+    rank: int = 0
+    length: int = 0  # the sequence length before padding
+    padded: int = 0  # after: a multiple of 2 x size
+    samples: torch.Tensor | None = None  # packed row: [padded] each position's sample (pads: one more)
+    index: torch.Tensor | None = None  # [padded / size] this rank's global positions
+    gathered: torch.Tensor | None = None  # [padded] the global positions in all-gather order
+    _mask: torch.Tensor | None = None
+
+    def to(self, device) -> "ContextParallel":
+        for name in ("samples", "index", "gathered"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
+        return self
+
+    # -- the model's inputs ----------------------------------------------------------------------
+    def local(self, x: torch.Tensor | None, dim: int = 1, pad_value=0) -> torch.Tensor | None:
+        """This rank's positions of `x` along `dim` (the unpadded sequence), padding first."""
+        if x is None:
+            return None
+        extra = self.padded - x.shape[dim]
+        if extra:
+            shape = list(x.shape)
+            shape[dim] = extra
+            x = torch.cat([x, torch.full(shape, pad_value, dtype=x.dtype, device=x.device)], dim)
+        return x.index_select(dim, self.index.to(x.device))
+
+    def localise(self, hidden: torch.Tensor | None, position_ids: torch.Tensor):
+        """Embeddings [s, b, h] (None after the first pipeline stage) and M-RoPE position ids
+        [3, b, s] -> this rank's chunks. Pads repeat the last position (they never reach a real token)."""
+        extra = self.padded - position_ids.shape[-1]
+        if extra:
+            position_ids = torch.cat([position_ids, position_ids[..., -1:].expand(*position_ids.shape[:-1], extra)], -1)
+        return self.local(hidden, 0), position_ids.index_select(-1, self.index.to(position_ids.device))
+
+    # -- attention -------------------------------------------------------------------------------
+    def mask(self, device) -> torch.Tensor:
+        """[padded / size, padded] bool, True = attend: causal by global position, within a sample."""
+        if self._mask is None or self._mask.device != device:
+            q, k = self.index.to(device), torch.arange(self.padded, device=device)
+            allowed = k[None, :] <= q[:, None]
+            if self.samples is not None:
+                samples = self.samples.to(device)
+                allowed &= samples[None, :] == samples[q][:, None]
+            self._mask = allowed
+        return self._mask
+
+    def attention(self, q, k, v, dropout: float, scale, gqa: bool) -> torch.Tensor:
+        """q [b, heads, s_local, d], k and v [b, groups, s_local, d] -> [b, heads, s_local, d]."""
+        k, v = _GatherKV.apply(k, self), _GatherKV.apply(v, self)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(q.device), dropout_p=dropout, scale=scale,
+                                              enable_gqa=gqa)
+
+    # -- scores ----------------------------------------------------------------------------------
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token values [b, s_local] -> [b, length] in global order, on every CP rank."""
+        return _GatherScores.apply(x, self)
+
+    @torch.no_grad()
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Without gradient: [b, s_local, ...] (e.g. logits) -> [b, length, ...] on every CP rank."""
+        return self._all_gather(x, 1)[:, : self.length]
+
+    def _all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        order = torch.argsort(self.gathered).to(x.device)  # global position j came from gathered[order[j]]
+        return torch.cat(parts, dim).index_select(dim, order)
+
+    def _own(self, grad: torch.Tensor, dim: int) -> torch.Tensor:
+        """A gradient in global order -> this rank's slice (its positions, in its order)."""
+        return grad.index_select(dim, self.index.to(grad.device))
+
+
+class _GatherKV(torch.autograd.Function):
+    """K or V [b, g, s_local, d] -> [b, g, padded, d] in global order. Backward: every rank's
+    queries contributed to every rank's keys, so the gradients are summed over the CP group and
+    each rank keeps its slice."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        return cp._all_gather(x, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=cp.group)
+        return cp._own(grad, 2), None
+
+
+class _GatherScores(torch.autograd.Function):
+    """Scores [b, s_local] -> [b, length]. Every CP rank computes the same loss from them, so the
+    backward keeps the rank's own slice without communication."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        return cp._all_gather(x, 1)[:, : cp.length]
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        grad = F.pad(grad, (0, cp.padded - cp.length))
+        return cp._own(grad, 1), None
+
+
+def plan(length: int, cu_seqlens: torch.Tensor | None = None) -> ContextParallel | None:
+    """This rank's share of a sequence of `length` (a packed row: with its samples' boundaries
+    `cu_seqlens`), or None without context parallelism (today's path, untouched)."""
+    from models.comm import comm
+
+    groups = comm()
+    if groups.cp_size == 1:
+        return None
+    cp, rank = groups.cp_size, groups.cp_rank
+    padded = padded_length(length, cp)
+    samples = None
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.long().cpu()
+        samples = torch.full((padded,), len(bounds) - 1, dtype=torch.long)  # pads: a sample of their own
+        samples[:length] = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1])
+    return ContextParallel(qkv_format="sbhd", group=groups.cp, size=cp, rank=rank, length=length, padded=padded,
+                           samples=samples, index=chunk_index(padded, cp, rank),
+                           gathered=torch.cat([chunk_index(padded, cp, r) for r in range(cp)])).to(groups.device)
