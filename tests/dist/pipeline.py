@@ -9,6 +9,7 @@ writes OUT/result.json (losses, grad norms, logprobs, the sync's coverage) and O
     python tests/dist/pipeline.py --out DIR                                   # TP1 PP1: the reference
     torchrun --nproc-per-node 2 tests/dist/pipeline.py --pp 2 --out DIR       # PP2
     torchrun --nproc-per-node 4 tests/dist/pipeline.py --tp 2 --pp 2 --out DIR
+    torchrun --nproc-per-node 2 tests/dist/pipeline.py --cp 2 --out DIR      # context parallel 2
     torchrun --nproc-per-node 2 tests/dist/pipeline.py --kind judge --pp 2 --pipeline-layers 1,2 --out DIR
                                       # the 3-layer tiny model on uneven stages (its reference: --kind judge)
 """
@@ -126,15 +127,17 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context parallel (models/context.py)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kind", default="policy", help="the tiny model: policy (2 layers), judge (3 layers)")
     parser.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,2")
     args = parser.parse_args()
-    groups = init_parallel(args.tp, 0, args.pp)
+    groups = init_parallel(args.tp, 0, args.pp, context_parallel=args.cp)
     path = str(tiny_model_dir(args.kind))
     layers = [int(n) for n in args.pipeline_layers.split(",") if n.strip()]
-    cfg = TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, pipeline_layers=layers, lr=1e-4)
+    cfg = TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, pipeline_layers=layers, lr=1e-4,
+                        context_parallel=args.cp)
     cfg.check_model(path, "trainer")
     trainer = VLMTrainer(path, cfg)
     reference = ReferencePolicy(path, cfg)
@@ -161,7 +164,8 @@ def main() -> int:
         save_file({k: v.contiguous() for k, v in exported.items()}, str(out / "export.safetensors"))
         torch.save(old_logprobs, out / "old_logprobs.pt")
         (out / "result.json").write_text(json.dumps({
-            "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "sft_losses": sft, "rl": rl,
+            "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "cp": groups.cp_size,
+            "sft_losses": sft, "rl": rl,
             "buckets": buckets, "buckets_cover_export": float(missed) == 0,
             "stage_params": [t.tolist() for t in everyone]}))
         print(json.dumps({"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "sft_losses": sft}))
