@@ -189,10 +189,13 @@ def language_config(spec: Qwen3VLSpec, dtype: torch.dtype = torch.float32, tp: i
     from megatron.core.transformer import TransformerConfig
 
     check_layout(spec, tp, pp, layers=layers)
-    if recompute == "full" and spec.num_deepstack:
-        # DeepStack adds features after a layer through a forward hook that reads this forward's
-        # features; a full-layer recompute in the backward pass would rerun the layer without them
-        raise ValueError("recompute 'full' is not implemented for Qwen3-VL (DeepStack); use 'selective'")
+    if recompute == "full" and spec.num_deepstack and pp > 1:
+        # DeepStack adds this micro-batch's features after a layer through a forward hook; a
+        # full-layer recompute reruns the layer in the backward pass, when the model still holds
+        # the features of the last forward. Without a pipeline that is the same micro-batch (its
+        # backward follows its forward); with one, later micro-batches' forwards come between.
+        raise ValueError("recompute 'full' with pipeline_parallel > 1 is not implemented for Qwen3-VL (DeepStack); "
+                         "use 'selective', or full without a pipeline")
     return TransformerConfig(
         **pipeline_settings(pp, layers),
         num_layers=spec.num_layers,

@@ -44,6 +44,38 @@ class InterleavedMRoPE(nn.Module):
         return emb[:, :, None, :].transpose(0, 1).contiguous()
 
 
+class _AddAndCollectGrad(torch.autograd.Function):
+    """hidden + feature, the feature a constant whose gradient goes to `sink[k]`. Under full
+    recompute a DeepStack layer's output is rebuilt inside its checkpoint's backward, where a
+    backward into the vision tower's graph would run before (and free it for) the main one: the
+    gradient waits in the sink instead, and `_HandOverGrad` delivers it."""
+
+    @staticmethod
+    def forward(ctx, hidden, feature, sink: list, k: int):
+        ctx.sink, ctx.k = sink, k
+        return hidden + feature
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink[ctx.k] = grad if ctx.sink[ctx.k] is None else ctx.sink[ctx.k] + grad
+        return grad, None, None, None
+
+
+class _HandOverGrad(torch.autograd.Function):
+    """Identity on the embeddings, tied to the DeepStack features: its backward runs after every
+    language layer's (the embeddings come before them) and gives each feature its collected
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, emb, sink: list, *features):
+        ctx.sink = sink
+        return emb.view_as(emb)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None, *ctx.sink)
+
+
 class Qwen3VLModel(nn.Module):
     """Forward returns logits [b, s, vocab / tp] (vocab-parallel under tensor parallelism), or
     on a pipeline stage other than the last its hidden states [s, b, h]."""
@@ -87,6 +119,8 @@ class Qwen3VLModel(nn.Module):
         # DeepStack: after global layer k (< num_deepstack) add feature k at the visual tokens.
         # check_layout put all of them on the first stage, beside the vision tower.
         self._deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._full_recompute = recompute == "full"  # DeepStack gradients through the sink (above)
+        self._sink: list = []
         if self.pre_process:
             for k in range(spec.num_deepstack):
                 self.language.decoder.layers[k].register_forward_hook(self._deepstack_hook(k))
@@ -96,6 +130,8 @@ class Qwen3VLModel(nn.Module):
             if self._deepstack is None:  # no media in this forward
                 return output
             hidden, context = output
+            if self._full_recompute:
+                return _AddAndCollectGrad.apply(hidden, self._deepstack[k].detach(), self._sink, k), context
             return hidden + self._deepstack[k], context  # zero outside the visual tokens: exact there
         return hook
 
@@ -121,7 +157,11 @@ class Qwen3VLModel(nn.Module):
                 deepstack = [torch.zeros_like(emb) for _ in stack]
             deepstack = [d.masked_scatter(where[..., None], f.to(emb.dtype)) for d, f in zip(deepstack, stack)]
         self._deepstack = None if not deepstack else [d.transpose(0, 1) for d in deepstack]
-        return emb.transpose(0, 1).contiguous()
+        emb = emb.transpose(0, 1).contiguous()
+        if self._full_recompute and self._deepstack and torch.is_grad_enabled():
+            self._sink = [None] * len(self._deepstack)
+            emb = _HandOverGrad.apply(emb, self._sink, *self._deepstack)
+        return emb
 
     def _media_features(self, pixels: torch.Tensor, grid: torch.Tensor, sources: torch.Tensor | None):
         """Merged and DeepStack features of every media occurrence, in order: [tokens, hidden] each."""
@@ -155,10 +195,9 @@ class Qwen3VLModel(nn.Module):
         with `packed_seq_params` (models/packing.py)."""
         from models.rotary import angles_computed_once
 
-        try:
-            with angles_computed_once():  # every layer's rotary cos/sin from one computation
-                decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
-                return self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
-                                     decoder_input=decoder_input, packed_seq_params=packed_seq_params)
-        finally:
-            self._deepstack = None  # the features belong to this forward only
+        with angles_computed_once():  # every layer's rotary cos/sin from one computation
+            # embed() sets this forward's DeepStack features; they stay until the next forward,
+            # so a full recompute in this micro-batch's backward adds them again
+            decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
+            return self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
+                                 decoder_input=decoder_input, packed_seq_params=packed_seq_params)

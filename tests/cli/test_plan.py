@@ -48,17 +48,17 @@ def test_heavy_7b_on_24gb_does_not_fit_and_names_a_setting(capsys):
     assert "policy.trainer.distributed_optimizer=true" in out
 
 
-def test_qwen3vl_plans_without_full_recompute(capsys):
-    """The Qwen3-VL trainer refuses full recompute (DeepStack's features are added by a forward
-    hook a recomputed layer would miss), so the plan refuses it naming the setting, and its advice
-    for a Qwen3-VL config that does not fit never proposes it."""
+def test_qwen3vl_plans_full_recompute_only_without_a_pipeline(capsys):
+    """The Qwen3-VL trainer runs full recompute without a pipeline only (under one, a recomputed
+    layer would take another micro-batch's DeepStack features), so the plan refuses it at PP 2
+    naming the setting and plans it at PP 1, where it saves activations."""
     recipe = str(ROOT / "configs/qwen3vl_8b_8gpu.yaml")
-    assert main(["plan", "--config", recipe, "policy.trainer.recompute=full"]) == 2
-    assert "policy.trainer.recompute=full is not implemented" in capsys.readouterr().err
-    assert main(["plan", "--config", recipe, "--gpu-memory-gb", "40", "policy.trainer.recompute=none"]) == 1
-    out = capsys.readouterr().out
-    assert "DOES NOT FIT" in out and "recompute=full" not in out
-    assert "policy.trainer.recompute=selective" in out  # what it proposes instead
+    assert main(["plan", "--config", recipe, "policy.trainer.recompute=full", "policy.trainer.pipeline_parallel=2"]) == 2
+    assert "policy.trainer.recompute=full with pipeline_parallel > 1 is not implemented" in capsys.readouterr().err
+    assert main(["plan", "--config", recipe, "policy.trainer.recompute=full"]) == 0
+    full = capsys.readouterr().out
+    assert main(["plan", "--config", recipe]) == 0  # selective, as the recipe says
+    assert "verdict: fits" in full and full != capsys.readouterr().out
 
 
 def test_distributed_optimizer_divides_the_optimizer_state_by_dp():

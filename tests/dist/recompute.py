@@ -1,4 +1,5 @@
-"""Activation recompute of the tiny Megatron Qwen2-VL: one long image + text micro-batch, the
+"""Activation recompute of the tiny Megatron Qwen2-VL (or the tiny model kind given as the
+argument): one long image + text micro-batch, the
 same weights built three times (recompute none, selective, full). Prints one JSON line: the
 largest gradient difference to no recompute, and the bytes autograd keeps for the backward pass
 (tensors saved during the forward, counted once per storage), per setting.
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import models  # noqa: F401 - CPU runtime hooks first
 import torch
 
 from dataio.synth import colour_image
 from models.comm import init_parallel
-from models.qwen2vl.config import Qwen2VLSpec
+from models.family import read_spec
 from models.inputs import VLMInputs
 from models.tiny import tiny_model_dir
 from models.trainer import TrainerConfig, build_module
@@ -46,15 +48,16 @@ def main() -> None:
     from transformers import AutoProcessor
 
     init_parallel(1)
-    path = str(tiny_model_dir("policy"))
-    spec = Qwen2VLSpec.from_hf_dir(path)
+    kind = sys.argv[1] if len(sys.argv) > 1 else "policy"  # a tiny model kind: any family's
+    path = str(tiny_model_dir(kind))
+    spec = read_spec(path)
     processor = AutoProcessor.from_pretrained(path)
     sample = colour_image(random.Random(0))
     long_text = " ".join(["describe the square and its colour in detail"] * 60)
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": long_text}]}]
     batch = dict(processor(text=[processor.apply_chat_template(msgs, add_generation_prompt=True)],
                            images=[sample.image], return_tensors="pt"))
-    result = {"tokens": int(batch["input_ids"].shape[1])}
+    result = {"kind": kind, "tokens": int(batch["input_ids"].shape[1])}
     base_bytes, base = saved_bytes_and_grads(path, spec, batch, "none")
     result["saved_bytes"] = {"none": base_bytes}
     scale = max(float(g.abs().max()) for g in base.values())

@@ -68,8 +68,9 @@ def test_layout_keeps_deepstack_layers_beside_the_vision_tower(tiny3):
         check_layout(spec, 1, 4)  # 1 layer a stage: layer 1's features would be on stage 2
     from models.qwen3vl.config import language_config
 
-    with pytest.raises(ValueError, match="recompute 'full'"):
-        language_config(spec, recompute="full")
+    with pytest.raises(ValueError, match="recompute 'full' with pipeline_parallel > 1"):
+        language_config(spec, recompute="full", pp=2)
+    assert language_config(spec, recompute="full").recompute_granularity == "full"  # without a pipeline
 
 
 def test_hf_megatron_hf_roundtrip_is_bitwise(tiny3):

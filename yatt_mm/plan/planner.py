@@ -66,11 +66,11 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
         family_of(spec).check_layout(spec, tp, pp, "policy.trainer.", tuple(cfg.policy.trainer.pipeline_layers))
     except ValueError as e:
         raise PlanError(str(e)) from e
-    if cfg.policy.trainer.recompute == "full" and getattr(spec, "num_deepstack", 0):
-        # the trainer refuses it too (models/qwen3vl/config.py): a recomputed layer would run
-        # without the DeepStack features its forward hook adds
-        raise PlanError("policy.trainer.recompute=full is not implemented for a model with DeepStack (Qwen3-VL); "
-                        "use selective")
+    if cfg.policy.trainer.recompute == "full" and getattr(spec, "num_deepstack", 0) and pp > 1:
+        # the trainer refuses it too (models/qwen3vl/config.py): under a pipeline, a recomputed
+        # layer would take another micro-batch's DeepStack features
+        raise PlanError("policy.trainer.recompute=full with pipeline_parallel > 1 is not implemented for a model "
+                        "with DeepStack (Qwen3-VL); use selective, or full without a pipeline")
     shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens,
                            family_of(spec).media_factor(spec))
     trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // (tp * pp), shape, kernels)
