@@ -40,7 +40,8 @@ def chunk_index(length: int, cp: int, rank: int) -> torch.Tensor:
     """Global positions rank `rank` holds of a sequence of `length` (a multiple of 2 x cp):
     chunks rank and 2cp-1-rank (Megatron's get_pos_emb_on_this_cp_rank order)."""
     c = length // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    last = 2 * cp - 1 - rank
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(last * c, (last + 1) * c)])
 
 
 @dataclass

@@ -34,7 +34,8 @@ from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, micro_batches  # no
 
 
 def long_video_group(processor, seed: int = 1):
-    builder = SampleBuilder(processor, lambda req: processor.apply_chat_template(req.messages, add_generation_prompt=True))
+    builder = SampleBuilder(processor,
+                            lambda req: processor.apply_chat_template(req.messages, add_generation_prompt=True))
     rng = random.Random(seed)
     v = moving_ball_video(rng, frames=16, size=112)
     lengths = [3, 17, 45]

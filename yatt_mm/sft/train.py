@@ -47,7 +47,7 @@ class SFTRun:
         self.run_dir = cfg.fix_run_dir()
         self.out_dir = Path(cfg.output_dir) if cfg.output_dir else self.run_dir / "hf"
         groups = init_parallel(cfg.trainer.tensor_parallel, cfg.trainer.seed, cfg.trainer.pipeline_parallel,
-                               cfg.trainer.expert_parallel)
+                               cfg.trainer.expert_parallel, cfg.trainer.context_parallel)
         self.rank, self.dp_rank, self.dp_size = groups.rank, groups.dp_rank, groups.dp_size
         self.dp_cpu, self.world_cpu = groups.dp_cpu, groups.world_cpu  # counts and losses: CPU tensors
         self.trainer = VLMTrainer(str(self.source), cfg.trainer)
