@@ -38,16 +38,15 @@ def _export_matches_transformers_megatron_and_vllm(hf_dir: Path, trained_from: P
     assert engine["as_yatt_mm_image_gap"] < 1e-4 and engine["as_yatt_mm_video_gap"] < 1e-4, engine
 
 
-@pytest.mark.slow  # ~3.5 min on 2 shared cores: a 2-rank launch, then the export's checks
+@pytest.mark.slow  # ~2 min on 2 shared cores: a 2-rank launch (the export is checked after SFT below)
 def test_rl_on_video_keeps_the_trainer_and_vllm_together(tmp_path):
-    from models.tiny import tiny_model_dir
-
     write_shards(str(tmp_path / "train"), images=0, videos=8, samples_per_shard=4, seed=5)
     run_dir = tmp_path / "run"
     # the untrained model never answers right, so every group's rewards are equal: dynamic
     # sampling off and an entropy bonus give every step a real gradient through the videos
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "reward.judges=[]",
-                   "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01", policy="tiny:qwen3vl")
+                   "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01", "run.save_final=false",
+                   policy="tiny:qwen3vl")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "step 2/2" in proc.stdout
@@ -64,7 +63,6 @@ def test_rl_on_video_keeps_the_trainer_and_vllm_together(tmp_path):
         # the fix); run.max_logprob_diff (the guard) would stop the run far above these
         assert r["sync/probe_logprob_diff"] < 2e-5 and r["train/logprob_diff_vs_rollout"] < 2e-5, r
     assert steps[1]["train/weights_checksum_before"] == steps[0]["train/weights_checksum_after"]
-    _export_matches_transformers_megatron_and_vllm(run_dir / "final", tiny_model_dir("qwen3vl"))
 
 
 @pytest.mark.slow  # ~2.5 min: a 2-rank SFT launch, then the export's checks
