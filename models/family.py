@@ -64,6 +64,27 @@ class ModelFamily:
     timed_video_types: tuple[str, ...] = ()
 
 
+def lazy(module: str, name: str) -> Callable:
+    """A hook that imports `module` when first called and forwards to its `name` (dotted for an
+    attribute of an attribute, e.g. "Qwen2VLSpec.from_hf_config"), so registering a family
+    imports none of its heavy parts."""
+    def hook(*args, **kwargs):
+        target = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        return target(*args, **kwargs)
+
+    hook.__name__ = name.rpartition(".")[2]
+    hook.__doc__ = f"{module}.{name}, imported when called."
+    return hook
+
+
+def patch_merge_factor(spec) -> int:
+    """`media_factor` of a family whose media tokens are spatial_merge_size^2 patches: patch size
+    x spatial merge size."""
+    return spec.patch_size * spec.spatial_merge_size
+
+
 # The family modules, imported on the first lookup (an import error surfaces there).
 _FAMILY_MODULES = ["models.qwen2vl.family", "models.qwen3vl.family", "models.qwen3vl_moe.family"]
 _REGISTRY: dict[str, ModelFamily] = {}  # model_type -> family
