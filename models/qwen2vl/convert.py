@@ -7,14 +7,13 @@ rank's shard: `shard` / `gather`, driven by the attributes Megatron puts on its 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
-from itertools import groupby
 from pathlib import Path
 
 import torch
 
+from models.convert import copy_into, pipeline_buckets, stage_buckets
 from models.qwen2vl.config import Qwen2VLSpec
 
 _LAYER = {
@@ -128,7 +127,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: Qwen2VLSpec) -> dict[str, 
 def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen2VLSpec,
                    prefixes: tuple[str, str] = ("model.", "visual.")) -> dict[str, torch.Tensor]:
     """Full Megatron tensors -> HF names (by default the layout transformers 5 saves). `full` may
-    hold only some sync units (see `sync_unit`), each complete: those are converted."""
+    hold only some sync units (see models/convert.py's `sync_unit`), each complete: those are converted."""
     t, v = prefixes
     out = {}
     for src, dst in (("language.embedding.word_embeddings.weight", f"{t}embed_tokens.weight"),
@@ -169,17 +168,6 @@ def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen2VLSpec,
     return out
 
 
-_LAYER_PREFIX = re.compile(r"^(language|vision)\.decoder\.layers\.\d+\.")
-
-
-def sync_unit(name: str) -> str:
-    """The group of Megatron parameters that converts to HF tensors on its own: a transformer
-    layer (its fused QKV and [gate; up] split into several HF tensors that vLLM loads into one
-    fused weight), or one top-level module (embeddings, final norm, head, patch embed, merger)."""
-    layer = _LAYER_PREFIX.match(name)
-    return layer.group(0) if layer else ".".join(name.split(".")[:2])
-
-
 _GATED_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.linear_fc1\.weight$")
 # Qwen2.5-VL's vision MLP is gated too, biases included
 _GATED_VISION_FC1 = re.compile(r"^vision\.decoder\.layers\.\d+\.mlp\.linear_fc1\.(weight|bias)$")
@@ -217,45 +205,12 @@ def gather(name: str, param: torch.Tensor, group=None, gated_vision: bool = Fals
     return torch.cat(parts, dim)
 
 
-_LANGUAGE_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.")
-_TIED_OUTPUT = "language.output_layer.weight"
-
-
-def whole_model_name(name: str, model: torch.nn.Module) -> str:
-    """The name a parameter of this pipeline stage has in the whole model: a stage numbers its
-    language layers from 0, the whole model from the stage's `layer_offset`."""
-    offset = getattr(model, "layer_offset", 0)
-    return _LANGUAGE_LAYER.sub(lambda m: f"language.decoder.layers.{int(m.group(1)) + offset}.", name) \
-        if offset else name
-
-
-def _checkpoint_name(name: str, model: torch.nn.Module) -> str:
-    """Where a parameter's value is in the (whole model's) checkpoint. With tied embeddings and
-    pipeline stages the last stage has its own copy of the word embeddings as its output layer
-    (Megatron keeps the two in step through the embedding group)."""
-    if name == _TIED_OUTPUT and model.spec.tie_word_embeddings:
-        return "language.embedding.word_embeddings.weight"
-    return whole_model_name(name, model)
-
-
 def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Copy an HF checkpoint into a (possibly TP-sharded, possibly one pipeline stage of a)
     Megatron Qwen2VLModel."""
-    full = hf_to_megatron(load_hf_state(hf_dir), model.spec)
-    params = {_checkpoint_name(n, model): (n, p) for n, p in model.named_parameters()}
-    missing = sorted(set(params) - set(full))
-    if getattr(model, "pre_process", True) and getattr(model, "post_process", True):
-        unexpected = sorted(set(full) - set(params))  # a pipeline stage holds only its part
-    else:
-        unexpected = []
-    if missing or unexpected:
-        raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for key, (name, p) in params.items():
-            part = shard(name, full[key], p, tp_rank, tp_size, model.spec.is_qwen25)
-            if part.shape != p.shape:
-                raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
-            p.copy_(part.to(p.dtype))
+    spec = model.spec
+    copy_into(model, hf_to_megatron(load_hf_state(hf_dir), spec),
+              lambda name, full, p, rank, size: shard(name, full, p, rank, size, spec.is_qwen25), tp_rank, tp_size)
 
 
 def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -273,60 +228,8 @@ def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype 
     larger than `bucket_bytes` is a bucket by itself. Under pipeline parallelism the stages
     take turns: each stage's buckets are broadcast over the pipeline group as they are built,
     so every rank sees every bucket. A collective over TP and PP: every rank iterates to the end."""
-    from megatron.core import parallel_state as ps
-
-    local = _stage_buckets(model, tp_group, dtype, bucket_bytes)
-    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    if pp == 1 or (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
-        yield from local
-        return
-    from models.comm import broadcast_packed, comm
-
-    me, group, ranks = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group(), None
-    ranks = torch.distributed.get_process_group_ranks(group)
-    device = next(model.parameters()).device
-    for stage, src in enumerate(ranks):
-        while True:  # the stage's buckets, then an empty description that ends them
-            bucket = next(local, None) if stage == me else None
-            described = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in (bucket or {}).items()}
-            _, meta = broadcast_packed(({}, {"bucket": json.dumps(described)}) if stage == me else None, src,
-                                       comm().pp_cpu)
-            described = json.loads(meta["bucket"])
-            if not described:
-                break
-            if stage != me:
-                bucket = {k: torch.empty(shape, dtype=getattr(torch, dt), device=device)
-                          for k, (dt, shape) in described.items()}
-            for t in bucket.values():  # over the accelerator group: NCCL on GPUs
-                torch.distributed.broadcast(t, src, group=group)
-            yield bucket
-
-
-def _stage_buckets(model: torch.nn.Module, tp_group, dtype: torch.dtype | None,
-                   bucket_bytes: int | None) -> Iterator[dict[str, torch.Tensor]]:
-    """This pipeline stage's part of `export_hf_buckets` (the whole model without PP)."""
-    import torch.distributed as dist
-
-    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
-    spec, gated = model.spec, model.spec.is_qwen25
-    bucket: dict[str, torch.Tensor] = {}
-    size, done = 0, set()
-    named = [(whole_model_name(n, model), p) for n, p in model.named_parameters()
-             if not (n == _TIED_OUTPUT and spec.tie_word_embeddings)]  # the last stage's copy of the embeddings
-    for unit, params in groupby(named, key=lambda item: sync_unit(item[0])):
-        if unit in done:  # a unit split across the module order would be converted half
-            raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
-        done.add(unit)
-        params = list(params)
-        unit_bytes = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                         * (dtype or p.dtype).itemsize for _, p in params)
-        if bucket and bucket_bytes is not None and size + unit_bytes > bucket_bytes:
-            yield bucket  # before gathering the next unit: the two never sit side by side
-            bucket, size = {}, 0
-        full = {name: gather(name, p, tp_group, gated) for name, p in params}
-        for k, t in megatron_to_hf(full, spec).items():
-            bucket[k] = (t.to(dtype) if dtype else t).contiguous()
-        size += unit_bytes
-        del full
-    if bucket:
-        yield bucket
+    spec = model.spec
+    return pipeline_buckets(model, stage_buckets(
+        model, tp_group, dtype, bucket_bytes,
+        lambda params: {name: gather(name, p, tp_group, spec.is_qwen25) for name, p in params},
+        lambda full: megatron_to_hf(full, spec)))

@@ -9,22 +9,13 @@ language MLP's [gate; up] is the only fused-by-halves weight, the vision MLP is 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import groupby
 from pathlib import Path
 
 import torch
 
-from models.qwen2vl.convert import (
-    _TIED_OUTPUT,
-    _qkv_from_megatron,
-    _qkv_to_megatron,
-    gather,
-    hf_prefixes,
-    load_hf_state,
-    shard,
-    sync_unit,
-    whole_model_name,
-)
+from models.convert import copy_into, pipeline_buckets
+from models.convert import stage_buckets as _stage_buckets
+from models.qwen2vl.convert import _qkv_from_megatron, _qkv_to_megatron, gather, hf_prefixes, load_hf_state, shard
 from models.qwen3vl.config import Qwen3VLSpec
 
 _LAYER = {
@@ -89,7 +80,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], spec: Qwen3VLSpec) -> dict[str, 
 def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen3VLSpec,
                    prefixes: tuple[str, str] = ("model.language_model.", "model.visual.")) -> dict[str, torch.Tensor]:
     """Full Megatron tensors -> HF names (by default the layout transformers 5 saves). `full` may
-    hold only some sync units (qwen2vl.convert.sync_unit), each complete: those are converted."""
+    hold only some sync units (models/convert.py's sync_unit), each complete: those are converted."""
     t, v = prefixes
     out = {}
     for src, dst in (("language.embedding.word_embeddings.weight", f"{t}embed_tokens.weight"),
@@ -132,29 +123,10 @@ def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen3VLSpec,
     return out
 
 
-def _checkpoint_name(name: str, model: torch.nn.Module) -> str:
-    """Where a parameter's value is in the whole model's checkpoint (see qwen2vl.convert)."""
-    if name == _TIED_OUTPUT and model.spec.tie_word_embeddings:
-        return "language.embedding.word_embeddings.weight"
-    return whole_model_name(name, model)
-
-
 def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Copy an HF checkpoint into a (possibly TP-sharded, possibly one pipeline stage of a)
     Megatron Qwen3VLModel."""
-    full = hf_to_megatron(load_hf_state(hf_dir), model.spec)
-    params = {_checkpoint_name(n, model): (n, p) for n, p in model.named_parameters()}
-    missing = sorted(set(params) - set(full))
-    whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True)
-    unexpected = sorted(set(full) - set(params)) if whole else []  # a pipeline stage holds only its part
-    if missing or unexpected:
-        raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for key, (name, p) in params.items():
-            part = shard(name, full[key], p, tp_rank, tp_size)
-            if part.shape != p.shape:
-                raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
-            p.copy_(part.to(p.dtype))
+    copy_into(model, hf_to_megatron(load_hf_state(hf_dir), model.spec), shard, tp_rank, tp_size)
 
 
 def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
@@ -162,30 +134,9 @@ def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | No
     """This pipeline stage's HF-named full tensors (gathered over TP) in buckets of whole sync
     units of at most `bucket_bytes` (None: one bucket), built one after another. A collective
     over TP: every rank iterates to the end. Without PP this is the whole model."""
-    import torch.distributed as dist
-
-    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
-    spec = model.spec
-    bucket: dict[str, torch.Tensor] = {}
-    size, done = 0, set()
-    named = [(whole_model_name(n, model), p) for n, p in model.named_parameters()
-             if not (n == _TIED_OUTPUT and spec.tie_word_embeddings)]
-    for unit, params in groupby(named, key=lambda item: sync_unit(item[0])):
-        if unit in done:
-            raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
-        done.add(unit)
-        params = list(params)
-        unit_bytes = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                         * (dtype or p.dtype).itemsize for _, p in params)
-        if bucket and bucket_bytes is not None and size + unit_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        full = {name: gather(name, p, tp_group) for name, p in params}
-        for k, t in megatron_to_hf(full, spec).items():
-            bucket[k] = (t.to(dtype) if dtype else t).contiguous()
-        size += unit_bytes
-    if bucket:
-        yield bucket
+    return _stage_buckets(model, tp_group, dtype, bucket_bytes,
+                          lambda params: {name: gather(name, p, tp_group) for name, p in params},
+                          lambda full: megatron_to_hf(full, model.spec))
 
 
 def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -195,36 +146,7 @@ def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None =
 
 def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
                       bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """The whole model's HF-named full tensors in buckets (see qwen2vl.convert.export_hf_buckets,
-    whose pipeline hand-over this repeats with this family's converter): under pipeline
-    parallelism the stages take turns, each stage's buckets broadcast over the pipeline group,
+    """The whole model's HF-named full tensors in buckets (see qwen2vl.convert.export_hf_buckets):
+    under pipeline parallelism the stages take turns (models/convert.py's `pipeline_buckets`),
     so every rank sees every bucket. A collective over TP and PP."""
-    import json
-
-    from megatron.core import parallel_state as ps
-
-    local = stage_buckets(model, tp_group, dtype, bucket_bytes)
-    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    if pp == 1 or (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
-        yield from local
-        return
-    from models.comm import broadcast_packed, comm
-
-    me, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
-    ranks = torch.distributed.get_process_group_ranks(group)
-    device = next(model.parameters()).device
-    for stage, src in enumerate(ranks):
-        while True:  # the stage's buckets, then an empty description that ends them
-            bucket = next(local, None) if stage == me else None
-            described = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in (bucket or {}).items()}
-            _, meta = broadcast_packed(({}, {"bucket": json.dumps(described)}) if stage == me else None, src,
-                                       comm().pp_cpu)
-            described = json.loads(meta["bucket"])
-            if not described:
-                break
-            if stage != me:
-                bucket = {k: torch.empty(shape, dtype=getattr(torch, dt), device=device)
-                          for k, (dt, shape) in described.items()}
-            for t in bucket.values():  # over the accelerator group: NCCL on GPUs
-                torch.distributed.broadcast(t, src, group=group)
-            yield bucket
+    return pipeline_buckets(model, stage_buckets(model, tp_group, dtype, bucket_bytes))

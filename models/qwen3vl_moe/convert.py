@@ -18,15 +18,15 @@ from every expert-parallel rank, so each bucket holds the whole tensors.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
-from itertools import groupby
 from pathlib import Path
 
 import torch
 
-from models.qwen2vl.convert import _TIED_OUTPUT, gather, hf_prefixes, load_hf_state, shard, sync_unit, whole_model_name
+from models.convert import copy_into, pipeline_buckets, whole_model_name
+from models.convert import stage_buckets as _stage_buckets
+from models.qwen2vl.convert import gather, hf_prefixes, load_hf_state, shard
 from models.qwen3vl import convert as dense
 from models.qwen3vl_moe.config import Qwen3VLMoeSpec
 
@@ -103,12 +103,6 @@ def global_name(name: str, model: torch.nn.Module) -> str:
     return name
 
 
-def _checkpoint_name(name: str, model: torch.nn.Module) -> str:
-    if name == _TIED_OUTPUT and model.spec.tie_word_embeddings:
-        return "language.embedding.word_embeddings.weight"
-    return global_name(name, model)
-
-
 def _shard(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """This TP rank's part; an expert's fc1 is [gate; up] (each rank: [its gate part; its up part])."""
     if size > 1 and getattr(param, "tensor_model_parallel", False) and _EXPERT_FC1.match(name):
@@ -134,20 +128,7 @@ def _gather(name: str, param: torch.Tensor, group) -> torch.Tensor:
 def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Copy an HF checkpoint into a (TP-sharded, one pipeline stage of, this EP rank's experts of
     a) Megatron Qwen3VLMoeModel."""
-    full = hf_to_megatron(load_hf_state(hf_dir), model.spec)
-    params = {_checkpoint_name(n, model): (n, p) for n, p in model.named_parameters()}
-    missing = sorted(set(params) - set(full))
-    whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True) \
-        and getattr(model, "ep", 1) == 1
-    unexpected = sorted(set(full) - set(params)) if whole else []  # a stage / EP rank holds only its part
-    if missing or unexpected:
-        raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for key, (name, p) in params.items():
-            part = _shard(name, full[key], p, tp_rank, tp_size)
-            if part.shape != p.shape:
-                raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
-            p.copy_(part.to(p.dtype))
+    copy_into(model, hf_to_megatron(load_hf_state(hf_dir), model.spec), _shard, tp_rank, tp_size, global_name)
 
 
 def _ep_group(model):
@@ -166,24 +147,10 @@ def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | No
     `bucket_bytes` (None: one bucket). A collective over TP and EP: every rank iterates to the end."""
     import torch.distributed as dist
 
-    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
     ep_group = _ep_group(model)
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
-    spec = model.spec
-    bucket: dict[str, torch.Tensor] = {}
-    size, done = 0, set()
-    named = [(whole_model_name(n, model), p) for n, p in model.named_parameters()
-             if not (n == _TIED_OUTPUT and spec.tie_word_embeddings)]
-    for unit, params in groupby(named, key=lambda item: sync_unit(item[0])):
-        if unit in done:
-            raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
-        done.add(unit)
-        params = list(params)
-        unit_bytes = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                         * (ep if _EXPERT.match(n) else 1) * (dtype or p.dtype).itemsize for n, p in params)
-        if bucket and bucket_bytes is not None and size + unit_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
+
+    def gather_unit(params):
         full = {}
         for name, p in params:
             tensor = _gather(name, p, tp_group)
@@ -198,11 +165,11 @@ def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | No
                 dist.all_gather(parts, tensor.contiguous(), group=ep_group)
             for r, part in enumerate(parts):
                 full[f"{expert.group(1)}{r * model.local_experts + local}{expert.group(3)}"] = part
-        for k, v in megatron_to_hf(full, spec).items():
-            bucket[k] = (v.to(dtype) if dtype else v).contiguous()
-        size += unit_bytes
-    if bucket:
-        yield bucket
+        return full
+
+    yield from _stage_buckets(model, tp_group, dtype, bucket_bytes, gather_unit,
+                              lambda full: megatron_to_hf(full, model.spec),
+                              lambda name: ep if _EXPERT.match(name) else 1)
 
 
 def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -213,32 +180,6 @@ def export_hf(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None =
 def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
                       bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The whole model's HF-named full tensors in buckets, every expert in them on every rank;
-    under pipeline parallelism the stages take turns as in models/qwen3vl/convert.py. A
-    collective over TP, EP and PP."""
-    from megatron.core import parallel_state as ps
-
-    local = stage_buckets(model, tp_group, dtype, bucket_bytes)
-    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    if pp == 1 or (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
-        yield from local
-        return
-    from models.comm import broadcast_packed, comm
-
-    me, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
-    ranks = torch.distributed.get_process_group_ranks(group)
-    device = next(model.parameters()).device
-    for stage, src in enumerate(ranks):
-        while True:  # the stage's buckets, then an empty description that ends them
-            bucket = next(local, None) if stage == me else None
-            described = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in (bucket or {}).items()}
-            _, meta = broadcast_packed(({}, {"bucket": json.dumps(described)}) if stage == me else None, src,
-                                       comm().pp_cpu)
-            described = json.loads(meta["bucket"])
-            if not described:
-                break
-            if stage != me:
-                bucket = {k: torch.empty(shape, dtype=getattr(torch, dt), device=device)
-                          for k, (dt, shape) in described.items()}
-            for t in bucket.values():
-                torch.distributed.broadcast(t, src, group=group)
-            yield bucket
+    under pipeline parallelism the stages take turns (models/convert.py's `pipeline_buckets`).
+    A collective over TP, EP and PP."""
+    return pipeline_buckets(model, stage_buckets(model, tp_group, dtype, bucket_bytes))

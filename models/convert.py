@@ -1,0 +1,142 @@
+"""The family-neutral half of HF <-> Megatron weight conversion (models/<family>/convert.py has
+the rest: names, layouts and tensor-parallel shapes).
+
+Here: a parameter's name in the whole model (`whole_model_name`: a pipeline stage numbers its
+language layers from 0) and in the checkpoint (`checkpoint_name`: tied embeddings), the sync
+unit (`sync_unit`: what converts to HF tensors on its own), copying converted tensors into a
+stage (`copy_into`), one stage's export in buckets (`stage_buckets`), and the pipeline hand-over
+that gives every rank the whole model's buckets (`pipeline_buckets`). A family calls these with
+its own converter, shard and gather.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from itertools import groupby
+
+import torch
+
+_LAYER_PREFIX = re.compile(r"^(language|vision)\.decoder\.layers\.\d+\.")
+_LANGUAGE_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.")
+TIED_OUTPUT = "language.output_layer.weight"
+
+
+def sync_unit(name: str) -> str:
+    """The group of Megatron parameters that converts to HF tensors on its own: a transformer
+    layer (its fused QKV and [gate; up] split into several HF tensors that vLLM loads into one
+    fused weight), or one top-level module (embeddings, final norm, head, patch embed, merger)."""
+    layer = _LAYER_PREFIX.match(name)
+    return layer.group(0) if layer else ".".join(name.split(".")[:2])
+
+
+def whole_model_name(name: str, model: torch.nn.Module) -> str:
+    """The name a parameter of this pipeline stage has in the whole model: a stage numbers its
+    language layers from 0, the whole model from the stage's `layer_offset`."""
+    offset = getattr(model, "layer_offset", 0)
+    return _LANGUAGE_LAYER.sub(lambda m: f"language.decoder.layers.{int(m.group(1)) + offset}.", name) \
+        if offset else name
+
+
+def checkpoint_name(name: str, model: torch.nn.Module,
+                    whole_name: Callable[[str, torch.nn.Module], str] = whole_model_name) -> str:
+    """Where a parameter's value is in the (whole model's) checkpoint. With tied embeddings and
+    pipeline stages the last stage has its own copy of the word embeddings as its output layer
+    (Megatron keeps the two in step through the embedding group)."""
+    if name == TIED_OUTPUT and model.spec.tie_word_embeddings:
+        return "language.embedding.word_embeddings.weight"
+    return whole_name(name, model)
+
+
+def copy_into(model: torch.nn.Module, full: dict[str, torch.Tensor], shard: Callable[..., torch.Tensor],
+              tp_rank: int, tp_size: int,
+              whole_name: Callable[[str, torch.nn.Module], str] = whole_model_name) -> None:
+    """Copy full Megatron tensors (the whole model's, named by `whole_name`) into a (possibly
+    TP-sharded, possibly one pipeline stage or expert-parallel rank of a) model, each parameter
+    its part: shard(name, full tensor, param, tp_rank, tp_size)."""
+    params = {checkpoint_name(n, model, whole_name): (n, p) for n, p in model.named_parameters()}
+    missing = sorted(set(params) - set(full))
+    whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True) \
+        and getattr(model, "ep", 1) == 1
+    unexpected = sorted(set(full) - set(params)) if whole else []  # a stage / EP rank holds only its part
+    if missing or unexpected:
+        raise KeyError(f"weight names do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for key, (name, p) in params.items():
+            part = shard(name, full[key], p, tp_rank, tp_size)
+            if part.shape != p.shape:
+                raise ValueError(f"{name}: checkpoint shard {tuple(part.shape)} vs model {tuple(p.shape)}")
+            p.copy_(part.to(p.dtype))
+
+
+def stage_buckets(model: torch.nn.Module, tp_group, dtype: torch.dtype | None, bucket_bytes: int | None,
+                  gather: Callable[[list[tuple[str, torch.Tensor]]], dict[str, torch.Tensor]],
+                  to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+                  spread: Callable[[str], int] = lambda name: 1) -> Iterator[dict[str, torch.Tensor]]:
+    """This pipeline stage's HF-named full tensors in buckets of whole sync units of at most
+    `bucket_bytes` (None: one bucket), built one after another: while the caller uses a bucket
+    nothing else is gathered. A unit larger than `bucket_bytes` is a bucket by itself.
+    gather([(whole-model name, param)] of a unit) -> its full Megatron tensors (a collective
+    over TP, and EP for experts); to_hf: the family's converter; spread(name): over how many
+    ranks beyond TP a parameter is spread (its unit's size counts the whole). Every rank of
+    the collective iterates to the end. Without PP this is the whole model."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
+    bucket: dict[str, torch.Tensor] = {}
+    size, done = 0, set()
+    named = [(whole_model_name(n, model), p) for n, p in model.named_parameters()
+             if not (n == TIED_OUTPUT and model.spec.tie_word_embeddings)]  # the last stage's copy of the embeddings
+    for unit, params in groupby(named, key=lambda item: sync_unit(item[0])):
+        if unit in done:  # a unit split across the module order would be converted half
+            raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
+        done.add(unit)
+        params = list(params)
+        unit_bytes = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) * spread(n)
+                         * (dtype or p.dtype).itemsize for n, p in params)
+        if bucket and bucket_bytes is not None and size + unit_bytes > bucket_bytes:
+            yield bucket  # before gathering the next unit: the two never sit side by side
+            bucket, size = {}, 0
+        full = gather(params)
+        for k, t in to_hf(full).items():
+            bucket[k] = (t.to(dtype) if dtype else t).contiguous()
+        size += unit_bytes
+        del full
+    if bucket:
+        yield bucket
+
+
+def pipeline_buckets(model: torch.nn.Module,
+                     local: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole model's buckets on every rank, from this stage's `local` ones (`stage_buckets`).
+    Under pipeline parallelism the stages take turns: each stage's buckets are broadcast over
+    the pipeline group as they are built (a bucket's description over gloo, its tensors over the
+    accelerator group), so every rank sees every bucket. Without PP: `local` as it is. A
+    collective over PP (and whatever `local` is a collective over): every rank iterates to the end."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if pp == 1 or (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        yield from local
+        return
+    from models.comm import broadcast_packed, comm
+
+    me, group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    device = next(model.parameters()).device
+    for stage, src in enumerate(ranks):
+        while True:  # the stage's buckets, then an empty description that ends them
+            bucket = next(local, None) if stage == me else None
+            described = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in (bucket or {}).items()}
+            _, meta = broadcast_packed(({}, {"bucket": json.dumps(described)}) if stage == me else None, src,
+                                       comm().pp_cpu)
+            described = json.loads(meta["bucket"])
+            if not described:
+                break
+            if stage != me:
+                bucket = {k: torch.empty(shape, dtype=getattr(torch, dt), device=device)
+                          for k, (dt, shape) in described.items()}
+            for t in bucket.values():  # over the accelerator group: NCCL on GPUs
+                torch.distributed.broadcast(t, src, group=group)
+            yield bucket
