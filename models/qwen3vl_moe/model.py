@@ -62,6 +62,8 @@ class Qwen3VLMoeModel(Qwen3VLModel):
         self.local_experts = spec.num_experts // ep
         self.expert_offset = (parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0) * self.local_experts
         self._deepstack = None
+        self._full_recompute = recompute == "full"  # as Qwen3VLModel: DeepStack gradients under full recompute
+        self._sink: list = []
         if self.pre_process:
             for k in range(spec.num_deepstack):
                 self.language.decoder.layers[k].register_forward_hook(self._deepstack_hook(k))
