@@ -18,7 +18,7 @@ import torch
 from models import runtime
 from models.comm import broadcast_packed
 from yatt_mm.engines.media import has_timed_videos, processor_media, vllm_video
-from yatt_mm.engines.vllm_fixes import engine_fixes
+from yatt_mm.engines.vllm_fixes import engine_fixes, prepack_cpu_moe_weights_on_update
 
 
 @dataclass
@@ -133,6 +133,8 @@ class RolloutEngine:
             raise ValueError("rollout engine needs a model directory (setting: rollout.model)")
         kwargs = engine_kwargs(cfg)
         from vllm import LLM  # imported late: vLLM's import alone takes seconds
+
+        prepack_cpu_moe_weights_on_update()  # MoE weight syncs on CPU (yatt_mm/engines/vllm_fixes.py)
 
         self.cfg = cfg
         self._kwargs = kwargs

