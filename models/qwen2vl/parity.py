@@ -48,11 +48,9 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, layers: tuple[int, ...] = 
     import models  # noqa: F401 - CPU runtime hooks
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-    from models.inputs import VLMInputs
     from models.qwen2vl.config import Qwen2VLSpec
     from models.qwen2vl.convert import load_hf_into
     from models.qwen2vl.model import Qwen2VLModel
-    from models.trainer import MicroBatch, Pipeline, forward_only
 
     groups = init_parallel(tp, seed=0, pipeline_parallel=pp)  # torchrun's ranks, or one local process
     spec = Qwen2VLSpec.from_hf_dir(hf_dir)
@@ -62,10 +60,20 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, layers: tuple[int, ...] = 
     hf = hf_cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(hf_dir)
 
+    return logit_diffs(model, hf, processor, spec, groups)
+
+
+def logit_diffs(model, hf, processor, spec, groups, media_kwargs=lambda media: media) -> dict[str, float]:
+    """The max abs logit difference per probe between transformers' `hf` and the Megatron `model`
+    (through the pipeline schedule; the logits are compared on the last stage) on the same
+    processor batch; `media_kwargs`: a probe's media kwargs -> the processor's."""
+    from models.inputs import VLMInputs
+    from models.trainer import MicroBatch, Pipeline, forward_only
+
     result = {}
     for name, (messages, media) in probes().items():
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        batch = processor(text=[text], return_tensors="pt", **media)
+        batch = processor(text=[text], return_tensors="pt", **media_kwargs(media))
         with torch.no_grad():
             ref = hf(**batch).logits.float()
         inputs = VLMInputs.from_processor(spec, dict(batch))

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from models.comm import init_parallel
-from models.qwen2vl.parity import probes, stage_logits
+from models.qwen2vl.parity import logit_diffs
 
 VIDEO_FPS = 2.0
 
@@ -35,33 +35,24 @@ def with_video_metadata(media: dict) -> dict:
     return {**media, "video_metadata": meta, "do_sample_frames": False}
 
 
-def run_parity(hf_dir: str, tp: int = 1, pp: int = 1) -> dict[str, float]:
+def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, layers=()) -> dict[str, float]:
+    """This rank's max abs logit difference per probe, and "export_equal". `ep` > 1 and
+    `layers` (language layers per stage) for a family whose hooks take them (Qwen3-VL-MoE's)."""
     import models  # noqa: F401 - CPU runtime hooks
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from models.family import family_for_dir, read_spec
-    from models.inputs import VLMInputs
-    from models.trainer import MicroBatch, Pipeline, forward_only
 
-    groups = init_parallel(tp, seed=0, pipeline_parallel=pp)  # torchrun's ranks, or one local process
+    groups = init_parallel(tp, seed=0, pipeline_parallel=pp, expert_parallel=ep)  # torchrun's ranks, or one process
     family, spec = family_for_dir(hf_dir), read_spec(hf_dir)
-    model = family.build_model(spec, torch.float32, tp, "none", pp).eval()
+    model = family.build_model(spec, torch.float32, tp, "none", pp, tuple(layers), *((ep,) if ep > 1 else ())).eval()
     family.load_hf_into(model, hf_dir, groups.tp_rank, tp)
     hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(hf_dir)
     timed = spec.model_type in family.timed_video_types
 
-    result = {"export_equal": exports_the_checkpoint(family, model, hf_dir, groups)}
-    for name, (messages, media) in probes().items():
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        batch = processor(text=[text], return_tensors="pt", **(with_video_metadata(media) if timed else media))
-        with torch.no_grad():
-            ref = hf(**batch).logits.float()
-        inputs = VLMInputs.from_processor(spec, dict(batch))
-        (out,) = forward_only(model, [MicroBatch(inputs)], lambda m, mb: stage_logits(m, mb.inputs),
-                              Pipeline.of(groups))
-        result[name] = float((ref - out["logits"].float()).abs().max())
-    return result
+    return {"export_equal": exports_the_checkpoint(family, model, hf_dir, groups),
+            **logit_diffs(model, hf, processor, spec, groups, with_video_metadata if timed else lambda media: media)}
 
 
 def exports_the_checkpoint(family, model, hf_dir: str, groups) -> float:

@@ -17,39 +17,16 @@ import json
 import torch
 import torch.distributed as dist
 
-from models.comm import init_parallel
-from models.qwen2vl.parity import probes, stage_logits
-from models.qwen3vl.parity import exports_the_checkpoint, with_video_metadata
+from models.comm import comm
+from models.qwen3vl import parity as dense
 
 
 def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, layers=()) -> dict[str, float]:
-    import models  # noqa: F401 - CPU runtime hooks
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from models.family import family_for_dir, read_spec
-    from models.inputs import VLMInputs
-    from models.trainer import MicroBatch, Pipeline, forward_only
-
-    groups = init_parallel(tp, seed=0, pipeline_parallel=pp, expert_parallel=ep)
-    family, spec = family_for_dir(hf_dir), read_spec(hf_dir)
-    model = family.build_model(spec, torch.float32, tp, "none", pp, tuple(layers), ep).eval()
-    family.load_hf_into(model, hf_dir, groups.tp_rank, tp)
-    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(hf_dir)
-
-    result = {"export_equal": exports_the_checkpoint(family, model, hf_dir, groups)}
-    for name, (messages, media) in probes().items():
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        batch = processor(text=[text], return_tensors="pt", **with_video_metadata(media))
-        with torch.no_grad():
-            ref = hf(**batch).logits.float()
-        inputs = VLMInputs.from_processor(spec, dict(batch))
-        (out,) = forward_only(model, [MicroBatch(inputs)], lambda m, mb: stage_logits(m, mb.inputs),
-                              Pipeline.of(groups))
-        result[name] = float((ref - out["logits"].float()).abs().max())
+    """Qwen3-VL's comparison (models/qwen3vl/parity.py) at this layout, the worst over every rank."""
+    result = dense.run_parity(hf_dir, tp, pp, ep, layers)
     worst = torch.tensor(list(result.values()), dtype=torch.float64)
     worst[0] = -worst[0]  # export_equal: the smallest over ranks, the diffs: the largest
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=groups.world_cpu)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=comm().world_cpu)
     worst[0] = -worst[0]
     return dict(zip(result, worst.tolist()))
 
