@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from models.moe_metrics import ExpertLoad
 from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
 from yatt_mm.rl.advantages import advantages, token_returns, whiten, whiten_sums
 from yatt_mm.rl.algorithms import AlgorithmConfig
@@ -40,6 +41,8 @@ class Actor:
         self.max_logprob_diff = max_logprob_diff or DEFAULT_MAX_LOGPROB_DIFF[trainer.cfg.dtype]
         self.reference = reference  # frozen starting weights, when algorithm.kl_coef > 0
         self.packing = packing  # micro-batches as packed rows of real tokens (models/packing.py)
+        # mixture-of-experts models only: the moe/* metrics (a trainer without a module: none)
+        self.expert_load = ExpertLoad.of(getattr(trainer, "module", None))
 
     def prepare(self, samples: list[TrainSample]) -> list[list[MicroBatch]]:
         """The step's samples as PPO mini-batches (whole groups), each a list of micro-batches."""
@@ -156,6 +159,8 @@ class Actor:
         optimizer step's loss tokens), plus the weights' checksum before and after (a step that
         changed nothing shows)."""
         before = self.trainer.checksum()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(self.algorithm.epochs):
@@ -172,6 +177,8 @@ class Actor:
                     if f"train/{key}" in totals}
         if self.fused:  # the training forward measured what the old-logprob pass would have
             metrics |= self._rollout_gap({k: totals[f"train/{k}"] for k in ("diff", "entropy", "tokens")})
+        if self.expert_load is not None:  # the routers' load over every optimizer step, all DP ranks
+            metrics |= self.expert_load.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group)
         return metrics
 
     def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
