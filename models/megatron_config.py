@@ -48,3 +48,29 @@ def pipeline_settings(pp: int, layers=()) -> dict:
         return {}
     return dict(pipeline_model_parallel_size=pp, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                 **({"pipeline_model_parallel_layout": megatron_layout(layers)} if layers else {}))
+
+
+def language_transformer_config(spec, dtype: torch.dtype, tp: int, recompute: str, pp: int, layers=(), **arch):
+    """The TransformerConfig of a family's language model: Megatron's GPT with M-RoPE
+    (`spec.mrope_section`), RMSNorm, a gated SiLU MLP and no linear biases, over `tp` tensor-
+    and `pp` pipeline-parallel ranks; `arch`: what the family sets beside (QKV bias, QK norm)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        **pipeline_settings(pp, layers),
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        mrope_section=list(spec.mrope_section),
+        **arch,
+        **common(dtype, tp, recompute),
+    )

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 # shared with the other families; imported here under the names they had
 from models.megatron_config import RECOMPUTE, pipeline_settings  # noqa: F401
 from models.megatron_config import common as _common
+from models.megatron_config import language_transformer_config
 
 
 @dataclass(frozen=True)
@@ -144,26 +145,8 @@ def check_layout(spec: Qwen2VLSpec, tp: int, pp: int, prefix: str = "", layers=(
 
 def language_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
                     pp: int = 1, layers=()):
-    from megatron.core.transformer import TransformerConfig
-
     check_layout(spec, tp, pp, layers=layers)
-    return TransformerConfig(
-        **pipeline_settings(pp, layers),
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.intermediate_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        mrope_section=list(spec.mrope_section),
-        **_common(dtype, tp, recompute),
-    )
+    return language_transformer_config(spec, dtype, tp, recompute, pp, layers, add_qkv_bias=True)
 
 
 def vision_config(spec: Qwen2VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none"):

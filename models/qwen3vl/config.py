@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.qwen2vl.config import _common, pipeline_settings
+from models.megatron_config import language_transformer_config
+from models.qwen2vl.config import _common
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,6 @@ def check_layout(spec: Qwen3VLSpec, tp: int, pp: int, prefix: str = "", layers=(
 
 def language_config(spec: Qwen3VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
                     pp: int = 1, layers=()):
-    from megatron.core.transformer import TransformerConfig
-
     check_layout(spec, tp, pp, layers=layers)
     if recompute == "full" and spec.num_deepstack and pp > 1:
         # DeepStack adds this micro-batch's features after a layer through a forward hook; a
@@ -196,24 +195,7 @@ def language_config(spec: Qwen3VLSpec, dtype: torch.dtype = torch.float32, tp: i
         # backward follows its forward); with one, later micro-batches' forwards come between.
         raise ValueError("recompute 'full' with pipeline_parallel > 1 is not implemented for Qwen3-VL (DeepStack); "
                          "use 'selective', or full without a pipeline")
-    return TransformerConfig(
-        **pipeline_settings(pp, layers),
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.intermediate_size,
-        num_attention_heads=spec.num_heads,
-        num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        mrope_section=list(spec.mrope_section),
-        **_common(dtype, tp, recompute),
-    )
+    return language_transformer_config(spec, dtype, tp, recompute, pp, layers, add_qkv_bias=False, qk_layernorm=True)
 
 
 def vision_config(spec: Qwen3VLSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none"):
