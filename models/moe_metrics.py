@@ -4,8 +4,9 @@ A forward hook on every router (Megatron's TopKRouter, `mlp.router` of each MoE 
 its routing map (which experts each token went to) while the model trains; the routers of the
 frozen reference and of the no-gradient logprob passes are not counted (eval mode or no grad:
 under full activation recompute the router runs twice, once without grad, so each micro-batch
-counts once, as Megatron's own aux loss does). Every token the experts compute counts, padding
-included, as Megatron's load-balancing loss sees them.
+counts once, as Megatron's own aux loss does). Padding does not count when the model hands its
+routers a padding mask (models/qwen3vl_moe/model.py does for right-padded rows), as Megatron's
+load-balancing loss then leaves it out; otherwise every token the experts compute counts.
 
 `metrics()` sums the counts over the data-parallel ranks (each rank routes its own tokens to all
 experts, under expert parallelism too; TP peers route the same tokens and are not added) and the
@@ -54,6 +55,8 @@ class ExpertLoad:
         def hook(router, args, output):
             if router.training and torch.is_grad_enabled():
                 _, routing_map = output  # [tokens, experts] bool
+                if len(args) > 1 and args[1] is not None:  # the padding mask [s, b] (True = padding)
+                    routing_map = routing_map[~args[1].reshape(-1).to(routing_map.device)]
                 self.counts[i] += routing_map.detach().sum(0).to("cpu", torch.float64)
                 self.calls[i] += 1
         return hook

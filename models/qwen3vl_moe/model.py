@@ -64,6 +64,29 @@ class Qwen3VLMoeModel(Qwen3VLModel):
         self._deepstack = None
         self._full_recompute = recompute == "full"  # as Qwen3VLModel: DeepStack gradients under full recompute
         self._sink: list = []
+        # this forward's padding [s, b] (True = a pad position) for every router: padding stays
+        # out of the load-balancing loss (and models/moe_metrics.py's counts). It stays until the
+        # next forward, so a full recompute in this micro-batch's backward sees it again
+        self._padding: torch.Tensor | None = None
+        for module in self.language.modules():
+            if type(module).__name__ == "TopKRouter":
+                module.register_forward_pre_hook(self._padding_hook)
         if self.pre_process:
             for k in range(spec.num_deepstack):
                 self.language.decoder.layers[k].register_forward_hook(self._deepstack_hook(k))
+
+    def _padding_hook(self, router, args):
+        """Give the router this forward's padding mask (Megatron's MoE layer passes none unless
+        GPTModel gets one): its aux loss then counts the real tokens only. Routing itself, and so
+        the logits, do not change."""
+        if self._padding is None or (len(args) > 1 and args[1] is not None):
+            return None
+        return (args[0], self._padding.to(args[0].device))
+
+    def forward(self, inputs, packed_seq_params=None) -> torch.Tensor:
+        """Qwen3VLModel's forward; right-padded rows tell the routers where the padding is (a
+        packed row has none)."""
+        mask = inputs.attention_mask
+        self._padding = None if mask is None or packed_seq_params is not None or bool(mask.all()) \
+            else ~mask.bool().transpose(0, 1).contiguous()
+        return super().forward(inputs, packed_seq_params)
