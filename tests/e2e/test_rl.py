@@ -479,8 +479,11 @@ def test_rl_from_the_warm_start_raises_held_out_reward(tmp_path, warm_policy):
     assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, evals
     for r in steps:  # one optimizer step per batch: on-policy ratios, so no clip binds
         assert r["train/clip_fraction"] == r["train/clip_fraction_low"] == r["train/clip_fraction_high"] == 0.0
-        assert abs(r["train/ppo_kl"]) < 1e-6 and 0 <= r["rollout/mismatch_kl"] < 1e-5, r
-        assert r["rollout/truncated_rate"] >= 0 and r["train/is_weight"] == pytest.approx(1.0, abs=1e-4)
+        assert abs(r["train/ppo_kl"]) < 1e-6 and r["rollout/mismatch_kl"] >= 0 and r["rollout/truncated_rate"] >= 0, r
+        assert 0 < r["train/is_weight"] <= 2.0, r  # truncated at rollout_correction.threshold
+        if r["rollout/from_buffer"] == 0:  # all sampled by these weights: trainer = vLLM but for kernels
+            assert r["rollout/mismatch_kl"] < 1e-5 and r["train/is_weight"] == pytest.approx(1.0, abs=1e-4), r
+    # with samples from dynamic sampling's buffer (the previous weights') it is larger: 0.29 measured
 
 
 # the other algorithms of docs/rl.md learn the demo task too; measured held-out before -> after:
