@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.qwen3vl.config import Qwen3VLSpec, check_layout, language_config, vision_config
+from models.qwen3vl.config import Qwen3VLSpec, language_config, vision_config
 from models.qwen3vl.vision import Qwen3VisionModel
 
 from models.inputs import VLMInputs
@@ -86,20 +86,17 @@ class Qwen3VLModel(nn.Module):
         from megatron.core import parallel_state
         from megatron.core.enums import ModelType
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         from models.attention import CoreAttention
 
-        check_layout(spec, tp, pp, layers=layers)
         self.spec = spec
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         stage = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
         self.pre_process, self.post_process = stage == 0, stage == pp - 1
-        self.config = language_config(spec, dtype, tp, recompute, pp, layers)
+        self.config = self._language_config(spec, dtype, tp, recompute, pp, layers)  # checks the layout
         if self.pre_process:
             self.vision = Qwen3VisionModel(spec, vision_config(spec, dtype, tp, recompute))
-        # qk_layernorm: the local spec's RMSNorm (torch.nn.RMSNorm over head_dim), as Qwen3's q_norm/k_norm
-        layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
+        layer = self._layer_spec()
         layer.submodules.self_attention.submodules.core_attention = CoreAttention  # torch's kernel; packed rows too
         self.language = GPTModel(
             config=self.config,
@@ -124,6 +121,15 @@ class Qwen3VLModel(nn.Module):
         if self.pre_process:
             for k in range(spec.num_deepstack):
                 self.language.decoder.layers[k].register_forward_hook(self._deepstack_hook(k))
+
+    def _language_config(self, spec, dtype, tp, recompute, pp, layers):
+        return language_config(spec, dtype, tp, recompute, pp, layers)
+
+    def _layer_spec(self):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        # qk_layernorm: the local spec's RMSNorm (torch.nn.RMSNorm over head_dim), as Qwen3's q_norm/k_norm
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
 
     def _deepstack_hook(self, k: int):
         def hook(module, args, output):

@@ -8,11 +8,8 @@ their experts by the all-to-all dispatcher (over the expert-parallel group under
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from models.qwen3vl.config import vision_config
-from models.qwen3vl.model import InterleavedMRoPE, Qwen3VLModel
-from models.qwen3vl.vision import Qwen3VisionModel
+from models.qwen3vl.model import Qwen3VLModel
 from models.qwen3vl_moe.config import Qwen3VLMoeSpec, language_config
 
 
@@ -22,48 +19,13 @@ class Qwen3VLMoeModel(Qwen3VLModel):
 
     def __init__(self, spec: Qwen3VLMoeSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
                  pp: int = 1, layers=(), ep: int = 1):
-        nn.Module.__init__(self)
+        self.ep = ep  # read by _language_config, which Qwen3VLModel.__init__ calls
+        super().__init__(spec, dtype, tp, recompute, pp, layers)
         from megatron.core import parallel_state
-        from megatron.core.enums import ModelType
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        from models.attention import CoreAttention
-
-        self.spec = spec
-        self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
-        stage = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
-        self.pre_process, self.post_process = stage == 0, stage == pp - 1
-        self.config = language_config(spec, dtype, tp, recompute, pp, layers, ep)  # checks the layout
-        if ep > 1 and parallel_state.get_expert_model_parallel_world_size() != ep:
-            raise RuntimeError(f"expert_parallel={ep} but Megatron's expert-parallel groups have "
-                               f"{parallel_state.get_expert_model_parallel_world_size()} ranks")
-        self.ep = ep
-        if self.pre_process:
-            self.vision = Qwen3VisionModel(spec, vision_config(spec, dtype, tp, recompute))
-        layer = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
-                                         normalization="RMSNorm", qk_layernorm=True)
-        layer.submodules.self_attention.submodules.core_attention = CoreAttention  # as Qwen3VLModel
-        self.language = GPTModel(
-            config=self.config,
-            transformer_layer_spec=layer,
-            vocab_size=spec.vocab_size,
-            max_sequence_length=32768,
-            share_embeddings_and_output_weights=spec.tie_word_embeddings,
-            position_embedding_type="mrope",
-            rotary_base=int(spec.rope_theta),
-            parallel_output=True,
-            pre_process=self.pre_process,
-            post_process=self.post_process,
-        )
-        self.language.rotary_pos_emb = InterleavedMRoPE(spec.head_dim, spec.rope_theta, spec.mrope_section)
-        self.layer_offset = self.language.decoder.layers[0].layer_number - 1
         # this rank's experts are the global experts [expert_offset, expert_offset + local_experts)
         self.local_experts = spec.num_experts // ep
         self.expert_offset = (parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0) * self.local_experts
-        self._deepstack = None
-        self._full_recompute = recompute == "full"  # as Qwen3VLModel: DeepStack gradients under full recompute
-        self._sink: list = []
         # this forward's padding [s, b] (True = a pad position) for every router: padding stays
         # out of the load-balancing loss (and models/moe_metrics.py's counts). It stays until the
         # next forward, so a full recompute in this micro-batch's backward sees it again
@@ -71,9 +33,21 @@ class Qwen3VLMoeModel(Qwen3VLModel):
         for module in self.language.modules():
             if type(module).__name__ == "TopKRouter":
                 module.register_forward_pre_hook(self._padding_hook)
-        if self.pre_process:
-            for k in range(spec.num_deepstack):
-                self.language.decoder.layers[k].register_forward_hook(self._deepstack_hook(k))
+
+    def _language_config(self, spec, dtype, tp, recompute, pp, layers):
+        from megatron.core import parallel_state
+
+        config = language_config(spec, dtype, tp, recompute, pp, layers, self.ep)  # checks the layout
+        if self.ep > 1 and parallel_state.get_expert_model_parallel_world_size() != self.ep:
+            raise RuntimeError(f"expert_parallel={self.ep} but Megatron's expert-parallel groups have "
+                               f"{parallel_state.get_expert_model_parallel_world_size()} ranks")
+        return config
+
+    def _layer_spec(self):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(num_experts=self.spec.num_experts, moe_grouped_gemm=False,
+                                        normalization="RMSNorm", qk_layernorm=True)
 
     def _padding_hook(self, router, args):
         """Give the router this forward's padding mask (Megatron's MoE layer passes none unless
