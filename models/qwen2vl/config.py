@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 # shared with the other families; imported here under the names they had
-from models.megatron_config import RECOMPUTE, pipeline_settings  # noqa: F401
 from models.megatron_config import common as _common
 from models.megatron_config import language_transformer_config
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from models.megatron_config import common as _common
 from models.megatron_config import language_transformer_config
-from models.qwen2vl.config import _common
 
 
 @dataclass(frozen=True)
