@@ -85,7 +85,7 @@ def test_clip_fraction_counts_where_the_clip_binds_low_and_high_apart():
     # ppo_kl: the mean of log(old / new)
     assert out.mean("ppo_kl") == pytest.approx(-sum(log(r) for r in (1.5, 0.5, 1.1)) / 3, abs=1e-6)
     # the loss by hand (token mean): A = +1: -1.28, -0.5, -1.1; A = -1: 1.5, 0.8, 1.1
-    assert float(out.loss) == pytest.approx((-1.28 - 0.5 - 1.1 + 1.5 + 0.8 + 1.1) / 6, abs=1e-6)
+    assert float(out.loss.detach()) == pytest.approx((-1.28 - 0.5 - 1.1 + 1.5 + 0.8 + 1.1) / 6, abs=1e-6)
 
 
 def test_dual_clip_and_the_log_ratio_clamp_keep_a_wild_token_finite():
@@ -94,10 +94,10 @@ def test_dual_clip_and_the_log_ratio_clamp_keep_a_wild_token_finite():
     mask, adv = torch.tensor([[1.0, 0.0]]), torch.tensor([-1.0])
     out = policy_loss(_cfg(), new, old, adv, mask)
     out.loss.backward()
-    assert float(out.loss) == 3.0  # capped at -A x clip_ratio_c
+    assert float(out.loss.detach()) == 3.0  # capped at -A x clip_ratio_c
     assert torch.count_nonzero(new.grad) == 0 and out.mean("clip_dual") == 1.0
     off = policy_loss(_cfg(clip_ratio_c=0.0), new, old, adv, mask)
-    assert float(off.loss) == pytest.approx(exp(20.0), rel=1e-5)  # clamped at 20: large but finite
+    assert float(off.loss.detach()) == pytest.approx(exp(20.0), rel=1e-5)  # clamped at 20: large but finite
     assert "clip_dual" not in off.sums
     with pytest.raises(ValueError, match="dual-clip bound must be > 1"):
         _cfg(clip_ratio_c=0.9).validate()
@@ -125,7 +125,7 @@ def test_gspo_by_hand_and_its_token_form_has_the_same_gradient():
         out = policy_loss(_cfg(policy_loss=form), lp, old, adv, mask)
         out.loss.backward()
         grads.append(lp.grad)
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         # row 0: s = exp(mean(0.001, -0.001, 0)) = 1, loss -1; row 1: s = exp(0.01) > 1 + 4e-4 with A = 2: clipped,
         # loss -2 x 1.0004, no gradient; the mean over responses
         assert losses[-1] == pytest.approx((-1.0 - 2 * 1.0004) / 2, abs=1e-6), form
@@ -164,7 +164,7 @@ def test_every_token_masked_gives_a_zero_loss_and_gradient(how, form):
                       torch.tensor([1.0, -1.0]), torch.zeros(2, 3), rollout_logprobs=lp.detach(),
                       group_ids=["a", "a"])
     out.loss.backward()
-    assert float(out.loss) == 0.0 and torch.count_nonzero(lp.grad) == 0
+    assert float(out.loss.detach()) == 0.0 and torch.count_nonzero(lp.grad) == 0
     assert out.mean("clip") == 0.0 and out.tokens == 0
 
 
@@ -188,12 +188,12 @@ def test_rollout_correction_truncates_or_masks_per_token_or_per_response():
     out, total = weights("sequence", "mask")  # row 0's e^-0.5 is inside, row 1's 3.375 is not
     assert total == pytest.approx(3) and out.mean("rollout_masked") == pytest.approx(3 / 6)
     # the loss is the weighted one: -A x weight per token (on-policy ratio 1), token mean
-    assert float(out.loss) == pytest.approx(-3 / 6)
+    assert float(out.loss.detach()) == pytest.approx(-3 / 6)
     # mismatch: k3 of the trainer/rollout ratio r per token, r - 1 - log r
     r = [exp(1), 1, exp(-1.5)] + [1.5] * 3
     assert out.mean("mismatch_kl") == pytest.approx(sum(x - 1 - log(x) for x in r) / 6, rel=1e-5)
     off = policy_loss(_cfg(correction=("none", "truncate", 2.0)), lp, lp, adv, mask, rollout_logprobs=rollout)
-    assert "is_weight" not in off.sums and float(off.loss) == pytest.approx(-1.0)
+    assert "is_weight" not in off.sums and float(off.loss.detach()) == pytest.approx(-1.0)
 
 
 def test_entropy_bonus_and_kl_term_need_their_inputs():
@@ -202,14 +202,14 @@ def test_entropy_bonus_and_kl_term_need_their_inputs():
     mask, adv = torch.ones(1, 2), torch.zeros(1)
     out = policy_loss(_cfg(entropy_coef=0.1), lp, lp, adv, mask, entropy=entropy)
     out.loss.backward()
-    assert float(out.loss) == pytest.approx(-0.1 * 3.0)
+    assert float(out.loss.detach()) == pytest.approx(-0.1 * 3.0)
     assert torch.allclose(entropy.grad, torch.tensor([[-0.05, -0.05]]))  # the bonus raises entropy
     with pytest.raises(ValueError, match="entropy"):
         policy_loss(_cfg(entropy_coef=0.1), lp, lp, adv, mask)
     with pytest.raises(ValueError, match="reference"):
         policy_loss(_cfg(kl_coef=0.1), lp, lp, adv, mask)
     out = policy_loss(_cfg(kl_coef=0.1, kl_estimator="k1"), lp, lp, adv, mask, ref_logprobs=lp - 0.5)
-    assert out.mean("kl") == pytest.approx(0.5) and float(out.loss) == pytest.approx(0.05)
+    assert out.mean("kl") == pytest.approx(0.5) and float(out.loss.detach()) == pytest.approx(0.05)
 
 
 def test_kl_estimators_match_hand_computed_values():
