@@ -489,11 +489,13 @@ def test_rl_from_the_warm_start_raises_held_out_reward(tmp_path, warm_policy):
 # the other algorithms of docs/rl.md learn the demo task too; measured held-out before -> after:
 # dr_grpo 0.69 -> 1.00, rloo 0.69 -> 1.00, gspo 0.69 -> 1.00, reinforce_pp 0.69 -> 0.91. GSPO with
 # sequence-level rollout correction, as its ratio is per response: with the token-level default or
-# none, its 5 steps left held-out accuracy at 0.69 (the buffer's stale samples weighted per token)
+# none, its 5 steps left held-out accuracy at 0.69 (the buffer's stale samples weighted per token).
+# RLOO's advantages and GSPO's loss are independent choices, so one run checks both (a launch less
+# in CI's budget): a broken advantage or a broken loss stops the learning it asserts.
 ALGORITHMS = {
     "dr_grpo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=token_sum_norm"],
-    "rloo": ["algorithm.advantage=rloo"],
-    "gspo": ["algorithm.policy_loss=gspo", "algorithm.rollout_correction.level=sequence"],
+    "rloo+gspo": ["algorithm.advantage=rloo", "algorithm.policy_loss=gspo",
+                  "algorithm.rollout_correction.level=sequence"],
     "reinforce_pp": ["algorithm.advantage=reinforce_pp"],
 }
 
