@@ -7,7 +7,8 @@ long video sample's activations are shared out along the sequence.
   holds chunks r and 2cp-1-r, so every rank gets the same share of causal attention's work.
 - The vision tower and the embeddings run once per CP rank on the full media and tokens (the
   simplest exact choice: every CP rank of a DP group holds the same samples), then the
-  embeddings and the M-RoPE position ids [3, b, s] are sliced to this rank's chunks.
+  embeddings and the M-RoPE position ids [3, b, s] are sliced to this rank's chunks (Qwen3-VL:
+  its DeepStack features too, so they land on the same visual tokens).
 - Core attention (models/attention.py) all-gathers K and V over the CP group (differentiable:
   the backward sums the K/V gradients of all ranks' queries) and masks by the chunks' global
   positions: causal, and within each sample for a packed row.
@@ -79,11 +80,16 @@ class ContextParallel(PackedSeqParams):
 
     def localise(self, hidden: torch.Tensor | None, position_ids: torch.Tensor):
         """Embeddings [s, b, h] (None after the first pipeline stage) and M-RoPE position ids
-        [3, b, s] -> this rank's chunks. Pads repeat the last position (they never reach a real token)."""
+        [3, b, s] -> this rank's chunks."""
+        return self.local(hidden, 0), self.positions(position_ids)
+
+    def positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """M-RoPE position ids [3, b, s] -> this rank's chunks [3, b, s / size]. Pads repeat the
+        last position (they never reach a real token)."""
         extra = self.padded - position_ids.shape[-1]
         if extra:
             position_ids = torch.cat([position_ids, position_ids[..., -1:].expand(*position_ids.shape[:-1], extra)], -1)
-        return self.local(hidden, 0), position_ids.index_select(-1, self.index.to(position_ids.device))
+        return position_ids.index_select(-1, self.index.to(position_ids.device))
 
     # -- attention -------------------------------------------------------------------------------
     def mask(self, device) -> torch.Tensor:

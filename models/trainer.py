@@ -117,7 +117,8 @@ class TrainerConfig:
 
 
 # model types whose forward takes a context-parallel plan (models/context.py)
-CONTEXT_PARALLEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# (not Qwen3-VL-MoE yet: its routers take a padding mask of the whole sequence)
+CONTEXT_PARALLEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass

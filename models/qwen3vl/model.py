@@ -141,9 +141,11 @@ class Qwen3VLModel(nn.Module):
             return hidden + self._deepstack[k], context  # zero outside the visual tokens: exact there
         return hook
 
-    def embed(self, inputs: VLMInputs) -> torch.Tensor:
+    def embed(self, inputs: VLMInputs, cp=None) -> torch.Tensor:
         """Token embeddings with the vision features in place of the media pad tokens: [s, b, h].
-        Sets this forward's DeepStack features (dense [s, b, h], zero at text tokens)."""
+        Sets this forward's DeepStack features (dense [s, b, h], zero at text tokens). With a
+        context-parallel plan `cp` (models/context.py), both only at this rank's chunks [s / cp]:
+        the DeepStack features split like the embeddings, so each lands on its visual token."""
         emb = self.language.embedding.word_embeddings(inputs.input_ids)  # [b, s, h]
         deepstack = None
         for pixels, grid, sources, token in (
@@ -164,6 +166,9 @@ class Qwen3VLModel(nn.Module):
             deepstack = [d.masked_scatter(where[..., None], f.to(emb.dtype)) for d, f in zip(deepstack, stack)]
         self._deepstack = None if not deepstack else [d.transpose(0, 1) for d in deepstack]
         emb = emb.transpose(0, 1).contiguous()
+        if cp is not None:  # before the hand-over below, whose sink collects the local features' gradients
+            emb = cp.local(emb, 0)
+            self._deepstack = self._deepstack and [cp.local(d, 0) for d in self._deepstack]
         if self._full_recompute and self._deepstack and torch.is_grad_enabled():
             self._sink = [None] * len(self._deepstack)
             emb = _HandOverGrad.apply(emb, self._sink, *self._deepstack)
@@ -198,12 +203,17 @@ class Qwen3VLModel(nn.Module):
 
     def forward(self, inputs: VLMInputs, packed_seq_params=None) -> torch.Tensor:
         """Causal attention over each row (right padding), or over each sample of a packed row
-        with `packed_seq_params` (models/packing.py)."""
+        with `packed_seq_params` (models/packing.py); with a context-parallel plan
+        (models/context.py), over this rank's chunks of each sequence, returning their logits
+        [b, s / cp, vocab / tp]."""
+        from models.context import ContextParallel
         from models.rotary import angles_computed_once
 
+        cp = packed_seq_params if isinstance(packed_seq_params, ContextParallel) else None
         with angles_computed_once():  # every layer's rotary cos/sin from one computation
             # embed() sets this forward's DeepStack features; they stay until the next forward,
             # so a full recompute in this micro-batch's backward adds them again
-            decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
-            return self.language(input_ids=None, position_ids=inputs.position_ids, attention_mask=None,
+            decoder_input = self.embed(inputs, cp) if self.pre_process else None  # else: set_input_tensor's
+            position_ids = inputs.position_ids if cp is None else cp.positions(inputs.position_ids)
+            return self.language(input_ids=None, position_ids=position_ids, attention_mask=None,
                                  decoder_input=decoder_input, packed_seq_params=packed_seq_params)

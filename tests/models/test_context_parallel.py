@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from models.context import chunk_index, padded_length
+from models.tiny import tiny_model_dir
 from models.trainer import TrainerConfig
 
 from subproc import run_json
@@ -38,6 +39,10 @@ def test_context_parallel_layouts_are_refused_before_any_rank_starts(tiny_policy
     with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel and policy\.trainer\.expert_parallel"):
         TrainerConfig(context_parallel=2, expert_parallel=2).check_world(4, "policy.trainer")
     TrainerConfig(context_parallel=2).check_model(str(tiny_policy), "policy.trainer")  # Qwen2-VL: supported
+    TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen3vl")), "policy.trainer")  # Qwen3-VL too
+    # Qwen3-VL-MoE's routers take the padding mask of the whole sequence, not of a CP rank's chunks
+    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=2: not supported for qwen3_vl_moe"):
+        TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen3vlmoe")), "policy.trainer")
 
 
 @pytest.mark.slow
@@ -47,7 +52,11 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     gradients and the weights after one train step at CP 2 against CP 1 (fp32). Measured: logprobs
     1.1e-5 (the packing test's own packed-vs-padded figure at TP 1), entropy 7.6e-6, gradients
     1.4e-4 / 2.1e-4 of 669 at most (2e-7 relative), weights 9.4e-6 after a lr 1e-3 step, loss
-    equal to 1e-6."""
+    equal to 1e-6.
+    Then the tiny Qwen3-VL on one packed row (an image group, a video group and the longer video:
+    983 tokens, 48 image and 120 video tokens), without recompute and with full recompute (the
+    DeepStack features' gradient hand-over) against CP 1: logprobs 1.1e-5 (3 ulps of the largest,
+    33.6), gradients 4.1e-4 of 819 at most (5e-7 relative), the same with full recompute."""
     script = str(ROOT / "tests" / "dist" / "context_parallel.py")
     ref = run_json([sys.executable, script, str(tmp_path / "cp1.pt")], timeout=600)
     assert ref["cp"] == 1
@@ -60,6 +69,11 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
         assert r[f"{kind}/grad_max_diff"] < 3e-6 * r["grad_scale"], r
     assert abs(r["loss_cp"] - r["loss_cp1"]) < 1e-6 * abs(r["loss_cp1"]), r
     assert r["weight_max_diff"] < 1e-4 and r["step_scale"] > 5e-4, r  # a hundredth of an lr 1e-3 Adam step
+    # Qwen3-VL: its DeepStack features split over CP like the embeddings (a packed row with both media)
+    assert r["q3_image_tokens"] > 0 and r["q3_video_tokens"] > 0 and r["q3_tokens"] % 4, r
+    for recompute in ("none", "full"):
+        assert r[f"q3_{recompute}/lp_max_diff"] < 1e-6 * r["q3_lp_scale"], r
+        assert r[f"q3_{recompute}/grad_max_diff"] < 3e-6 * r["q3_grad_scale"], r
 
 
 def _rel(a, b):
