@@ -1,7 +1,8 @@
 """Megatron Qwen3-VL vs transformers on the same weights and inputs: logits side by side.
 
-`yatt-mm model parity HF_DIR [--tp T] [--pp P]` runs this through the model's family (under
-torchrun on T x P ranks when that is > 1). The probes, the vocabulary gather and the stage
+`yatt-mm model parity HF_DIR [--tp T] [--pp P] [--pipeline-layers 3,1]` runs this through the
+model's family (under torchrun on T x P ranks when that is > 1; `--pipeline-layers`: language
+layers per stage, the DeepStack layers all on the first). The probes, the vocabulary gather and the stage
 handling are Qwen2-VL's harness (models/qwen2vl/parity.py); what differs is only what a family
 provides: `run_parity` builds, loads and feeds the model through models/family.py's hooks and
 transformers' Auto classes, so it runs any registered family. A video goes in with its metadata
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from models.comm import init_parallel
-from models.qwen2vl.parity import logit_diffs
+from models.qwen2vl.parity import logit_diffs, parse_layers
 
 VIDEO_FPS = 2.0
 
@@ -72,12 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("hf_dir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--pipeline-layers", type=parse_layers, default=(),
+                        help="language layers per stage, comma-separated (default: an even split)")
     args = parser.parse_args(argv)
-    result = run_parity(args.hf_dir, args.tp, args.pp)
+    result = run_parity(args.hf_dir, args.tp, args.pp, layers=args.pipeline_layers)
     if dist.get_rank() == 0:
         for name, diff in result.items():
             print(f"{name:12s} max |logits diff| = {diff:.3e}")
-        print(json.dumps({"tp": args.tp, "pp": args.pp, "max_abs_diff": result}))
+        print(json.dumps({"tp": args.tp, "pp": args.pp, "pipeline_layers": list(args.pipeline_layers),
+                          "max_abs_diff": result}))
     dist.destroy_process_group()
     return 0
 

@@ -152,11 +152,15 @@ def test_parity_with_transformers_tp2(tiny3):
 
 @pytest.mark.slow
 def test_parity_with_transformers_pp2(tiny3):
-    """Two stages: the vision tower and layers 0-1 (both DeepStack layers) on rank 0, layers 2-3
-    and the head on rank 1, through Megatron's schedule."""
-    result = _parity(tiny3, "--pp", "2")
-    print("Qwen3-VL PP 2 max |logits diff| vs transformers:", result)
-    assert result["pp"] == 2 and set(result["max_abs_diff"]) == PROBES
+    """Two uneven stages (`--pipeline-layers 3,1`): the vision tower and layers 0-2 (both
+    DeepStack layers among them) on rank 0, layer 3 and the head on rank 1, through Megatron's
+    schedule."""
+    # through the CLI (`yatt-mm model parity`, which hands --pipeline-layers to the family's module)
+    result = run_json([sys.executable, "-m", "yatt_mm.cli", "model", "parity", str(tiny3), "--pp", "2",
+                       "--pipeline-layers", "3,1"], timeout=300)
+    assert result["max_abs_diff"].pop("export_equal") == 1.0, result
+    print("Qwen3-VL PP 2 [3, 1] max |logits diff| vs transformers:", result)
+    assert result["pp"] == 2 and result["pipeline_layers"] == [3, 1] and set(result["max_abs_diff"]) == PROBES
     assert all(d <= 1e-5 for d in result["max_abs_diff"].values()), result  # measured 0.0
 
 
