@@ -1,47 +1,253 @@
-"""The GPU path in one process on one GPU, checked and measured; `scripts/gpu_check.sh` runs it.
+"""The GPU path in one process on one GPU, checked and measured, stage by stage; `scripts/gpu_check.sh`
+runs it (its header gives the exact steps on a lent GPU machine).
 
 A Qwen2-VL with the real 2B model's widths (text 1536 wide, 12 heads / 2 KV heads, MLP 8960,
 vocabulary 151,936; vision tower 1280 wide, 16 heads, MLP x4) and 2 layers each, random weights,
-built here (no hub). Then, on the GPU (`--cpu`: the same steps on the CPU, where the CUDA-only
-parts are skipped and reported as such):
+built here (no hub). Then, on the GPU (`--cpu`: the same steps on the CPU at small sizes, where
+the CUDA-only figures are skipped and say so), each stage in its own guard:
 
-1. parity: Megatron's logits vs transformers' on the same weights and inputs, fp32 and bf16;
-2. RL steps: GRPO updates through the real `Actor` and `VLMTrainer`, torch.distributed with one
-   rank (NCCL on the GPU) and the loss's token counts over `models.comm`'s gloo group beside it;
-3. offload: the trainer released to host memory and back, bit for bit, device memory measured;
-4. speed: training tokens/s and peak GPU memory, Megatron trainer vs transformers + AdamW, on
-   the same batch and loss.
+  comm         torch.distributed with one rank and a one-element all-reduce on it (NCCL on a GPU,
+               gloo on the CPU) before anything else, then Megatron's groups; CUDA context and
+               NCCL memory per process (torch.cuda.mem_get_info before/after)
+  build        the HF Qwen2-VL directory
+  parity       Megatron's logits vs transformers' on the same weights and inputs, fp32 (TF32 off
+               for matmuls and cuDNN) and bf16, each against its own tolerance (PARITY_TOLERANCE)
+  rl           GRPO steps through the real `Actor` and `VLMTrainer` (NCCL, one rank; the loss's
+               token counts over `models.comm`'s gloo group beside it)
+  memory       the trainer's peak memory per phase (old logprobs, update) beside what
+               `yatt-mm plan` predicts for the same model, settings and micro-batch; the
+               allocator's slack and the memory outside torch's allocator after training
+  offload      the trainer released to host memory and back, bit for bit; device memory freed;
+               pinned host memory held, beside the plan's figure
+  qwen3vl      parity of a Qwen3-VL (Qwen3-VL-8B's widths, 2 layers; the tiny one under --cpu)
+  qwen3vl_moe  parity of the tiny Qwen3-VL-MoE (4 experts, top-2)
+  speed        one training step on a batch large enough to keep an H200 busy (16 GRPO groups of
+               4 responses of 1024 tokens; a few short ones under --cpu): Megatron vs transformers
+               + AdamW, paired rounds, step ms, tokens/s and MFU from the model's FLOPs
 
-The last line printed is one JSON object with every figure.
+Output: as soon as a stage ends, its figures (or its error) are written to `$OUT/gpu_check.json`
+(the whole file, rewritten atomically: a kill at any point leaves the finished stages readable);
+`$OUT` defaults to runs/gpu_check/ in the repo (git-ignored). gpu_check.sh copies all output to
+`$OUT/gpu_check.log`. The last line printed is the same report as one JSON object. A stage that
+raises is recorded as "error" and the others still run (those that need it are "skipped", saying
+why); SIGTERM (gpu_check.sh's time limit) records the running stage as stopped. Exit code: 0 when
+every stage ran and passed its checks, 1 otherwise, 2 without a GPU (and without --cpu), 124 when
+stopped by the time limit.
+
+YATT_MM_GPU_CHECK_FAIL=STAGE makes that stage raise at its start: a fault injection for
+tests/cli/test_gpu_check.py only (it shows one stage's failure is recorded without losing the others).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import random
+import signal
+import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when run as a script
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repo, when run as a script
 
 import models  # noqa: E402,F401 - the CPU runtime hooks (none act on a GPU machine but torchvision's)
 import torch  # noqa: E402
 
+GIB = 2**30
+STAGES = ("comm", "build", "parity", "rl", "memory", "offload", "qwen3vl", "qwen3vl_moe", "speed")
+# the stages each stage needs: without them it is skipped, and --only runs them too
+NEEDS = {"parity": ("build",), "rl": ("comm", "build"), "memory": ("rl",), "offload": ("rl",),
+         "qwen3vl": ("comm",), "qwen3vl_moe": ("comm",), "speed": ("rl",)}
+# the family stages' tiny models (models/tiny.py kinds)
+TINY_KIND = {"qwen3vl": "qwen3vl", "qwen3vl_moe": "qwen3vlmoe"}
+DEFAULT_OUT = ROOT / "runs" / "gpu_check"
+FAULT_ENV = "YATT_MM_GPU_CHECK_FAIL"
+# Modules the GPU machine does not have (../shared/RUNTIME.md): the check must not import them
+# (wandb is absent there too, but Megatron imports it only where it is installed).
+ABSENT_ON_GPU_MACHINE = ("vllm", "webdataset", "decord", "torchdata")
+
+# Parity is judged on max |logit difference| / max |reference logit| (bf16's error grows with the
+# logits' size, and random 2B-width logits reach several units):
+# - fp32: both sides in IEEE fp32 differ only in summation order (~1e-6 relative; the --cpu run
+#   measures ~1e-6). 1e-4 sits well above that and well below TF32's 10-bit mantissa (~5e-4
+#   relative a matmul): a reference silently running in TF32 fails instead of passing.
+# - bf16: 8 mantissa bits, ~4e-3 relative rounding at every op, compounded over the layers and
+#   rounded at different points by the two implementations (fused kernels, softmax precision).
+#   5e-2 is ~12 bf16 steps of the largest logit (--cpu measures 8e-3 for Qwen2-VL, 1.1e-2 for
+#   Qwen3-VL); a wrong weight or position moves logits by O(1).
+# - bf16, mixture of experts: also a token whose top-2 router scores are within bf16's rounding
+#   can go to another expert on one side (--cpu measures 3.7e-2 on the tiny Qwen3-VL-MoE), so
+#   0.2; a broken expert layout or router still moves logits by O(1).
+PARITY_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "bf16_moe": 0.2}
+
+# Dense bf16 tensor-core peak of the GPUs MFU is reported for (NVIDIA's datasheets, SXM parts).
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12}
+
 # Qwen2-VL-2B-Instruct's widths (its config.json), 2 layers each instead of 28 and 32; "small"
-# keeps its head sizes (text 128, vision 80) at a third of the widths and a fifth of the
-# vocabulary, for the CPU run (2 cores, 24 GB).
+# keeps its head sizes (text 128, vision 80) at a sixth of the widths and a twentieth of the
+# vocabulary, for the CPU run (2 shared cores).
 WIDTHS = {
     "2b": (dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
                 vocab_size=151936, mrope_section=[16, 24, 24]),
            dict(embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=1536)),
-    "small": (dict(hidden_size=512, intermediate_size=2816, num_attention_heads=4, num_key_value_heads=1,
-                   vocab_size=32768, mrope_section=[16, 24, 24]),
-              dict(embed_dim=320, num_heads=4, mlp_ratio=4, hidden_size=512)),
+    "small": (dict(hidden_size=256, intermediate_size=1024, num_attention_heads=2, num_key_value_heads=1,
+                   vocab_size=8192, mrope_section=[16, 24, 24]),
+              dict(embed_dim=160, num_heads=2, mlp_ratio=4, hidden_size=256)),
 }
 
+
+class TimeUp(BaseException):
+    """SIGTERM (gpu_check.sh's `timeout`): not an Exception, so no library's handler swallows it."""
+
+
+def _on_sigterm(signum, frame):
+    raise TimeUp()
+
+
+class Report:
+    """The report: run facts and one entry per stage, rewritten whole to `path` after every change."""
+
+    def __init__(self, path: Path, facts: dict, selected: set[str]):
+        self.path = path
+        self.selected = selected
+        self.data: dict = {**facts, "ok": False, "stages": {s: {"status": "pending"} for s in STAGES}}
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)  # atomic: a reader or a kill never sees half a file
+
+    def status(self, name: str) -> str:
+        return self.data["stages"][name]["status"]
+
+    def ran(self, name: str) -> bool:
+        return self.status(name) in ("ok", "failed")
+
+    def run(self, name: str, fn):
+        """Run stage `name` (fn() -> figures, optionally with "checks": {check: bool}); record
+        ok / failed (a check did not hold) / error (raised) / skipped (not selected, or a stage
+        it NEEDS did not run). Returns fn's figures or None."""
+        if name not in self.selected:
+            return self._end(name, {"status": "skipped", "reason": "not in --only"})
+        missing = [n for n in NEEDS.get(name, ()) if not self.ran(n)]
+        if missing:
+            return self._end(name, {"status": "skipped", "reason": f"needs {', '.join(missing)}, which did not run"})
+        self.data["stages"][name] = {"status": "running"}
+        self.write()
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        try:
+            if os.environ.get(FAULT_ENV) == name:
+                raise RuntimeError(f"fault injected by {FAULT_ENV}={name} (tests/cli/test_gpu_check.py only)")
+            figures = fn() or {}
+        except TimeUp:
+            self._end(name, {"status": "error", "error": "stopped by the time limit (SIGTERM) during this stage",
+                             "seconds": time.perf_counter() - start})
+            for other in STAGES:
+                if self.status(other) == "pending":
+                    self.data["stages"][other] = {"status": "skipped", "reason": "time limit"}
+            self.write()
+            raise
+        except Exception as e:  # noqa: BLE001 - recorded, and the other stages still run
+            traceback.print_exc()
+            self._end(name, {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
+                             "where": traceback.format_exc().strip().splitlines()[-3:],
+                             "seconds": time.perf_counter() - start})
+            return None
+        checks = figures.get("checks", {})
+        status = "ok" if all(checks.values()) else "failed"
+        self._end(name, {"status": status, **figures, "seconds": round(time.perf_counter() - start, 2)})
+        return figures
+
+    def _end(self, name: str, entry: dict) -> None:
+        self.data["stages"][name] = entry
+        self.write()
+        shown = {k: v for k, v in entry.items() if k not in ("where",)}
+        print(f"   {name}: {json.dumps(shown, default=str)[:1500]}", flush=True)
+        return None
+
+    def finish(self) -> dict:
+        self.data["ok"] = all(self.status(s) == "ok" for s in STAGES if s in self.selected)
+        self.data["plan_vs_measured"] = plan_vs_measured(self.data["stages"])
+        self.write()
+        return self.data
+
+
+# -- comm: process group, one all-reduce, CUDA context and NCCL memory -------------------------
+
+def comm_stage(cpu: bool) -> dict:
+    """torch.distributed (one rank), a one-element all-reduce on the accelerator backend at once
+    (an NCCL failure costs seconds, not a model build), then Megatron's groups and the gloo ones."""
+    import torch.distributed as dist
+
+    from models.comm import init_distributed, init_parallel
+
+    out: dict = {}
+    used = _device_used()  # None on CPU
+    if used is not None:
+        out["gpu_used_before_context_gib"] = used / GIB  # nvml: before this process makes a context
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        free, total = torch.cuda.mem_get_info()  # makes the CUDA context
+        out["cuda_context_gib"] = (total - free - (used or 0)) / GIB
+        before = total - free - torch.cuda.memory_reserved()
+    else:
+        out["cuda"] = "skipped: no CUDA"
+        out["rss_before_gib"] = _rss() / GIB
+    init_distributed()
+    backend = dist.get_backend()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    one = torch.ones(1, device=device)
+    try:
+        dist.all_reduce(one)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:
+        raise RuntimeError(f"the first {backend} all-reduce (one element, one rank) failed: {e}. Nothing that "
+                           "trains can run; rerun with NCCL_DEBUG=INFO for NCCL's reason") from e
+    if float(one) != dist.get_world_size():
+        raise RuntimeError(f"the first {backend} all-reduce gave {float(one)}, not {dist.get_world_size()}")
+    out |= {"backend": backend, "all_reduce": "ok"}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        out["nccl_gib"] = (total - free - torch.cuda.memory_reserved() - before) / GIB
+        out["context_plus_nccl_gib"] = out["cuda_context_gib"] + out["nccl_gib"]
+    init_parallel(1)  # Megatron's groups (NCCL on the GPU) and the gloo ones beside them
+    if device.type == "cpu":
+        out["rss_after_gib"] = _rss() / GIB
+    from yatt_mm.plan import CUDA_CONTEXT_GIB
+
+    out["plan_cuda_context_gib"] = CUDA_CONTEXT_GIB  # the plan's "CUDA context, cuBLAS, NCCL" per process
+    return out
+
+
+def _device_used() -> int | None:
+    """Bytes in use on GPU 0 without making a CUDA context (NVML), or None (no GPU, no pynvml)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    except Exception:  # noqa: BLE001 - then the context figure includes whatever else is on the GPU
+        return None
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+# -- build ---------------------------------------------------------------------------------------
 
 def build_model(out: Path, widths: str = "2b", layers: int = 2) -> Path:
     """An HF Qwen2-VL directory: the offline tiny tokenizer and processors (their token ids sit
@@ -68,6 +274,88 @@ def build_model(out: Path, widths: str = "2b", layers: int = 2) -> Path:
     save_processor(out, TinySpec(max_pixels=448 * 448), tokenizer, Qwen2VLProcessor)
     return out
 
+
+# -- parity --------------------------------------------------------------------------------------
+
+def parity_stage(hf_dir: str, device: torch.device, moe: bool = False) -> dict:
+    """fp32 with TF32 off for matmuls and cuDNN (transformers' patch embedding is a Conv3d, which
+    cuDNN runs in TF32 by default on Hopper: the reference itself would be off by ~1e-3), then
+    bf16; the TF32 settings are restored after and recorded as they were during the comparison."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        out = {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32}
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            diff, scale = parity(hf_dir, device, dtype)
+            out[name] = {"max_abs_diff": diff, "max_abs_logit": scale, "rel": diff / scale,
+                         "tolerance_rel": PARITY_TOLERANCE[name + ("_moe" if moe and name == "bf16" else "")]}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    out["checks"] = {f"parity_{n}": out[n]["rel"] < out[n]["tolerance_rel"] for n in ("fp32", "bf16")}
+    return out
+
+
+def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(max |logit difference|, max |reference logit|) of Megatron vs transformers over the
+    built-in probes (text, image, two images, video), both in `dtype` on `device`; any family
+    (a family with timed videos gets their metadata, as its own parity does)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from models.family import family_for_dir, read_spec
+    from models.inputs import VLMInputs
+    from models.qwen2vl.parity import probes
+    from models.qwen3vl.parity import with_video_metadata
+
+    family, spec = family_for_dir(hf_dir), read_spec(hf_dir)
+    ours = family.build_model(spec, dtype, 1).to(device).eval()
+    family.load_hf_into(ours, hf_dir, 0, 1)
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    timed = spec.model_type in family.timed_video_types
+    worst = scale = 0.0
+    for messages, media in probes().values():
+        batch = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)],
+                          return_tensors="pt", **(with_video_metadata(media) if timed else media))
+        with torch.no_grad():
+            ref = hf(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}).logits.float()
+            got = ours(VLMInputs.from_processor(spec, dict(batch)).to(device)).float()
+        worst = max(worst, float((ref - got).abs().max()))
+        scale = max(scale, float(ref.abs().max()))
+    del ours, hf
+    _free(device)
+    return worst, scale
+
+
+def family_parity_stage(kind: str, cpu: bool, device: torch.device, tmp: Path) -> dict:
+    """Parity of another family's model: the tiny one (models/<family>/tiny.py through
+    models/tiny.py's cache) under --cpu; on a GPU Qwen3-VL at Qwen3-VL-8B's widths with 2 layers
+    (its builder's REAL_8B_WIDTHS), the MoE at its tiny sizes (its builder takes no widths)."""
+    from models.tiny import tiny_model_dir
+
+    if kind == "qwen3vl" and not cpu:
+        from models.qwen3vl.tiny import REAL_8B_WIDTHS, make_tiny
+
+        hf_dir = str(tmp / "qwen3vl-8b-widths")
+        make_tiny(hf_dir, widths=REAL_8B_WIDTHS)
+    else:
+        hf_dir = str(tiny_model_dir(TINY_KIND[kind]))
+    out = {"model": Path(hf_dir).name, "params_m": _params_m(hf_dir)}
+    out |= parity_stage(hf_dir, device, moe=kind == "qwen3vl_moe")
+    return out
+
+
+def _params_m(hf_dir: str) -> float:
+    from safetensors import safe_open
+
+    n = 0
+    for path in Path(hf_dir).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return n / 1e6
+
+
+# -- RL steps ------------------------------------------------------------------------------------
 
 def rl_samples(processor, n_groups: int, n: int, response_tokens: int, seed: int = 0):
     """GRPO groups as the controller builds them: a prompt with an image, n responses of random
@@ -100,35 +388,8 @@ def rl_samples(processor, n_groups: int, n: int, response_tokens: int, seed: int
     return out
 
 
-def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> float:
-    """Max |logit difference| of Megatron vs transformers over the built-in probes (text, image,
-    two images, video), both in `dtype` on `device`."""
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
-
-    from models.family import family_of, read_spec
-    from models.inputs import VLMInputs
-    from models.qwen2vl.parity import probes
-
-    spec = read_spec(hf_dir)
-    ours = family_of(spec).build_model(spec, dtype, 1).to(device).eval()
-    family_of(spec).load_hf_into(ours, hf_dir, 0, 1)
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
-    processor = AutoProcessor.from_pretrained(hf_dir)
-    worst = 0.0
-    for messages, media in probes().values():
-        batch = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)],
-                          return_tensors="pt", **media)
-        with torch.no_grad():
-            ref = hf(**{k: v.to(device) for k, v in batch.items()}).logits.float()
-            got = ours(VLMInputs.from_processor(spec, dict(batch)).to(device)).float()
-        worst = max(worst, float((ref - got).abs().max()))
-    del ours, hf
-    _free(device)
-    return worst
-
-
-def rl_steps(hf_dir: str, dtype: str, steps: int, n_groups: int) -> tuple[dict, object, list]:
-    """GRPO steps through the real Actor: 2 PPO mini-batches a step (an old-logprob pass, then the
+def make_actor(hf_dir: str, dtype: str, micro_batch_tokens: int):
+    """The real Actor over a VLMTrainer, 2 PPO mini-batches a step (an old-logprob pass, then the
     clipped loss). No vLLM on the check machine: its logprobs are absent, so the sampler
     correction and the trainer/sampler gap guard are off here (the CPU tests cover both)."""
     from transformers import AutoProcessor
@@ -141,9 +402,12 @@ def rl_steps(hf_dir: str, dtype: str, steps: int, n_groups: int) -> tuple[dict, 
     processor = AutoProcessor.from_pretrained(hf_dir)
     algorithm = AlgorithmConfig(mini_batches=2)
     algorithm.rollout_correction.level = "none"  # random tokens: no sampler to correct for
-    actor = Actor(trainer, algorithm, micro_batch_tokens=4096,
+    actor = Actor(trainer, algorithm, micro_batch_tokens=micro_batch_tokens,
                   pad_id=processor.tokenizer.pad_token_id, max_logprob_diff=float("inf"))
-    samples = rl_samples(processor, n_groups, 4, 64)
+    return actor, processor
+
+
+def rl_stage(actor, samples, steps: int) -> dict:
     losses, changed = [], []
     for _ in range(steps):
         minis = actor.prepare(samples)
@@ -152,37 +416,140 @@ def rl_steps(hf_dir: str, dtype: str, steps: int, n_groups: int) -> tuple[dict, 
         m = actor.update(minis)
         losses.append(m["train/loss"])
         changed.append(m["train/weights_checksum_after"] != m["train/weights_checksum_before"])
-    return {"rl_losses": losses, "rl_weights_changed_every_step": all(changed),
-            "rl_grad_norm": m["train/grad_norm"]}, actor, samples
+    return {"losses": losses, "weights_changed_every_step": all(changed), "grad_norm": m["train/grad_norm"],
+            "checks": {"losses_finite": all(map(math.isfinite, losses)), "weights_changed": all(changed),
+                       "grad_norm_positive": m["train/grad_norm"] > 0}}
 
 
-def offload_round_trip(trainer, device: torch.device) -> dict:
+# -- memory: the trainer's phases, measured beside the plan --------------------------------------
+
+def memory_stage(actor, samples, device: torch.device) -> dict:
+    """One more RL step, each phase's peak measured (CUDA: max_memory_allocated; CPU: the peak of
+    the bytes the phase allocated and has not freed, from torch.profiler's memory events, as
+    benchmarks/bench_memory_plan.py measures it, on top of the trainer's resident bytes), beside
+    the plan's figures for the same model, settings and largest micro-batch (CUDA or CPU kernels)."""
+    from yatt_mm import plan
+
+    trainer = actor.trainer
+    trainer.acquire("all")
+    minis = actor.prepare(samples)
+    resident = trainer.device_bytes()
+    measured = {}
+    for phase, run in (("logprobs", lambda: actor.old_logprobs(minis)),
+                       ("train", lambda: (actor.batch_advantages(minis), actor.update(minis)))):
+        measured[phase] = _phase_peak(run, device, resident)
+    shape = _plan_shape(max((mb for mini in minis for mb in mini), key=lambda mb: mb.inputs.input_ids.numel()),
+                        trainer.spec)
+    planned = plan.trainer_memory(trainer.spec, trainer.cfg, 1, shape, plan.CUDA if device.type == "cuda" else plan.CPU)
+    out = {"micro_batch": {"rows": shape.rows, "seq": shape.seq, "scored": shape.scored,
+                           "media_tokens": shape.media_tokens, "frame_tokens": shape.frame_tokens},
+           "resident_gib": {"plan": planned.persistent / GIB, "measured": resident / GIB},
+           "logprobs_peak_gib": {"plan": (planned.persistent + planned.activations.forward_only) / GIB,
+                                 "measured": measured["logprobs"] / GIB},
+           "train_peak_gib": {"plan": planned.peak / GIB, "measured": measured["train"] / GIB}}
+    if device.type == "cuda":
+        reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        out["allocator_slack"] = {"plan": plan.ALLOCATOR_SLACK, "measured": reserved / allocated - 1}
+        # what the plan's CUDA_CONTEXT_GIB stands for, after real training: context, NCCL, cuBLAS
+        # and kernels' workspaces outside torch's allocator
+        out["outside_allocator_gib"] = {"plan": plan.CUDA_CONTEXT_GIB,
+                                        "measured": (total - free - torch.cuda.memory_reserved()) / GIB}
+    else:
+        out["cuda"] = "skipped: no CUDA (peaks from torch.profiler's CPU memory events, CPU kernels' plan)"
+    return out
+
+
+def _phase_peak(run, device: torch.device, resident: int) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_memory_plan import step_peak_bytes
+
+    return resident + step_peak_bytes(run)
+
+
+def _plan_shape(mb, spec):
+    """The plan's MicroBatchShape of a real micro-batch: rows, padded length, scored positions,
+    media tokens and merged tokens per image."""
+    from yatt_mm.plan import MicroBatchShape
+
+    rows, seq = mb.inputs.input_ids.shape
+    scored = int(mb.score_mask.sum()) if mb.score_mask is not None else rows * seq
+    media = int((mb.inputs.input_ids == spec.image_token_id).sum())
+    grid = mb.inputs.image_grid_thw
+    frame = int(grid[0].prod()) // spec.spatial_merge_size**2 if grid is not None and len(grid) else 1
+    return MicroBatchShape(rows=rows, seq=seq, scored=scored, media_tokens=media, frame_tokens=frame)
+
+
+# -- offload -------------------------------------------------------------------------------------
+
+def offload_stage(trainer, device: torch.device) -> dict:
+    """release("none") and acquire("all"): bytes back bit for bit, device memory freed, the host
+    memory held meanwhile (pinned on a GPU) beside the plan's trainer offload figure."""
     from models.offload import optimizer_tensors
+    from yatt_mm import plan
 
     def snapshot():
         return [t.detach().clone().cpu() for t in list(trainer.module.parameters()) + optimizer_tensors(trainer.optimizer)]
 
-    before, resident = snapshot(), trainer.device_bytes()
-    allocated = _allocated(device)
-    t0 = time.perf_counter()
-    trainer.release("none")
-    release_s = time.perf_counter() - t0
-    freed = allocated - _allocated(device)
-    t0 = time.perf_counter()
     trainer.acquire("all")
-    acquire_s = time.perf_counter() - t0
+    before, resident = snapshot(), trainer.device_bytes()
+    allocated, rss = _allocated(device), _rss()
+    release_s = trainer.release("none")
+    host = _held_host(trainer)
+    out = {"resident_gib": resident / GIB, "release_seconds": release_s,
+           "host_gib": {"plan": plan.trainer_memory(trainer.spec, trainer.cfg, 1, _tiny_shape(),
+                                                    plan.CUDA).host_offload / GIB,
+                        "measured": sum(h.nbytes for h in host) / GIB},
+           "host_pinned": bool(host) and all(h.is_pinned() for h in host)}
+    if device.type == "cuda":
+        out["freed_gpu_gib"] = (allocated - _allocated(device)) / GIB
+        # the pinned-memory allocator's own count (torch.cuda.host_memory_stats, where torch has it)
+        stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        pinned = stats.get("allocated_bytes.current")
+        out["pinned_allocator_gib"] = pinned / GIB if pinned is not None else None
+    else:
+        out["cuda"] = "skipped: no CUDA"
+        out["rss_growth_gib"] = (_rss() - rss) / GIB  # same memory on a CPU: the host copies
+    out["acquire_seconds"] = trainer.acquire("all")
     after = snapshot()
-    return {"offload_bitwise": all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == len(after),
-            "offload_trainer_gb": resident / 2**30, "offload_freed_gpu_gb": freed / 2**30 if device.type == "cuda" else None,
-            "offload_seconds": release_s, "reload_seconds": acquire_s}
+    out["bitwise"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    checks = {"bitwise": out["bitwise"], "host_copy_held": out["host_gib"]["measured"] > 0}
+    if device.type == "cuda":
+        checks |= {"pinned": out["host_pinned"], "freed": out["freed_gpu_gib"] > 0}
+    out["checks"] = checks
+    return out
 
 
-def speed(hf_dir: str, actor, samples, device: torch.device, dtype: str, rounds: int) -> dict:
-    """Tokens/s of one training step on the same micro-batches and token-mean loss: the Megatron
-    trainer vs transformers' model + torch AdamW (fp32 weights, bf16 autocast on a GPU)."""
-    from transformers import Qwen2VLForConditionalGeneration
+def _held_host(trainer) -> list[torch.Tensor]:
+    """The host copies a released trainer holds (models/offload.py's HostOffload entries; gradient
+    buffers are dropped, not copied)."""
+    return [h.host for part in (trainer._state, trainer._weights) for h in part._held if h.host is not None]
+
+
+def _tiny_shape():
+    """host_offload (weights + optimizer state) does not depend on the micro-batch."""
+    from yatt_mm.plan import MicroBatchShape
+
+    return MicroBatchShape(rows=1, seq=1, scored=1, media_tokens=0, frame_tokens=1)
+
+
+# -- speed ---------------------------------------------------------------------------------------
+
+def speed_stage(hf_dir: str, actor, samples, device: torch.device, dtype: str, rounds: int) -> dict:
+    """One training step on the same micro-batches and token-mean loss: the Megatron trainer vs
+    transformers' model + torch AdamW (fp32 weights, bf16 autocast on a GPU), both resident, in
+    paired rounds (which goes first alternates); step ms as medians, the ratio as the median of
+    the rounds' ratios, MFU from the batch's model FLOPs (`train_flops`)."""
+    from transformers import AutoModelForImageTextToText
 
     trainer = actor.trainer
+    trainer.acquire("all")
     mbs = actor.micro_batches(samples)
     tokens = sum(int(mb.inputs.attention_mask.sum()) for mb in mbs)
     target = sum(float(mb.extra["loss_mask"].sum()) for mb in mbs)
@@ -190,10 +557,7 @@ def speed(hf_dir: str, actor, samples, device: torch.device, dtype: str, rounds:
     def megatron_step():
         trainer.train_step(mbs, lambda lp, mb: (-(lp * mb.extra["loss_mask"]).sum() / target, {}))
 
-    result = {"tokens_per_step": tokens}
-    result |= _timed("megatron", megatron_step, tokens, rounds, device)
-    trainer.release("none")  # out of the way of the baseline, as between RL phases
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).to(device).train()
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).to(device).train()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, weight_decay=0.0)
     image_token = hf.config.image_token_id
 
@@ -210,9 +574,64 @@ def speed(hf_dir: str, actor, samples, device: torch.device, dtype: str, rounds:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
 
-    result |= _timed("transformers", hf_step, tokens, rounds, device)
-    result["ratio_to_transformers"] = result["megatron_tokens_per_s"] / result["transformers_tokens_per_s"]
-    return result
+    steps = {"megatron": megatron_step, "transformers": hf_step}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    extra: dict[str, int] = {}
+    for name, step in steps.items():  # warm-up (allocations, kernels), the step's own memory measured
+        extra[name] = _step_extra_bytes(step, device)
+    for r in range(rounds):
+        order = list(steps) if r % 2 == 0 else list(steps)[::-1]
+        for name in order:
+            times[name].append(_seconds(steps[name], device))
+    flops = train_flops(trainer.spec, mbs)
+    peak = _peak_flops(device, dtype)
+    out = {"micro_batches": len(mbs), "tokens_per_step": tokens, "scored_per_step": int(target),
+           "model_tflop_per_step": flops / 1e12, "peak_tflops": peak and peak / 1e12, "rounds": rounds}
+    for name in steps:
+        s = statistics.median(times[name])
+        out[name] = {"step_ms": s * 1e3, "tokens_per_s": tokens / s, "model_tflops": flops / s / 1e12,
+                     "mfu": flops / s / peak if peak else None,
+                     "step_extra_gib": extra[name] / GIB if device.type == "cuda" else None}
+    out["ratio_to_transformers"] = statistics.median(b / a for a, b in zip(times["megatron"], times["transformers"]))
+    del hf, opt
+    _free(device)
+    out["checks"] = {"timed": all(out[n]["tokens_per_s"] > 0 for n in steps)}
+    return out
+
+
+def train_flops(spec, mbs) -> float:
+    """Model FLOPs of one training step (forward + backward = 3 x forward, 2 per multiply-add) on
+    the micro-batches' real tokens: the language model's matmuls per text token (the output
+    layer included, the embedding lookup not), causal attention per row; the vision tower's
+    matmuls per patch (each distinct image once, as the trainer encodes it) and full attention
+    within each image. Padding, recompute and transformers' per-occurrence image encoding are
+    work the model's FLOPs do not count."""
+    from yatt_mm.plan import param_counts
+
+    p = param_counts(spec)
+    text_matmul = p.language - (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size)
+    attn_width = spec.num_heads * spec.head_dim
+    flops = 0.0
+    for mb in mbs:
+        lengths = mb.inputs.attention_mask.sum(-1).tolist()
+        flops += 6 * text_matmul * sum(lengths)
+        flops += sum(6 * spec.num_layers * attn_width * n * n for n in lengths)  # causal: half of 12 s^2 d
+        if mb.inputs.image_grid_thw is not None:
+            patches = [int(g.prod()) for g in mb.inputs.image_grid_thw[:_distinct_images(mb.inputs)]]
+            flops += 6 * p.vision * sum(patches)
+            flops += sum(12 * spec.vision_depth * spec.vision_embed_dim * n * n for n in patches)
+    return flops
+
+
+def _distinct_images(x) -> int:
+    return len(set(x.image_sources.tolist())) if x.image_sources is not None else len(x.image_grid_thw)
+
+
+def _peak_flops(device: torch.device, dtype: str) -> float | None:
+    if device.type != "cuda" or dtype != "bf16":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((f for gpu, f in PEAK_BF16_FLOPS.items() if gpu in name), None)
 
 
 def _per_occurrence(x) -> torch.Tensor:
@@ -227,19 +646,23 @@ def _per_occurrence(x) -> torch.Tensor:
     return torch.cat([distinct[s] for s in x.image_sources.tolist()])
 
 
-def _timed(name: str, step, tokens: int, rounds: int, device: torch.device) -> dict:
-    step()  # warm-up (allocations, kernels)
+def _step_extra_bytes(step, device: torch.device) -> int:
+    """Run `step` once; on CUDA, the peak it allocated above what was allocated before it."""
     _sync(device)
+    before = _allocated(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    best = 0.0
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        best = max(best, tokens / (time.perf_counter() - t0))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {f"{name}_tokens_per_s": best, f"{name}_peak_gpu_gb": peak}
+    step()
+    _sync(device)
+    return torch.cuda.max_memory_allocated() - before if device.type == "cuda" else 0
+
+
+def _seconds(step, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _allocated(device: torch.device) -> int:
@@ -259,56 +682,132 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# -- the report's plan-vs-measured lines ---------------------------------------------------------
+
+def plan_vs_measured(stages: dict) -> dict:
+    """Every {"plan", "measured"} pair the stages recorded, as "stage.figure": [plan, measured]."""
+    out = {}
+    for stage, entry in stages.items():
+        for key, value in entry.items():
+            if isinstance(value, dict) and {"plan", "measured"} <= value.keys():
+                out[f"{stage}.{key}"] = [value["plan"], value["measured"]]
+    if "context_plus_nccl_gib" in stages.get("comm", {}):
+        out["comm.context_plus_nccl_gib"] = [stages["comm"]["plan_cuda_context_gib"],
+                                             stages["comm"]["context_plus_nccl_gib"]]
+    return out
+
+
+def _print_plan_vs_measured(pairs: dict) -> None:
+    if pairs:
+        print(f"{'plan vs measured':<34}{'plan':>10}{'measured':>10}")
+        for key, (p, m) in pairs.items():
+            print(f"  {key:<32}{p:>10.3f}{m:>10.3f}")
+
+
+# -- main ----------------------------------------------------------------------------------------
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="no GPU: run everything that does not need CUDA")
+    ap.add_argument("--cpu", action="store_true", help="no GPU: run everything that does not need CUDA, small")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--widths", choices=sorted(WIDTHS), default=None, help="default: 2b on a GPU, small with --cpu")
-    ap.add_argument("--steps", type=int, default=3, help="RL steps")
-    ap.add_argument("--groups", type=int, default=4, help="GRPO groups of 4 responses per step")
-    ap.add_argument("--rounds", type=int, default=3, help="timed training steps per trainer")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default 3; --cpu 2)")
+    ap.add_argument("--groups", type=int, default=None, help="GRPO groups of 4 responses in an RL step (4; --cpu 2)")
+    ap.add_argument("--speed-groups", type=int, default=None, help="GRPO groups in the speed batch (16; --cpu 1)")
+    ap.add_argument("--speed-tokens", type=int, default=None, help="response tokens in the speed batch (1024; --cpu 32)")
+    ap.add_argument("--rounds", type=int, default=None, help="paired timed rounds (5; --cpu 1)")
+    ap.add_argument("--only", default=",".join(STAGES),
+                    help="comma-separated stages to run (a rerun of what failed); the stages they need run too")
     args = ap.parse_args(argv)
-    if not args.cpu and not torch.cuda.is_available():
+    cpu = args.cpu
+    if not cpu and not torch.cuda.is_available():
         print("gpu_check: no GPU visible; run with --cpu for the CPU part", file=sys.stderr)
         return 2
-    from models.comm import init_parallel
+    steps = args.steps or (2 if cpu else 3)
+    groups = args.groups or (2 if cpu else 4)
+    speed_groups, speed_tokens = args.speed_groups or (1 if cpu else 16), args.speed_tokens or (32 if cpu else 1024)
+    rounds = args.rounds or (1 if cpu else 5)
+    widths = args.widths or ("small" if cpu else "2b")
+    dtype = "fp32" if cpu else "bf16"
+    selected = _with_needs({s.strip() for s in args.only.split(",") if s.strip()})
 
+    out_dir = Path(os.environ.get("OUT") or DEFAULT_OUT)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    report = Report(out_dir / "gpu_check.json",
+                    {"device": torch.cuda.get_device_name(0) if not cpu else "cpu", "torch": torch.__version__,
+                     "widths": widths, "layers": args.layers, "train_dtype": dtype, "argv": sys.argv[1:],
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, selected)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     start = time.perf_counter()
-    groups = init_parallel(1)  # NCCL on the GPU, plus gloo beside it (models/comm.py)
-    device = groups.device
-    dtype = "fp32" if args.cpu else "bf16"
-    widths = args.widths or ("small" if args.cpu else "2b")
-    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "widths": widths, "layers": args.layers, "train_dtype": dtype,
-                    "backend": torch.distributed.get_backend()}
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = str(build_model(Path(tmp) / f"qwen2vl-{widths}-widths", widths, args.layers))
-        report["params_m"] = sum(p.numel() for p in _safetensors(hf_dir)) / 1e6
-        print(f"built {report['params_m']:.0f}M-parameter Qwen2-VL ({widths} widths) in {time.perf_counter() - start:.0f}s",
-              flush=True)
-        report["parity_fp32_max_diff"] = parity(hf_dir, device, torch.float32)
-        report["parity_bf16_max_diff"] = parity(hf_dir, device, torch.bfloat16)
-        print(f"parity fp32 {report['parity_fp32_max_diff']:.2e}, bf16 {report['parity_bf16_max_diff']:.2e}", flush=True)
-        rl, actor, samples = rl_steps(hf_dir, dtype, args.steps, args.groups)
-        report |= rl
-        print(f"RL steps: losses {rl['rl_losses']}", flush=True)
-        report |= offload_round_trip(actor.trainer, device)
-        report |= speed(hf_dir, actor, samples, device, dtype, args.rounds)
-    report["seconds"] = time.perf_counter() - start
-    report["ok"] = bool(report["parity_fp32_max_diff"] < 1e-3 and report["rl_weights_changed_every_step"]
-                        and report["offload_bitwise"] and all(map(_finite, report["rl_losses"])))
-    print(json.dumps(report), flush=True)
-    return 0 if report["ok"] else 1
+    code = 0
+    state: dict = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            report.run("comm", lambda: comm_stage(cpu))
+
+            def build():
+                state["hf_dir"] = str(build_model(Path(tmp) / f"qwen2vl-{widths}-widths", widths, args.layers))
+                return {"params_m": _params_m(state["hf_dir"])}
+
+            report.run("build", build)
+            report.run("parity", lambda: parity_stage(state["hf_dir"], device))
+
+            def rl():
+                state["actor"], processor = make_actor(state["hf_dir"], dtype, 4096)
+                state["processor"] = processor
+                state["samples"] = rl_samples(processor, groups, 4, 64)
+                return rl_stage(state["actor"], state["samples"], steps)
+
+            report.run("rl", rl)
+            report.run("memory", lambda: memory_stage(state["actor"], state["samples"], device))
+            report.run("offload", lambda: offload_stage(state["actor"].trainer, device))
+            for kind in ("qwen3vl", "qwen3vl_moe"):
+                report.run(kind, lambda k=kind: family_parity_stage(k, cpu, device, Path(tmp)))
+
+            def speed():
+                samples = rl_samples(state["processor"], speed_groups, 4, speed_tokens, seed=1)
+                return speed_stage(state["hf_dir"], state["actor"], samples, device, dtype, rounds)
+
+            report.run("speed", speed)
+    except TimeUp:
+        code = 124
+    report.data["absent_on_gpu_machine_imported"] = sorted(m for m in ABSENT_ON_GPU_MACHINE if m in sys.modules)
+    report.data["seconds"] = time.perf_counter() - start
+    data = report.finish()
+    _print_plan_vs_measured(data["plan_vs_measured"])
+    _teardown()
+    print(json.dumps(data, default=str), flush=True)
+    return code or (0 if data["ok"] else 1)
 
 
-def _safetensors(hf_dir: str):
-    from safetensors.torch import load_file
 
-    return load_file(str(Path(hf_dir) / "model.safetensors")).values()
+def _with_needs(names: set[str]) -> set[str]:
+    unknown = names - set(STAGES)
+    if unknown:
+        raise SystemExit(f"gpu_check: --only: unknown stage(s) {sorted(unknown)}; stages: {', '.join(STAGES)}")
+    out, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in out:
+            out.add(name)
+            todo.extend(NEEDS.get(name, ()))
+    return out
 
 
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
+def _teardown() -> None:
+    """Megatron's groups and the default group gone before the JSON line (no warning after it,
+    no teardown left to stall at exit)."""
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - megatron absent or never initialised: nothing to destroy
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
