@@ -1,13 +1,14 @@
-"""Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen3vl the tiny Qwen3-VL):
+"""Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen3vl / qwen3vlmoe the tiny
+Qwen3-VL / Qwen3-VL-MoE):
 yatt-mm's VLMTrainer (Megatron-Core, DDP, Megatron's optimizer) vs what a user would otherwise
-write: transformers' model class (Qwen2VLForConditionalGeneration,
-Qwen3VLForConditionalGeneration) + torch.optim.AdamW. Same weights, same batch (right-padded
+write: transformers' model class (Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+Qwen3VLMoeForConditionalGeneration) + torch.optim.AdamW. Same weights, same batch (right-padded
 colour-question images, loss on the answer tokens), same loss, same clipping, one process, same
 cores, measured in the same run in interleaved rounds; the best round of each is reported (other
 processes on a shared machine only ever slow a round down, so the best round is the least
 disturbed), medians beside it.
 
-    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl] [--rounds 5] [--steps-per-round 3] [--batch 16]
+    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl|qwen3vlmoe] [--rounds 5] [--steps-per-round 3] [--batch 16]
 
 The last line is one JSON object: kind, tokens_per_s, transformers_tokens_per_s,
 ratio_to_transformers (best rounds), median_round_ratio (the median over rounds of the two
@@ -43,7 +44,8 @@ def make_batch(processor, spec, n: int, micro: int):
 
 # --kind -> (the tiny model's kind, transformers' class for it)
 KINDS = {"qwen2vl": ("policy", "Qwen2VLForConditionalGeneration"),
-         "qwen3vl": ("qwen3vl", "Qwen3VLForConditionalGeneration")}
+         "qwen3vl": ("qwen3vl", "Qwen3VLForConditionalGeneration"),
+         "qwen3vlmoe": ("qwen3vlmoe", "Qwen3VLMoeForConditionalGeneration")}
 
 
 def main() -> int:

@@ -106,7 +106,7 @@ def language_config(spec: Qwen3VLMoeSpec, dtype: torch.dtype = torch.float32, tp
         moe_aux_loss_coeff=spec.router_aux_loss_coef,
         moe_z_loss_coeff=spec.router_z_loss_coef or None,
         # every token reaches its experts (no capacity factor, no dropping), as in transformers
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=token_dispatcher(tp, pp, ep),
         expert_model_parallel_size=ep,
         # grouped GEMM and the fused permute/router kernels need Transformer Engine or CUDA:
         # experts run one after another (SequentialMLP), exactly
@@ -114,3 +114,13 @@ def language_config(spec: Qwen3VLMoeSpec, dtype: torch.dtype = torch.float32, tp
         moe_permute_fusion=False,
         moe_router_fusion=False,
     )
+
+
+def token_dispatcher(tp: int, pp: int, ep: int) -> str:
+    """Megatron's MoE token dispatcher for a layout. The all-to-all one moves tokens between
+    expert-parallel ranks, and is the one Megatron allows beside pipeline parallelism's variable
+    sequence lengths. On one rank there is nothing to move, and there it still splits the
+    permuted tokens by expert and concatenates them back in the same order, before and after the
+    experts (and again in the backward); the all-gather dispatcher then only permutes. Both
+    compute the same function bit for bit (same permutation, same probabilities, same sum)."""
+    return "allgather" if tp == pp == ep == 1 else "alltoall"

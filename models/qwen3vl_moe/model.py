@@ -2,7 +2,8 @@
 interleaved M-RoPE, embedding and forward), with Megatron's MoE layer as every language layer's
 MLP: TopKRouter (`mlp.router`) and SequentialMLP experts (`mlp.experts.local_experts.{i}`, this
 expert-parallel rank's share of the experts, numbered from 0 on every rank), tokens moved to
-their experts by the all-to-all dispatcher (over the expert-parallel group under EP).
+their experts by the all-to-all dispatcher (over the expert-parallel group under EP; on one rank
+by the all-gather one, which then only permutes: config.token_dispatcher).
 """
 
 from __future__ import annotations
