@@ -617,14 +617,20 @@ def train_flops(spec, mbs) -> float:
         flops += 6 * text_matmul * sum(lengths)
         flops += sum(6 * spec.num_layers * attn_width * n * n for n in lengths)  # causal: half of 12 s^2 d
         if mb.inputs.image_grid_thw is not None:
-            patches = [int(g.prod()) for g in mb.inputs.image_grid_thw[:_distinct_images(mb.inputs)]]
+            patches = _distinct_image_patches(mb.inputs)
             flops += 6 * p.vision * sum(patches)
             flops += sum(12 * spec.vision_depth * spec.vision_embed_dim * n * n for n in patches)
     return flops
 
 
-def _distinct_images(x) -> int:
-    return len(set(x.image_sources.tolist())) if x.image_sources is not None else len(x.image_grid_thw)
+def _distinct_image_patches(x) -> list[int]:
+    """Patches of each distinct image of a micro-batch, in pixel_values' order (a group's shared
+    image once: `VLMInputs.image_sources` maps each occurrence to its distinct image)."""
+    sources = x.image_sources.tolist() if x.image_sources is not None else range(len(x.image_grid_thw))
+    sizes: dict[int, int] = {}
+    for src, grid in zip(sources, x.image_grid_thw):
+        sizes.setdefault(src, int(grid.prod()))
+    return [sizes[i] for i in range(len(sizes))]
 
 
 def _peak_flops(device: torch.device, dtype: str) -> float | None:
@@ -639,10 +645,7 @@ def _per_occurrence(x) -> torch.Tensor:
     (the trainer encodes a group's shared image once; `VLMInputs.image_sources`)."""
     if x.image_sources is None:
         return x.pixel_values
-    sizes: dict[int, int] = {}
-    for src, grid in zip(x.image_sources.tolist(), x.image_grid_thw):
-        sizes.setdefault(src, int(grid.prod()))
-    distinct = torch.split(x.pixel_values, [sizes[i] for i in range(len(sizes))])
+    distinct = torch.split(x.pixel_values, _distinct_image_patches(x))
     return torch.cat([distinct[s] for s in x.image_sources.tolist()])
 
 
