@@ -1,5 +1,6 @@
 """A torchrun entry point that runs `yatt-mm rl` with torch.distributed's collectives wrapped,
-and writes, per rank, every collective issued from yatt-mm's own code with the group it passed.
+and writes, per rank, every collective issued from yatt-mm's own code with the group it passed
+(and the shape of its tensor: a context-parallel gather shows the rank's chunk length).
 
 The rule it checks (issue: the GPU path correct by design): a collective called from `yatt_mm/`
 moves CPU tensors, so it must name a gloo group made by `models.comm` for them; one called from
@@ -54,10 +55,13 @@ def _wrap(name: str):
         if where and where.split("/")[0] in ("yatt_mm", "models"):
             from models.comm import is_cpu_group
 
-            for group in _groups(name, signature.bind(*args, **kwargs)):
+            bound = signature.bind(*args, **kwargs)
+            tensor = bound.arguments.get("tensor")  # this rank's part (e.g. its CP chunks of a gather)
+            shape = list(tensor.shape) if hasattr(tensor, "shape") else None
+            for group in _groups(name, bound):
                 kind = "implicit" if group is None or group is dist.group.WORLD else (
                     "cpu" if is_cpu_group(group) else "accelerator")
-                calls.append({"op": name, "where": where, "group": kind})
+                calls.append({"op": name, "where": where, "group": kind, "shape": shape})
         return original(*args, **kwargs)
 
     setattr(dist, name, audited)

@@ -39,6 +39,14 @@ def test_context_parallel_layouts_are_refused_before_any_rank_starts(tiny_policy
     with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel and policy\.trainer\.expert_parallel"):
         TrainerConfig(context_parallel=2, expert_parallel=2).check_world(4, "policy.trainer")
     TrainerConfig(context_parallel=2).check_model(str(tiny_policy), "policy.trainer")  # Qwen2-VL: supported
+    # `yatt-mm rl --nproc N` checks its trainer's layout the same way, naming the RL setting
+    from yatt_mm.rl.config import RLConfig
+
+    rl = RLConfig()
+    rl.policy.trainer.context_parallel = 2
+    rl.check_world(2)
+    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel = 1 x 1 x 2"):
+        rl.check_world(3)
     TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen3vl")), "policy.trainer")  # Qwen3-VL too
     # Qwen3-VL-MoE's routers take the padding mask of the whole sequence, not of a CP rank's chunks
     with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=2: not supported for qwen3_vl_moe"):

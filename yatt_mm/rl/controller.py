@@ -89,7 +89,7 @@ class Controller:
                                             responses=sum(len(r) for r in result.responses))
         groups = [self._shape_length(Group(p, rs, total, parts))
                   for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
-        stats.add_wave(groups, result.seconds, own)
+        stats.add_wave(groups, result.seconds, own, result.prompt_tokens)
         return groups
 
     def _shape_length(self, group: Group) -> Group:

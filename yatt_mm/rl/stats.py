@@ -25,6 +25,7 @@ class RolloutStats:
     reward_sum: float = 0.0
     reward_sq_sum: float = 0.0
     response_tokens: float = 0.0
+    prompt_tokens: float = 0.0  # the generated prompts' tokens, media tokens included (vLLM's count)
     truncated: float = 0.0  # responses cut at the length limit
     overlong_penalty: float = 0.0  # summed DAPO soft penalties (algorithm.overlong.soft_penalty)
     gen_seconds: float = 0.0
@@ -44,8 +45,9 @@ class RolloutStats:
     split_reason: str = ""  # why the split is what it is next step (this rank's decision; not summed)
     reward_counts: dict[str, float] = field(default_factory=dict)  # the rewarder's; same keys on every group
 
-    def add_wave(self, groups, seconds: float, cpu_seconds: float = 0.0) -> None:
+    def add_wave(self, groups, seconds: float, cpu_seconds: float = 0.0, prompt_tokens: int = 0) -> None:
         self.gen_seconds += seconds
+        self.prompt_tokens += prompt_tokens
         self.gen_cpu += cpu_seconds
         for g in groups:
             self.groups += 1
@@ -112,6 +114,8 @@ class RolloutStats:
             "rollout/reward_std": math.sqrt(max(self.reward_sq_sum / n - mean * mean, 0.0)),
             "rollout/valid_group_rate": self.valid_generated / max(self.groups, 1),
             "rollout/response_length": self.response_tokens / n,
+            # prompt + media tokens a prompt: what a long video costs (data.max_sample_tokens bounds it)
+            "rollout/prompt_length": self.prompt_tokens / max(self.groups, 1),
             "rollout/truncated_rate": self.truncated / n,
             "rollout/overlong_penalty": self.overlong_penalty / n,
             "rollout/tokens_per_s": self.response_tokens / max(self.gen_seconds, 1e-9),

@@ -1,7 +1,7 @@
 """One RL step, a call per phase, in the order of the diagram in the README:
 
     controller: rollout + reward + dynamic sampling + advantages   (rl/controller.py)
- -> balance whole groups across DP groups, then to the TP peers     (rl/distributed.py)
+ -> balance whole groups across DP groups, then to the TP/CP/PP peers (rl/distributed.py)
  -> actor: old (and reference) logprobs, step-wide advantages, updates  (rl/actor.py)
  -> weight sync -> checkpoint snapshot -> probe check -> eval -> metrics
 """
@@ -27,7 +27,7 @@ def rl_step(run, step: int) -> dict[str, float]:
             with phases.phase("balance", step):
                 groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders_cpu)
             metrics |= moved
-    else:  # a TP peer; with an engine over the DP group's ranks, it replays the controller's calls
+    else:  # a TP, CP or PP peer; with an engine over the DP group's ranks, it replays the controller's calls
         with phases.phase(phases.plan.phases[0].name, step):
             run.engine.follow()
     samples = broadcast_samples([s for g in groups for s in g], ranks.leader_rank, ranks.mp_cpu)
@@ -58,13 +58,21 @@ def sync_weights(run, step: int) -> dict[str, float]:
     return metrics | probe_sync(run, step)
 
 
+def serves_rollout(ranks) -> bool:
+    """Whether this rank's engine is (a shard of) its DP group's rollout engine: the ranks of the
+    controller's TP group. CP peers and later pipeline stages hold the same weights in their
+    training shards but never generate, so they neither join an engine nor receive the sync."""
+    return ranks.first_stage and ranks.cp_rank == 0
+
+
 def push_weights(run) -> dict[str, float]:
     """Megatron weights -> HF names -> this DP group's engine, in place, a bucket of
     sync.bucket_mb at a time (a collective over TP and PP: the pipeline stages hand their
-    buckets to the first; an engine over the group's ranks loads its shards on each). In the
+    buckets to the first; an engine over the group's ranks loads its shards on each; CP peers
+    take part in the gathers and push nothing). In the
     "sync" phase: the trainer on the device, the engine's weights awake, its KV cache not."""
     ranks = run.ranks
-    pushes = ranks.first_stage and (ranks.leader or run.cfg.rollout.engine.tensor_parallel_size > 1)
+    pushes = serves_rollout(ranks) and (ranks.leader or run.cfg.rollout.engine.tensor_parallel_size > 1)
     seconds = nbytes = buckets = 0.0
     for bucket in run.trainer.export_hf_buckets(run.cfg.sync.bucket_mb):
         if pushes:  # TP peers without an engine still take part in the gathers

@@ -1,6 +1,8 @@
-"""`yatt-mm rl`: the RL loop. One process per rank (torchrun); the TP rank 0 of every DP group
-is that group's controller: it reads its own data, rolls out on its own vLLM engine, scores,
-and builds training samples. Then all ranks balance, train, and sync weights (rl/step.py).
+"""`yatt-mm rl`: the RL loop. One process per rank (torchrun); a DP group's model replica spans
+TP x CP x PP ranks, and its first rank (TP, CP rank 0 of the first stage) is that group's
+controller: it reads its own data, rolls out on its own vLLM engine, scores, and builds training
+samples. Its peers, whichever parallelism made them, only receive the samples. Then all ranks
+balance, train, and sync weights (rl/step.py).
 
     yatt-mm rl --config configs/tiny_demo.yaml --nproc 2 [key=value ...]
 """
@@ -37,7 +39,7 @@ from yatt_mm.rl.samples import SampleBuilder
 from yatt_mm.rl.split_runner import SplitRunner
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource
 from yatt_mm.rl.stats import progress_line
-from yatt_mm.rl.step import evaluate, rl_step, sync_weights
+from yatt_mm.rl.step import evaluate, rl_step, serves_rollout, sync_weights
 
 
 class Run:
@@ -49,7 +51,7 @@ class Run:
         self.cfg = cfg
         trainer_cfg = cfg.policy.trainer
         self.ranks = ranks = init_parallel(trainer_cfg.tensor_parallel, cfg.run.seed, trainer_cfg.pipeline_parallel,
-                                           trainer_cfg.expert_parallel)
+                                           trainer_cfg.expert_parallel, trainer_cfg.context_parallel)
         self.run_dir = cfg.fix_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ranks.rank == 0:
@@ -64,17 +66,18 @@ class Run:
         reference = ReferencePolicy(self.policy_dir, cfg.policy.trainer) if cfg.algorithm.kl_coef > 0 else None
         self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id,
                            cfg.run.max_logprob_diff, reference, cfg.run.packing)
-        # Every rank starts its engines, TP peers and later pipeline stages included: vLLM inside
-        # torchrun ranks creates its process groups with collectives over all ranks. With
-        # rollout.engine.tensor_parallel_size equal to the trainer's TP, one engine spans the TP
-        # ranks of the DP group's first pipeline stage (its controller leads, the peers replay);
-        # at 1, each rank has its own and only the controller's generates. The trainer goes to
-        # the host first (on GPUs), so vLLM finds the memory share it asks for.
+        # Every rank starts its engines, TP peers, CP peers and later pipeline stages included:
+        # vLLM inside torchrun ranks creates its process groups with collectives over all ranks.
+        # With rollout.engine.tensor_parallel_size equal to the trainer's TP, one engine spans the
+        # TP ranks of the controller's (CP rank 0, first stage: `serves_rollout`), its controller
+        # leads, the peers replay; at 1, each rank has its own and only the controller's
+        # generates. The trainer goes to the host first (on GPUs), so vLLM finds the memory share
+        # it asks for.
         self.trainer.release()
         cfg.rollout.engine.model = self.policy_dir
         cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
         self.engine = RolloutEngine(cfg.rollout.engine)
-        if ranks.first_stage:  # later stages' engines never generate: nobody leads them
+        if serves_rollout(ranks):  # the other engines (later stages, CP peers) never generate: nobody leads them
             self.engine.join(ranks.tp_cpu, ranks.leader_rank)
         self.judges = build_judges(cfg.reward.judges, ranks)
         self.rule_names = [f.name for f in cfg.reward.functions]
@@ -143,7 +146,7 @@ def train(cfg: RLConfig) -> int:
     run = Run(cfg)
     if run.ranks.rank == 0:
         print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP {run.ranks.tp_size} x PP "
-              f"{run.ranks.pp_size}, rollout engines of {run.engine.tensor_parallel} "
+              f"{run.ranks.pp_size} x CP {run.ranks.cp_size}, rollout engines of {run.engine.tensor_parallel} "
               f"rank(s), run dir {run.run_dir}\n{run.phases.plan.describe()}", flush=True)
     start = resume(run) if cfg.run.resume else 0
     if start == 0 and (m := evaluate(run, -1)):
