@@ -285,7 +285,11 @@ def parity_stage(hf_dir: str, device: torch.device, moe: bool = False) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     try:
-        out = {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32}
+        out = {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+               # the same settings as torch's newer API reads them ("ieee", or "none": no TF32 either)
+               "fp32_precision": {"matmul": getattr(torch.backends.cuda.matmul, "fp32_precision", None),
+                                  "cudnn_conv": getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision",
+                                                        None)}}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             diff, scale = parity(hf_dir, device, dtype)
             out[name] = {"max_abs_diff": diff, "max_abs_logit": scale, "rel": diff / scale,

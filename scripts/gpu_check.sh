@@ -40,6 +40,7 @@ LOG=$OUT/gpu_check.log
 # everything printed, stdout and stderr alike (NCCL's and CUDA's own lines too), also to the log
 exec > >(tee -a "$LOG") 2> >(tee -a "$LOG" >&2)
 export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1  # every model is a local directory; a hub call could only wait for a timeout there
 
 if [[ " $* " == *" --cpu "* ]]; then
   PY=${PYTHON:-.venv/bin/python}

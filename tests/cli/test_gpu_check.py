@@ -43,7 +43,9 @@ def test_gpu_check_runs_on_cpu_stage_by_stage(tmp_path):
     # AMX or AVX-512, set the bf16 ones): Qwen2-VL fp32 8.6e-7, bf16 7.7e-3; Qwen3-VL-MoE fp32
     # 4.5e-7, bf16 3.7e-2 (a routing flip)
     parity, moe = stages["parity"], stages["qwen3vl_moe"]
+    # TF32 off for the comparison (the default reads "none"; setting allow_tf32 = False makes it "ieee")
     assert parity["tf32_matmul"] is False and parity["tf32_cudnn"] is False
+    assert parity["fp32_precision"]["matmul"] == "ieee"
     assert parity["fp32"]["rel"] < 1e-5 and parity["bf16"]["rel"] < 0.08
     assert moe["fp32"]["rel"] < 1e-5 and moe["bf16"]["rel"] < 0.2
     rl = stages["rl"]
