@@ -160,6 +160,8 @@ class Report:
             self._end(name, {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
                              "where": traceback.format_exc().strip().splitlines()[-3:],
                              "seconds": time.perf_counter() - start})
+            del e  # its frames hold the stage's models: free them for the stages after
+            _free(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
             return None
         checks = figures.get("checks", {})
         status = "ok" if all(checks.values()) else "failed"
