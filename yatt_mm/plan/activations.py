@@ -3,14 +3,25 @@ stage, tensor by tensor in the form of Korthikanti et al.'s per-layer formula fo
 ("Reducing Activation Recomputation in Large Transformer Models", 2022: s*b*h*(34 + 5*a*s/h)
 bytes a layer), with the terms of this model (GQA, SwiGLU, M-RoPE, fp32 softmax, no dropout) and
 the recompute setting; for Qwen3-VL also the per-head q/k norms, the vision tower's learned
-position table and the DeepStack mergers (spec fields as yatt_mm/plan/params.py reads them)."""
+position table and the DeepStack mergers (spec fields as yatt_mm/plan/params.py reads them).
+
+Mixture of experts (Qwen3-VL-MoE: Megatron's MoE layer, all-to-all dispatcher, SequentialMLP
+experts): each token is copied to its top-k experts, so a layer keeps the permuted copies
+(tokens x top-k x hidden, the experts' input), each expert's SwiGLU tensors for the copies it
+receives (balanced routing assumed: top-k copies of every token arrive on some rank), the
+router's input, logits and scores, and the dispatcher's indices.
+
+Context parallelism (models/context.py): a rank's language layers see padded / cp positions of
+each row, but core attention all-gathers K and V (kept whole for the backward pass), and the
+micro-batch's additive masks of the local chunks are kept once; the vision tower and the token
+ids stay whole (every CP rank runs the full media)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from models.stages import stage_layers
-from yatt_mm.plan.batch import MicroBatchShape
+from yatt_mm.plan.batch import MicroBatchShape, context_share
 from yatt_mm.plan.constants import ACTIVATION_CALIBRATION
 
 
@@ -47,6 +58,16 @@ class Block:
     # MLP-width tensors kept: fc1's output (2 halves if gated) and what the activation keeps
     # (0: the default, 5 gated SiLU, 3 Qwen2-VL's quick_gelu x * sigmoid(1.702 x))
     mlp_kept: int = 0
+    # context parallelism: the K/V rows core attention gathers and keeps (the whole rows; 0: no
+    # CP, K and V are this rank's own) and the elements of the additive masks of a row's two
+    # local chunks (models/context.py: chunk j against the keys up to its end), shared by all rows
+    # and layers
+    kv_tokens: int = 0
+    mask_elems: int = 0
+    # mixture of experts: experts per layer (0: a dense MLP of width `ffn`) and top-k; `ffn` is
+    # then one expert's width
+    experts: int = 0
+    topk: int = 0
 
 
 def _norm_bytes(n: int, h: int, e: int, rms: bool, kernels: Kernels) -> int:
@@ -60,8 +81,13 @@ def _core_attention_bytes(b: Block, e: int) -> int:
     """torch's attention kernel (models/attention.py) keeps its inputs (Q and K after the rotary
     embedding, V as a view that keeps the whole fused QKV output; grouped K and V are not
     expanded), its output (the output projection's input, a view of it, counted there) and one
-    fp32 log-sum-exp per head and query: no s x s scores."""
-    return _recomputed_core_bytes(b, e) + 4 * b.tokens * (b.q // b.head_dim)
+    fp32 log-sum-exp per head and query: no s x s scores. Under context parallelism its inputs
+    are Q and the gathered K and V of the whole rows (each chunk's keys a view of them); this
+    rank's own K and V are not kept, and the masks are made once per micro-batch (`_saved_bytes`)."""
+    lse = 4 * b.tokens * (b.q // b.head_dim)
+    if b.kv_tokens:
+        return (b.tokens * b.q + b.kv_tokens * 2 * b.kv) * e + lse
+    return _recomputed_core_bytes(b, e) + lse
 
 
 def _recomputed_core_bytes(b: Block, e: int) -> int:
@@ -88,11 +114,32 @@ def layer_bytes(b: Block, e: int, kernels: Kernels, recompute: str) -> int:
     if recompute == "full":
         return b.tokens * b.hidden * e  # only the layer's input; the rest is recomputed
     core = _recomputed_core_bytes(b, e) if recompute == "selective" else _core_attention_bytes(b, e)
-    mlp = (b.mlp_kept or (5 if b.gated else 3)) * b.tokens * b.ffn * e  # fc1 output, activation, product
+    mlp = _mlp_bytes(b, e)
     # (the rotary cos and sin are one pair for all layers: `_rotary_bytes`); the q/k norms run
     # before core attention, so selective recompute keeps theirs
     return (2 * _norm_bytes(b.tokens, b.hidden, e, b.rms, kernels) + core + b.tokens * b.q * e + mlp
             + _qk_norm_bytes(b, e, kernels))
+
+
+def _mlp_bytes(b: Block, e: int) -> int:
+    """A dense MLP keeps fc1's output, the activation's tensors and the product (fc2's input).
+    A MoE layer (Megatron 0.16, alltoall dispatcher, SequentialMLP; measured on the tiny model):
+    the router's per-token expert scores, the permuted copies (`dispatched_bytes`),
+    each expert's fc1 output (2 halves), two SiLU tensors, the product, the product scaled by the
+    routing probability (fc2's input), and the dispatcher's index tensors."""
+    if not b.experts:
+        return (b.mlp_kept or (5 if b.gated else 3)) * b.tokens * b.ffn * e  # fc1 output, activation, product
+    routed = b.tokens * b.topk
+    router = b.tokens * b.experts * 9  # fp32 logits and scores, the bool routing map (its input: the norm's output)
+    indexes = routed * 32  # int64 top-k and permutation indexes, fp32 top-k and permuted probabilities
+    return router + dispatched_bytes(b, e) + 6 * routed * b.ffn * e + indexes
+
+
+def dispatched_bytes(b: Block, e: int) -> int:
+    """The token copies one MoE layer sends to its experts and keeps (the experts' fc1 input):
+    tokens x top-k x hidden. Under expert parallelism as many arrive as leave when the routing
+    is balanced; a skewed routing brings more to the rank of the popular experts."""
+    return b.tokens * b.topk * b.hidden * e
 
 
 def _rotary_bytes(b: Block, e: int, recompute: str) -> int:
@@ -101,11 +148,22 @@ def _rotary_bytes(b: Block, e: int, recompute: str) -> int:
     return 0 if recompute == "full" else 2 * b.rope_rows * b.head_dim * e
 
 
-def language_block(spec, shape: MicroBatchShape, tp: int) -> Block:
-    hd = spec.head_dim
+def _chunk_mask_elems(padded: int, cp: int) -> int:
+    """Rank r's chunks r and 2cp-1-r attend (r + 1) c and (2cp - r) c keys (c = padded / 2cp):
+    (2cp + 1) c^2 mask elements on every rank; none without CP (a causal kernel, no mask)."""
+    c = padded // (2 * cp)
+    return (2 * cp + 1) * c * c if cp > 1 else 0
+
+
+def language_block(spec, shape: MicroBatchShape, tp: int, cp: int = 1) -> Block:
+    """A language layer on one TP rank; `shape` this CP rank's share (batch.context_share)."""
+    hd, experts = spec.head_dim, getattr(spec, "num_experts", 0)
+    ffn = spec.moe_intermediate_size if experts else spec.intermediate_size
     return Block(tokens=shape.tokens, hidden=spec.hidden_size, q=spec.num_heads // tp * hd,
-                 kv=max(1, spec.num_kv_heads // tp) * hd, ffn=spec.intermediate_size // tp, head_dim=hd, gated=True,
-                 rms=True, rope_rows=shape.tokens, qk_norm=getattr(spec, "qk_norm", False))
+                 kv=max(1, spec.num_kv_heads // tp) * hd, ffn=ffn // tp, head_dim=hd, gated=True,
+                 rms=True, rope_rows=shape.tokens, qk_norm=getattr(spec, "qk_norm", False),
+                 kv_tokens=shape.tokens * cp if cp > 1 else 0, mask_elems=_chunk_mask_elems(shape.seq * cp, cp),
+                 experts=experts, topk=getattr(spec, "num_experts_per_tok", 0))
 
 
 def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
@@ -127,18 +185,25 @@ class Activations:
     saved: int  # kept for the backward pass at the end of the forward
     peak: int  # the most alive at once in the forward and backward (saved tensors and temporaries)
     forward_only: int  # peak of a no-grad forward (the logprobs phase)
+    # mixture of experts: of `saved`, the token copies the dispatcher sent to the experts (all
+    # the stage's layers and in-flight micro-batches), and the all-to-all's receive buffer of
+    # one layer, alive beside them while a layer dispatches
+    dispatched: int = 0
+    dispatch_in_flight: int = 0
 
 
 def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
-                 pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> int:
+                 pp: int = 1, stage: int = 0, layers: tuple[int, ...] = (), cp: int = 1) -> int:
     """What one micro-batch's forward on pipeline `stage` keeps for the backward, but the loss's
     own part (the sum over the stage's layers of the per-layer formula, plus on the first stage
-    the embeddings, pixels and patch merger, on the last the final norm)."""
-    lm, vis = language_block(spec, shape, tp), vision_block(spec, shape, tp)
+    the embeddings, pixels and patch merger, on the last the final norm). `shape`: this CP
+    rank's share (batch.context_share)."""
+    lm, vis = language_block(spec, shape, tp, cp), vision_block(spec, shape, tp)
     n, first, last = shape.tokens, stage == 0, stage == pp - 1
     n_layers = stage_layers(spec.num_layers, pp, layers)[stage]
     saved = n_layers * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
-    saved += 9 * n  # token ids, media mask
+    saved += 9 * n * cp  # token ids, media mask: the whole rows on every CP rank
+    saved += lm.mask_elems * e  # CP: the chunks' additive masks, made once per micro-batch (models/context.py)
     if last:
         saved += _norm_bytes(n, spec.hidden_size, e, True, kernels)  # the final norm
     if recompute == "full":
@@ -172,11 +237,11 @@ def _vision_recompute(spec, recompute: str) -> str:
 
 
 def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
-                            vision: bool = True) -> int:
+                            vision: bool = True, cp: int = 1) -> int:
     """What comes back during one layer's backward under recompute: the whole layer (full), its
     core attention (selective); the largest of the language and (with `vision`) vision layers."""
-    blocks = [language_block(spec, shape, tp)] + ([vision_block(spec, shape, tp)] if shape.media_tokens and vision
-                                                  else [])
+    blocks = [language_block(spec, shape, tp, cp)] + ([vision_block(spec, shape, tp)] if shape.media_tokens and vision
+                                                      else [])
     if recompute == "full":
         return max(layer_bytes(b, e, kernels, "none") for b in blocks)
     if recompute == "selective":  # the attention output and its log-sum-exp come back
@@ -186,28 +251,32 @@ def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recom
 
 def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str,
                      kernels: Kernels = CUDA, pp: int = 1, stage: int = 0,
-                     layers: tuple[int, ...] = ()) -> Activations:
+                     layers: tuple[int, ...] = (), cp: int = 1) -> Activations:
     """Activation memory of the forward and backward of micro-batches on one TP rank of pipeline
     `stage`. On the last stage (the whole model without PP) the peak is the largest of three
     moments: the end of the forward (logits and the loss alive), the output layer's backward (the
     loss's softmax freed; the logits' gradient, its contiguous copy when rows > 1, the output
     weight's and the input's gradients alive), and a layer's recompute. Under 1F1B, stage s runs
-    pp - s micro-batches' forwards before their first backward, so it keeps that many."""
+    pp - s micro-batches' forwards before their first backward, so it keeps that many. With
+    context parallelism (`cp`), all of it for the fullest CP rank's share of the rows."""
+    shape = context_share(shape, cp)
     n, vocab, h = shape.tokens, spec.vocab_size // tp, spec.hidden_size
-    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers)
+    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers, cp)
+    lm = language_block(spec, shape, tp, cp)
+    in_flight = dispatched_bytes(lm, e) if lm.experts else 0
+    kept = 0 if recompute == "full" or not lm.experts else stage_layers(spec.num_layers, pp, layers)[stage] * in_flight
+    c = ACTIVATION_CALIBRATION
     if stage < pp - 1:
         held = (pp - stage) * body
         hidden = 2 * n * h * e  # the hidden states received and sent (or their gradients)
-        c = ACTIVATION_CALIBRATION
-        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, vision=stage == 0)
-        return Activations(saved=int(c * held), peak=int(c * (held + hidden + recomputing)),
-                           forward_only=int(c * hidden))
+        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, stage == 0, cp)
+        return Activations(saved=int(c * held), peak=int(c * (held + hidden + max(recomputing, in_flight))),
+                           forward_only=int(c * hidden), dispatched=(pp - stage) * kept, dispatch_in_flight=in_flight)
     loss = shape.scored * vocab * 4  # the fp32 softmax of the scored positions (vocab-parallel cross entropy)
     logits = n * vocab * e
     end_of_forward = body + loss + logits + shape.scored * vocab * e  # the logits and the scored rows picked
     output_backward = body + logits * (2 if shape.rows > 1 else 1) + vocab * h * e + n * h * e
-    recomputing = body + _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels)
+    recomputing = body + max(_recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, cp=cp), in_flight)
     forward_only = logits + shape.scored * vocab * (e + 8)  # logits; the scored rows and their fp32 copies
-    c = ACTIVATION_CALIBRATION
     return Activations(saved=int(c * (body + loss)), peak=int(c * max(end_of_forward, output_backward, recomputing)),
-                       forward_only=int(c * forward_only))
+                       forward_only=int(c * forward_only), dispatched=kept, dispatch_in_flight=in_flight)

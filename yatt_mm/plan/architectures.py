@@ -44,10 +44,30 @@ KNOWN_MODELS.update({
 })
 
 
+# Qwen3-VL-MoE (the 30B-A3B Instruct checkpoint): Qwen3-VL's text and vision fields plus the
+# experts: (experts, top-k, moe_intermediate_size). The text widths are Qwen3-30B-A3B's: hidden
+# 2048, 48 layers, 32 query / 4 KV heads of 128, every layer's MLP 128 experts of width 768, top 8
+# (no shared expert, norm_topk_prob, router_aux_loss_coef 0.001), untied embeddings; the vision
+# tower the larger Qwen3-VL one (out width 2048). `intermediate_size` 6144 is in the config but
+# no layer uses it. From a copy of the published config.json in a public repository (and
+# slime's Megatron arguments for the model), not the hub itself.
+KNOWN_MODELS.update({
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": ("qwen3_vl_moe", 2048, 6144, 48, 32, 4, False, QWEN3VL_LARGE_VISION,
+                                       (128, 8, 768)),
+})
+
+
 def known_hf_config(model_id: str) -> dict:
     """The table row of `model_id` as a config.json (transformers 4.x layout, as published)."""
     if KNOWN_MODELS[model_id][0] == "qwen3_vl":
         return _qwen3vl_config(*KNOWN_MODELS[model_id][1:])
+    if KNOWN_MODELS[model_id][0] == "qwen3_vl_moe":
+        *dense, (experts, topk, moe_inter) = KNOWN_MODELS[model_id][1:]
+        cfg = _qwen3vl_config(*dense)
+        cfg["text_config"].update(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_inter,
+                                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                  router_aux_loss_coef=0.001)
+        return {**cfg, "model_type": "qwen3_vl_moe"}
     kind, hidden, inter, layers, heads, kv, vocab, tie, vision_inter = KNOWN_MODELS[model_id]
     vision = dict(depth=32, num_heads=16, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
     if kind == "qwen2_vl":

@@ -23,6 +23,24 @@ class MicroBatchShape:
         return self.rows * self.seq
 
 
+def context_share(shape: MicroBatchShape, cp: int) -> MicroBatchShape:
+    """The fullest context-parallel rank's share of `shape` (models/context.py): each row padded
+    to a multiple of 2 x cp and cut into 2 x cp chunks, rank r holding chunks r and 2cp-1-r, so
+    every rank's rows are padded / cp long. The responses end the rows, in the last chunk (rank
+    0's) and, when longer than a chunk, the ones before it (other ranks'): the fullest rank scores
+    at most one chunk of each row. Media stay whole: every CP rank runs the vision tower on the
+    full media and slices the embeddings afterwards."""
+    if cp == 1:
+        return shape
+    from models.context import padded_length
+
+    padded = padded_length(shape.seq, cp)
+    chunk = padded // (2 * cp)
+    scored = shape.rows * min(shape.scored // shape.rows, chunk)
+    return MicroBatchShape(rows=shape.rows, seq=padded // cp, scored=scored, media_tokens=shape.media_tokens,
+                           frame_tokens=shape.frame_tokens)
+
+
 def media_per_sample(media, factor: int | None = None) -> tuple[int, int]:
     """(media tokens, tokens per frame) of the larger of one image and one video at the
     data.media limits (dataio/decode.py MediaConfig): a merged token covers factor^2 pixels,

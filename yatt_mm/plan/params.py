@@ -6,7 +6,10 @@ Besides the fields every spec has, a spec may say (read with these defaults, Qwe
 `qkv_bias` (True), `qk_norm` (False: Qwen3's per-head RMSNorm over queries and keys, one
 head_dim weight each, whole on every TP rank), `vision_patch_bias` (False), the learned vision
 position table's `num_position_embeddings` (0: none) and `num_deepstack` (0: DeepStack mergers,
-each with its LayerNorm over the merged 4 x width vector)."""
+each with its LayerNorm over the merged 4 x width vector). A mixture-of-experts spec (Qwen3-VL-MoE,
+models/qwen3vl_moe/config.py) says `num_experts` (0: dense), `moe_intermediate_size` and
+`num_experts_per_tok`: every language MLP is then a router and the experts, which expert
+parallelism splits over `ep` ranks (models/qwen3vl_moe/model.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,14 @@ class Params:
     vision: int
     language: int
     largest: int  # the largest single parameter tensor (Adam's per-tensor temporaries on CPU)
+    # of `language`, the experts' parameters on this expert-parallel rank: the distributed
+    # optimizer shards them over the expert-data-parallel group, not over DP
+    experts: int = 0
+
+    @property
+    def dense(self) -> int:
+        """Parameters every rank of the DP group holds alike (all but the experts)."""
+        return self.total - self.experts
 
     @property
     def total(self) -> int:
@@ -38,12 +49,26 @@ def _row(n_in: int, n_out: int, tp: int, bias: bool) -> list[int]:
 
 
 def _language_layer(spec, tp: int) -> list[int]:
+    """A language layer's tensors but the experts: a MoE layer's MLP is its router here, the
+    experts are `_layer_experts`."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     qk_norms = [spec.head_dim, spec.head_dim] if getattr(spec, "qk_norm", False) else []
+    experts = getattr(spec, "num_experts", 0)
+    # Megatron's TopKRouter: one [experts, hidden] weight, whole on every rank (no bias)
+    mlp = ([experts * h] if experts else
+           _column(h, 2 * spec.intermediate_size, tp, bias=False) + _row(spec.intermediate_size, h, tp, bias=False))
     return ([h, h]  # input and pre-MLP RMSNorm weights, whole on every rank
             + _column(h, q + 2 * kv, tp, bias=getattr(spec, "qkv_bias", True)) + qk_norms
-            + _row(q, h, tp, bias=False)
-            + _column(h, 2 * spec.intermediate_size, tp, bias=False) + _row(spec.intermediate_size, h, tp, bias=False))
+            + _row(q, h, tp, bias=False) + mlp)
+
+
+def _layer_experts(spec, tp: int, ep: int) -> list[int]:
+    """One MoE layer's experts on this expert-parallel rank: num_experts / ep SwiGLU MLPs of
+    width moe_intermediate_size (SequentialMLP: fc1 [2I, h] and fc2 [h, I] each, split over the
+    experts' TP like a dense MLP); none for a dense model."""
+    experts, h, inter = getattr(spec, "num_experts", 0), spec.hidden_size, getattr(spec, "moe_intermediate_size", 0)
+    one = _column(h, 2 * inter, tp, bias=False) + _row(inter, h, tp, bias=False)
+    return experts // ep * one
 
 
 def _vision_layer(spec, tp: int) -> list[int]:
@@ -68,12 +93,13 @@ def _vision_ends(spec) -> list[int]:
     return embed + [p for p in positions if p] + ln_q + mlp + deepstack
 
 
-def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> Params:
+def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = (), ep: int = 1) -> Params:
     """Parameters of this rank's shard of the Megatron model (e.g. models/qwen2vl/model.py): its TP
     shard of pipeline `stage` (pp=1: the whole model). The first stage holds the vision tower and
     the embedding, the last the final norm and the output layer (with tied embeddings and more
     than one stage, the last keeps its own copy of the embedding as the output layer). `layers`:
-    language layers per stage (policy.trainer.pipeline_layers; empty: an even split)."""
+    language layers per stage (policy.trainer.pipeline_layers; empty: an even split). `ep`: the
+    expert-parallel size (a MoE model's experts split over it; dense parameters whole)."""
     from models.stages import stage_layers
 
     vocab, h = spec.vocab_size, spec.hidden_size
@@ -83,5 +109,16 @@ def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[i
     lm_layer, v_layer, v_ends = _language_layer(spec, tp), _vision_layer(spec, tp), _vision_ends(spec)
     vision = spec.vision_depth * sum(v_layer) + sum(v_ends) if first else 0
     n_layers = stage_layers(spec.num_layers, pp, layers)[stage]
-    return Params(vision=vision, language=n_layers * sum(lm_layer) + sum(lm_ends),
-                  largest=max(lm_layer + lm_ends + (v_layer + v_ends if first else [])))
+    experts = _layer_experts(spec, tp, ep)
+    return Params(vision=vision, language=n_layers * (sum(lm_layer) + sum(experts)) + sum(lm_ends),
+                  largest=max(lm_layer + experts + lm_ends + (v_layer + v_ends if first else [])),
+                  experts=n_layers * sum(experts))
+
+
+def active_params(spec) -> int:
+    """Parameters one token's forward multiplies by: the whole model but, in a MoE layer, only
+    the num_experts_per_tok experts the router picks (of num_experts). The training FLOPs of a
+    token are ~6 x this (plus attention's), not 6 x the total."""
+    full = param_counts(spec)
+    experts = getattr(spec, "num_experts", 0)
+    return full.total - (full.experts - full.experts // experts * spec.num_experts_per_tok if experts else 0)

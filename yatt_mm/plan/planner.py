@@ -30,7 +30,9 @@ class Plan:
 
     @property
     def dp(self) -> int:
-        return self.cluster.world // self.cfg.policy.trainer.model_parallel
+        """The data-parallel size: world / (TP x PP x CP)."""
+        t = self.cfg.policy.trainer
+        return self.cluster.world // (t.model_parallel * t.context_parallel)
 
     @property
     def host_total(self) -> int:
@@ -59,11 +61,13 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
     check_inputs(cluster, assume)
     cfg.check_world(cluster.world)
     spec = load_spec(cfg.policy.model)
-    tp, pp = cfg.policy.trainer.tensor_parallel, cfg.policy.trainer.pipeline_parallel
+    t = cfg.policy.trainer
+    tp, pp = t.tensor_parallel, t.pipeline_parallel
+    _check_parallel(spec, t)
     from models.family import family_of
 
     try:
-        family_of(spec).check_layout(spec, tp, pp, "policy.trainer.", tuple(cfg.policy.trainer.pipeline_layers))
+        family_of(spec).check_layout(spec, tp, pp, "policy.trainer.", tuple(t.pipeline_layers), **t.expert_kwargs)
     except ValueError as e:
         raise PlanError(str(e)) from e
     if cfg.policy.trainer.recompute == "full" and getattr(spec, "num_deepstack", 0) and pp > 1:
@@ -87,6 +91,20 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
                 gpu_phases(cfg, cluster, trainer, rollout, judges), host_lines(cfg, cluster, trainer, rollout, judges))
     plan.notes = _notes(plan)
     return plan
+
+
+def _check_parallel(spec, t) -> None:
+    """What the trainer refuses of this model before any rank starts (models/trainer.py
+    TrainerConfig.check_model): context parallelism where the family's forward has no CP path,
+    expert parallelism on a model without experts."""
+    from models.trainer import CONTEXT_PARALLEL_TYPES
+
+    if t.context_parallel > 1 and spec.model_type not in CONTEXT_PARALLEL_TYPES:
+        raise PlanError(f"policy.trainer.context_parallel={t.context_parallel}: not supported for {spec.model_type} "
+                        f"yet (only {', '.join(CONTEXT_PARALLEL_TYPES)})")
+    if t.expert_parallel > 1 and not getattr(spec, "num_experts", 0):
+        raise PlanError(f"policy.trainer.expert_parallel={t.expert_parallel}: {spec.model_type} is not a "
+                        "mixture-of-experts model")
 
 
 def _notes(plan: Plan) -> list[str]:

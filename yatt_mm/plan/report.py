@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from yatt_mm.plan.architectures import resolve_model
 from yatt_mm.plan.constants import GIB
-from yatt_mm.plan.params import param_counts
+from yatt_mm.plan.flops import train_flops
+from yatt_mm.plan.params import active_params, param_counts
 from yatt_mm.plan.phases import GpuPhase
 from yatt_mm.plan.planner import Plan
 
@@ -20,7 +21,10 @@ def format_plan(plan: Plan) -> str:
     out = [f"model {cfg.policy.model} ({resolve_model(cfg.policy.model)[1]}): {full.total / 1e9:.2f} B parameters "
            f"(vision {full.vision / 1e9:.2f} B, language {full.language / 1e9:.2f} B)",
            f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs of {c.gpu_memory_gib:g} GiB; placement "
-           f"{cfg.run.placement}; trainer TP {tcfg.tensor_parallel} x PP {tcfg.pipeline_parallel} x DP {plan.dp}, "
+           f"{cfg.run.placement}; trainer TP {tcfg.tensor_parallel}"
+           + (f" x CP {tcfg.context_parallel}" if tcfg.context_parallel > 1 else "")
+           + f" x PP {tcfg.pipeline_parallel} x DP {plan.dp}"
+           + (f", EP {tcfg.expert_parallel}" if tcfg.expert_parallel > 1 else "") + ", "
            f"{tcfg.dtype}, distributed optimizer {'on' if tcfg.distributed_optimizer else 'off'}, recompute "
            f"{tcfg.recompute}, {t.params.total / 1e9:.2f} B parameters per GPU"
            + (f" (pipeline stage {t.stage} of {tcfg.pipeline_parallel}, the fullest: it sets the trainer's lines)"
@@ -30,6 +34,7 @@ def format_plan(plan: Plan) -> str:
            f"{s.frame_tokens} tokens (--seq-len, --media-tokens, --frame-tokens)",
            f"trainer per GPU (GiB): weights {gib(t.weights)}, gradients {gib(t.grads)}, optimizer "
            f"{gib(t.optimizer)}, activations {gib(t.activations.peak)} at the peak ({gib(t.activations.saved)} saved)"]
+    out += _parallel_lines(plan)
     for e in [plan.rollout, *plan.judges.values()]:
         out.append(f"{e.name} (vLLM): share {e.share:g} = {gib(e.total)} GiB: weights {gib(e.weights)}, KV cache "
                    f"{gib(e.kv_cache)} GiB = {e.kv_tokens} tokens = {e.kv_tokens // max(e.max_model_len, 1)} "
@@ -42,6 +47,33 @@ def format_plan(plan: Plan) -> str:
     out += [f"  {line.what:<{LABEL}}{gib(line.nbytes):>{COLUMN}}" for line in plan.host]
     out += [f"note: {n}" for n in plan.notes]
     return "\n".join(out)
+
+
+def _parallel_lines(plan: Plan) -> list[str]:
+    """What experts and context parallelism add: the experts per EP rank, the dispatcher's
+    buffers, the active parameters and the FLOPs they set; the CP split."""
+    cfg, t, spec, s = plan.cfg, plan.trainer, plan.spec, plan.shape
+    tcfg, out = cfg.policy.trainer, []
+    experts = getattr(spec, "num_experts", 0)
+    if experts:
+        ep, full = tcfg.expert_parallel, param_counts(spec)
+        out.append(f"experts: {experts} a layer, top-{spec.num_experts_per_tok}, {experts // ep} on each of EP {ep} "
+                   f"ranks: {t.params.experts / 1e9:.2f} B expert + {t.params.dense / 1e9:.2f} B dense parameters per "
+                   f"GPU; with the distributed optimizer, Adam's state of the experts sharded over "
+                   f"{max(1, plan.dp * tcfg.context_parallel // ep)} ranks (expert data parallel), the rest over "
+                   f"{plan.dp * tcfg.context_parallel}")
+        out.append(f"token dispatcher (all-to-all): {gib(t.activations.dispatched)} GiB of token copies kept "
+                   f"(tokens x top-k x hidden, every layer), {gib(t.activations.dispatch_in_flight)} GiB in flight "
+                   f"while a layer dispatches; balanced routing assumed")
+        out.append(f"active parameters {active_params(spec) / 1e9:.2f} B of {full.total / 1e9:.2f} B a token")
+    if tcfg.context_parallel > 1:
+        out.append(f"context parallel {tcfg.context_parallel}: each row's {s.seq} tokens split into "
+                   f"{2 * tcfg.context_parallel} zig-zag chunks; per rank the language layers' activations are "
+                   f"1/{tcfg.context_parallel}, the gathered K/V, the attention mask and the vision tower's whole")
+    flops = train_flops(spec, s, tcfg.tensor_parallel, tcfg.context_parallel)
+    out.append(f"training FLOPs of the largest micro-batch: {flops / 1e12:.1f} TFLOP per GPU (6 x active parameters "
+               f"x tokens + attention; an estimate)")
+    return out
 
 
 LABEL, COLUMN = 44, 9

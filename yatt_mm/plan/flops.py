@@ -1,0 +1,28 @@
+"""The training FLOPs of a micro-batch, for time estimates: 6 x the parameters each token
+multiplies by (forward 2, backward 4) plus causal attention's. A mixture-of-experts token
+multiplies by its top-k experts only (`params.active_params`), so a 30B-A3B model costs about
+what a 3B dense model does a token, while its memory is the 30B model's."""
+
+from __future__ import annotations
+
+from yatt_mm.plan.batch import MicroBatchShape
+from yatt_mm.plan.params import active_params, param_counts
+
+
+def train_flops(spec, shape: MicroBatchShape, tp: int = 1, cp: int = 1) -> int:
+    """Forward and backward FLOPs of `shape` on one GPU of TP x CP ranks: the language model's
+    matmuls over every token (the input embedding is a lookup, not a matmul) and causal
+    attention's two s x s products per layer and row, split over TP and CP; the vision tower's
+    matmuls over the patches with its attention within each frame (Qwen2.5-VL's full-attention
+    blocks attend further: a lower bound there), split over TP only (every CP rank runs the
+    whole media, models/context.py). An estimate from the architecture, not a measurement."""
+    merge = spec.spatial_merge_size ** 2
+    full = param_counts(spec)
+    language = active_params(spec) - full.vision - spec.vocab_size * spec.hidden_size
+    q = spec.num_heads * spec.head_dim
+    # QK^T and AV: 2 x 2 x s^2 x q a layer and row, half of it under the causal mask
+    attention = spec.num_layers * shape.rows * 2 * shape.seq ** 2 * q
+    patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
+    frames = patches // max(frame, 1)
+    vision = 2 * full.vision * patches + spec.vision_depth * frames * 4 * frame ** 2 * spec.vision_embed_dim
+    return 3 * ((2 * language * shape.tokens + attention) // (tp * cp) + vision // tp)
