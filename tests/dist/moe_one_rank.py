@@ -9,7 +9,8 @@ replay (models/routing_replay.py): two micro-batches (the padded rows, then the 
 have their routes recorded in a no-gradient pass; the weights then move (seeded noise, relative
 REPLAY_NOISE of each tensor's mean size, as an optimizer step moves them) and the same
 micro-batches run again with the routes replayed, and freely; finally a training step replays
-them under full activation recompute (the backward re-runs each layer's router).
+them under full activation recompute (the backward re-runs each layer's router); and the RL
+Actor's old-logprob and update passes with routing_replay: train.
 """
 
 from __future__ import annotations
@@ -124,7 +125,37 @@ def replay_check(path: str) -> dict:
             trainer.logprobs(mbs)
     except RuntimeError as e:
         out["extra_forward_error"] = str(e)
-    return out
+    for calls in used:
+        calls.clear()
+    return out | actor_check(trainer, inputs, used, used_the_recorded)
+
+
+def actor_check(trainer, inputs, used, used_the_recorded) -> dict:
+    """The RL Actor with routing_replay: train and 2 PPO mini-batches (the padded rows, then the
+    packed ones): its old-logprob pass records each micro-batch's routes, its update passes (the
+    second after an optimizer step) take them, forward and recompute."""
+    from models.trainer import MicroBatch
+    from yatt_mm.rl.actor import Actor
+    from yatt_mm.rl.algorithms import AlgorithmConfig
+
+    minis = []
+    for g, packed in enumerate((False, True)):
+        mb = MicroBatch(inputs, packed=packed, group_ids=[f"g{g}", f"g{g}"])
+        mask = inputs.attention_mask.float()
+        mask[:, -1] = 0  # the last position predicts nothing
+        mb.extra = {"loss_mask": mask, "fresh_mask": mask, "advantages": torch.tensor([1.0, -1.0])}
+        minis.append([mb])
+    for (mb,), lp in zip(minis, trainer.logprobs([m for (m,) in minis])):
+        mb.extra["rollout_logprobs"] = lp  # as vLLM's would be: the trainer's own
+    actor = Actor(trainer, AlgorithmConfig(routing_replay="train", mini_batches=2), 4096, 0)
+    actor.old_logprobs(minis)
+    for calls in used:
+        calls.clear()
+    metrics = actor.update(minis)
+    routes = [mb.extra["routes"] for (mb,) in minis]
+    return {"actor_routes_shape": [list(r.shape) for r in routes], "actor_steps": metrics["train/optimizer_steps"],
+            "actor_took_recorded": used_the_recorded(routes, calls_per_mb=2),
+            "actor_mismatch": metrics["moe/route_mismatch"]}
 
 
 def main() -> int:
