@@ -296,6 +296,14 @@ def test_moe_counts_each_ep_ranks_experts_and_shards_their_adam_state_over_exper
         assert rank.dense == full.vision + language_dense, ep  # dense parameters whole on every EP rank
     assert round(full.language / 1e9, 1) == 30.5
     assert int((active_params(spec) - full.vision) / 1e8) == 33  # 3.35 B: top-8 of 128 experts a token
+    # a token's training FLOPs: 6 x its active parameters (the embedding lookup aside) + attention
+    from yatt_mm.plan import train_flops
+
+    token = MicroBatchShape(rows=1, seq=1, scored=1, media_tokens=0, frame_tokens=1)
+    matmuls = full.language - 151936 * h - layers * (experts - 8) * expert
+    assert train_flops(spec, token) == 6 * matmuls + 6 * layers * 32 * 128
+    every_expert = dataclasses.replace(spec, num_experts_per_tok=experts)
+    assert train_flops(every_expert, token) - train_flops(spec, token) == 6 * layers * (experts - 8) * expert
     # the distributed optimizer: the dense state over the 16 DP ranks, the experts' over the
     # ranks holding the same experts (16 / EP); the fp32 gradient buffer is not sharded
     from models.trainer import TrainerConfig

@@ -11,14 +11,16 @@ from yatt_mm.plan.params import active_params, param_counts
 
 def train_flops(spec, shape: MicroBatchShape, tp: int = 1, cp: int = 1) -> int:
     """Forward and backward FLOPs of `shape` on one GPU of TP x CP ranks: the language model's
-    matmuls over every token (the input embedding is a lookup, not a matmul) and causal
+    matmuls over every token (the output layer's included, the embedding lookup not) and causal
     attention's two s x s products per layer and row, split over TP and CP; the vision tower's
     matmuls over the patches with its attention within each frame (Qwen2.5-VL's full-attention
     blocks attend further: a lower bound there), split over TP only (every CP rank runs the
     whole media, models/context.py). An estimate from the architecture, not a measurement."""
     merge = spec.spatial_merge_size ** 2
     full = param_counts(spec)
-    language = active_params(spec) - full.vision - spec.vocab_size * spec.hidden_size
+    # the input embedding's lookup is no matmul (tied: its one table is also the output layer)
+    lookup = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    language = active_params(spec) - full.vision - lookup
     q = spec.num_heads * spec.head_dim
     # QK^T and AV: 2 x 2 x s^2 x q a layer and row, half of it under the causal mask
     attention = spec.num_layers * shape.rows * 2 * shape.seq ** 2 * q
