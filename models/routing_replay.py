@@ -56,7 +56,7 @@ class MicroBatchRouterReplay(RouterReplay):
         # process-wide list, which would also hold other models' routers
         RouterReplay.global_router_replay_instances.remove(self)
         self.mode = "off"
-        self.recorded: list[torch.Tensor] = []  # record: [tokens, k] per forward
+        self.recorded: list[torch.Tensor] = []  # record: [tokens, k] per forward, on the host
         self.targets: deque[torch.Tensor] = deque()  # replay / compare: [tokens, k] per forward to come
         self.recompute: deque[torch.Tensor] = deque()  # replay: the routes forwards took, for their recompute
         self.differs: torch.Tensor | None = None  # the last forward: [tokens] natural top-k != target
@@ -70,14 +70,16 @@ class MicroBatchRouterReplay(RouterReplay):
         self.differs = None
         if self.mode == "record":
             probs, indices = natural()
-            self.recorded.append(indices.detach())
+            # kept on the host, 2 bytes an index: a step's routes (tokens x layers x top-k) would
+            # otherwise hold accelerator memory through the update passes
+            self.recorded.append(indices.detach().to("cpu", torch.int16 if scores.shape[1] <= 2**15 else torch.int32))
             return probs, indices
         if self.mode == "off":
             return natural()
         if not self.targets:
             raise RuntimeError("routing replay: a forward past the recorded micro-batches (the update passes must "
                                "run the micro-batches of the old-logprob pass, in its order)")
-        target = self.targets.popleft().to(scores.device)
+        target = self.targets.popleft().to(scores.device, torch.long)
         if target.shape != (scores.shape[0], topk):
             raise RuntimeError(f"routing replay: recorded routes {tuple(target.shape)} for a forward of "
                                f"{scores.shape[0]} tokens, top-{topk}: not the micro-batch that was recorded")
@@ -91,7 +93,7 @@ class MicroBatchRouterReplay(RouterReplay):
     @staticmethod
     def _forced(scores: torch.Tensor, target: torch.Tensor):
         """Megatron's replay: the scores of the forced experts (differentiable), their indices."""
-        target = target.to(scores.device)
+        target = target.to(scores.device, torch.long)
         return scores.gather(1, target), target
 
 

@@ -82,7 +82,7 @@ def replay_check(path: str) -> dict:
     def used_the_recorded(routes, calls_per_mb: int = 1) -> bool:
         """Every router call took exactly the recorded experts of its micro-batch (in order)."""
         for i, calls in enumerate(used):
-            want = [torch.zeros(r.shape[1], experts, dtype=torch.bool).scatter(1, r[i], True) for r in routes]
+            want = [torch.zeros(r.shape[1], experts, dtype=torch.bool).scatter(1, r[i].long(), True) for r in routes]
             want = [w for w in want for _ in range(calls_per_mb)]
             if len(calls) != len(want) or not all(torch.equal(a, b) for a, b in zip(calls, want)):
                 return False
