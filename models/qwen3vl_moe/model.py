@@ -3,7 +3,9 @@ interleaved M-RoPE, embedding and forward), with Megatron's MoE layer as every l
 MLP: TopKRouter (`mlp.router`) and SequentialMLP experts (`mlp.experts.local_experts.{i}`, this
 expert-parallel rank's share of the experts, numbered from 0 on every rank), tokens moved to
 their experts by the all-to-all dispatcher (over the expert-parallel group under EP; on one rank
-by the all-gather one, which then only permutes: config.token_dispatcher).
+by the all-gather one, which then only permutes: config.token_dispatcher). Under tensor
+parallelism the experts are split over TP and each TP rank hands them 1/TP of the tokens
+(models/qwen3vl_moe/token_split.py: Megatron's MoE layer otherwise wants sequence parallelism).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Qwen3VLMoeModel(Qwen3VLModel):
         super().__init__(spec, dtype, tp, recompute, pp, layers)
         from megatron.core import parallel_state
 
+        from models.qwen3vl_moe.token_split import split_tokens_over_tp
+
         # this rank's experts are the global experts [expert_offset, expert_offset + local_experts)
         self.local_experts = spec.num_experts // ep
         self.expert_offset = (parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0) * self.local_experts
@@ -34,6 +38,8 @@ class Qwen3VLMoeModel(Qwen3VLModel):
         for module in self.language.modules():
             if type(module).__name__ == "TopKRouter":
                 module.register_forward_pre_hook(self._padding_hook)
+            if type(module).__name__ == "MoELayer":
+                split_tokens_over_tp(module)  # TP without sequence parallelism (models/qwen3vl_moe/token_split.py)
 
     def _language_config(self, spec, dtype, tp, recompute, pp, layers):
         from megatron.core import parallel_state

@@ -1,8 +1,11 @@
-"""One training step of the tiny Qwen3-VL-MoE under torchrun (gloo, 2 ranks = DP 2), with the
-experts on every rank (--ep 1) or spread over both (--ep 2): different image samples on each DP
-rank, a supervised loss on the answer tokens (plus Megatron's load-balancing loss), Megatron's
-distributed optimizer. Every rank writes its logits before the step, rank 0 the HF export after
-it (experts gathered from every EP rank), to --out, and prints one JSON line.
+"""One training step of the tiny Qwen3-VL-MoE under torchrun (gloo, 2 ranks), with the experts on
+every rank (--ep 1, DP 2), spread over both (--ep 2, DP 2), or split over them by tensor
+parallelism (--tp 2, DP 1): the same step in each, a supervised loss on the answer tokens (plus
+Megatron's load-balancing loss), Megatron's distributed optimizer. The data of two DP ranks,
+different image samples on each: at DP 1 the one DP rank takes both ranks' micro-batches (the
+loss is normalised over the whole step, so the gradient is the same). Every rank writes its
+logits of its first micro-batch before the step (gathered over the vocabulary at TP 2), rank 0
+the HF export after it (experts gathered from every EP rank), to --out, and prints one JSON line.
 
     torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
 """
@@ -35,15 +38,20 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     path = str(tiny_model_dir("qwen3vlmoe"))
-    groups = init_parallel(1, 0, 1, args.ep)
-    trainer = VLMTrainer(path, TrainerConfig(expert_parallel=args.ep, lr=1e-3, distributed_optimizer=True))
+    groups = init_parallel(args.tp, 0, 1, args.ep)
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, expert_parallel=args.ep, lr=1e-3,
+                                             distributed_optimizer=True))
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
-    rng = random.Random(100 + groups.dp_rank)  # different data per DP rank
-    batches = [sft_batch(processor, trainer.spec, [colour_image(rng) for _ in range(2)]) for _ in range(2)]
+    share = 2 // trainer.dp_size  # the data ranks (of 2) this DP rank trains on
+    batches = []
+    for data_rank in range(groups.dp_rank * share, (groups.dp_rank + 1) * share):
+        rng = random.Random(100 + data_rank)  # different data per data rank
+        batches += [sft_batch(processor, trainer.spec, [colour_image(rng) for _ in range(2)]) for _ in range(2)]
     tokens = torch.tensor(sum(float(b.extra["mask"].sum()) for b in batches))
     dist.all_reduce(tokens, group=comm().dp_cpu)
 
@@ -52,7 +60,12 @@ def main() -> int:
 
     with torch.no_grad():
         trainer.model.eval()
-        logits = trainer.model(batches[0].inputs).detach().clone()
+        logits = trainer.model(batches[0].inputs).detach()
+        if args.tp > 1:  # each TP rank holds its share of the vocabulary
+            from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
+        logits = logits.clone()
         trainer.model.train()
     local = sorted({n.split("local_experts.")[1].split(".")[0] for n, _ in trainer.module.named_parameters()
                     if "local_experts." in n})
@@ -60,10 +73,11 @@ def main() -> int:
     exported = trainer.export_hf()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({"logits": logits}, str(out / f"ep{args.ep}_logits_rank{groups.rank}.safetensors"))
+    name = f"ep{args.ep}" + (f"_tp{args.tp}" if args.tp > 1 else "")
+    save_file({"logits": logits}, str(out / f"{name}_logits_rank{groups.rank}.safetensors"))
     if dist.get_rank() == 0:
-        save_file({k: v.contiguous() for k, v in exported.items()}, str(out / f"ep{args.ep}.safetensors"))
-        print(json.dumps({"ep": args.ep, "ep_size": groups.ep_size, "dp": trainer.dp_size,
+        save_file({k: v.contiguous() for k, v in exported.items()}, str(out / f"{name}.safetensors"))
+        print(json.dumps({"ep": args.ep, "tp": args.tp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
                           "local_experts_rank0": local, "loss": metrics["train/loss"],
                           "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}), flush=True)
     ps.destroy_model_parallel()
