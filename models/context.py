@@ -128,6 +128,29 @@ class ContextParallel(PackedSeqParams):
                                                          enable_gqa=gqa)
                           for j, (mask, end) in enumerate(self.masks(q.device, q.dtype))], 2)
 
+    # -- the vision tower --------------------------------------------------------------------------
+    def media_bounds(self, patches: list[int]) -> list[int] | None:
+        """Media units (frames, in order) of `patches` patches each -> the CP ranks' contiguous
+        runs [bounds[r], bounds[r + 1]), balanced by patches (the vision tower's cost, which is
+        per frame). None with fewer units than ranks: every rank then runs them all."""
+        n = len(patches)
+        if n < self.size:
+            return None
+        cum = [0]
+        for p in patches:
+            cum.append(cum[-1] + p)
+        bounds = [0]
+        for k in range(1, self.size):
+            first = next(i for i in range(1, n + 1) if cum[i] * self.size >= k * cum[-1])
+            bounds.append(min(max(first, bounds[-1] + 1), n - (self.size - k)))  # none empty
+        return bounds + [n]
+
+    def gather_media(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's media features [counts[rank], h] -> every rank's, in rank order [sum, h].
+        Backward: every rank's chunks used every feature, so the gradients are summed over the
+        CP group and each rank keeps its own rows (for its share of the vision tower)."""
+        return _GatherMedia.apply(x, self, counts)
+
     # -- scores ----------------------------------------------------------------------------------
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token values [b, s_local] -> [b, length] in global order, on every CP rank."""
@@ -165,6 +188,27 @@ class _GatherKV(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=cp.group)
         return cp._own(grad, 2), None
+
+
+class _GatherMedia(torch.autograd.Function):
+    """Features [counts[rank], h] -> [sum(counts), h] (ranks' rows padded to the longest for the
+    all-gather). Backward as _GatherKV's: summed over the CP group, this rank's rows kept."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel, counts: list[int]):
+        ctx.cp, ctx.counts = cp, counts
+        longest = max(counts)
+        parts = [x.new_empty((longest, *x.shape[1:])) for _ in counts]
+        dist.all_gather(parts, F.pad(x, (0, 0, 0, longest - x.shape[0])).contiguous(), group=cp.group)
+        return torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp, counts = ctx.cp, ctx.counts
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=cp.group)
+        start = sum(counts[:cp.rank])
+        return grad[start:start + counts[cp.rank]], None, None
 
 
 class _GatherScores(torch.autograd.Function):

@@ -157,7 +157,7 @@ class Qwen3VLModel(nn.Module):
                 if bool(where.any()):
                     raise ValueError("input_ids hold media tokens but no pixel values were given")
                 continue
-            features, stack = self._media_features(pixels, grid, sources)
+            features, stack = self._media_features(pixels, grid, sources, cp)
             if features.shape[0] != int(where.sum()):
                 raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} vision features")
             emb = emb.masked_scatter(where[..., None], features.to(emb.dtype))
@@ -174,19 +174,39 @@ class Qwen3VLModel(nn.Module):
             emb = _HandOverGrad.apply(emb, self._sink, *self._deepstack)
         return emb
 
-    def _media_features(self, pixels: torch.Tensor, grid: torch.Tensor, sources: torch.Tensor | None):
+    def _media_features(self, pixels: torch.Tensor, grid: torch.Tensor, sources: torch.Tensor | None, cp=None):
         """Merged and DeepStack features of every media occurrence, in order: [tokens, hidden] each."""
         if sources is None:
-            return self.vision(pixels, grid)
+            return self._vision(pixels, grid, cp)
         sources = sources.tolist()
         first = {}
         for i, u in enumerate(sources):
             first.setdefault(u, i)
         distinct = grid[[first[u] for u in range(len(first))]]
         sizes = (distinct.prod(-1) // self.spec.spatial_merge_size ** 2).tolist()
-        merged, stack = self.vision(pixels, distinct)
+        merged, stack = self._vision(pixels, distinct, cp)
         pick = lambda x: torch.cat([x.split(sizes)[u] for u in sources])  # noqa: E731
         return pick(merged), [pick(s) for s in stack]
+
+    def _vision(self, pixels: torch.Tensor, grid: torch.Tensor, cp=None):
+        """The vision tower on media of `grid` -> (merged, DeepStack features). Under context
+        parallelism its frames are split over the CP ranks (each frame is independent: attention
+        within it, its own position table and rotary angles), each rank runs its share and the
+        features are all-gathered: run whole on every rank, the tower's activations would not
+        shrink with CP (bench_long_context.py: a quarter of a rank's at CP 2 on a long video)."""
+        from models.qwen3vl.rope_index import per_frame_grids
+
+        frames = per_frame_grids(grid)  # one (1, h, w) row per temporal patch, in the pixels' order
+        patches = frames.prod(-1).tolist()
+        bounds = None if cp is None else cp.media_bounds(patches)
+        if bounds is None:
+            return self.vision(pixels, grid)
+        a, b = bounds[cp.rank], bounds[cp.rank + 1]
+        merged, stack = self.vision(pixels[sum(patches[:a]):sum(patches[:b])], frames[a:b])
+        per_token = self.spec.spatial_merge_size ** 2
+        counts = [sum(patches[bounds[r]:bounds[r + 1]]) // per_token for r in range(cp.size)]
+        merged, *stack = cp.gather_media(torch.cat([merged, *stack], -1), counts).split(merged.shape[-1], -1)
+        return merged, stack
 
     # Megatron finds the module with `pre_process` and treats it as its language model (tied
     # embeddings under pipeline parallelism): as in Qwen2VLModel.
