@@ -19,6 +19,12 @@ def candidate_changes(cfg, cluster: Cluster) -> list[list[str]]:
     out += [[f"policy.trainer.recompute={r}"] for r in modes if modes.index(r) > modes.index(t.recompute)]
     if cluster.world % (2 * t.model_parallel) == 0:
         out.append([f"policy.trainer.pipeline_parallel={2 * t.pipeline_parallel}"])
+    # a MoE's experts over twice the ranks; each sequence over twice the ranks (the plan refuses
+    # either where the model has no experts / no CP path, and the change is then dropped)
+    if cluster.world % (2 * t.model_parallel * t.expert_parallel) == 0:
+        out.append([f"policy.trainer.expert_parallel={2 * t.expert_parallel}"])
+    if cluster.world % (2 * t.model_parallel * t.context_parallel) == 0:
+        out.append([f"policy.trainer.context_parallel={2 * t.context_parallel}"])
     if cluster.world % (2 * t.model_parallel) == 0:  # an engine spans 1 rank or the trainer's TP group
         out.append([f"policy.trainer.tensor_parallel={2 * t.tensor_parallel}"]
                    + ([f"rollout.engine.tensor_parallel_size={2 * t.tensor_parallel}"] if e.tensor_parallel_size > 1
