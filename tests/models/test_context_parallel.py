@@ -64,6 +64,22 @@ def test_context_parallel_layouts_are_refused_before_any_rank_starts(tiny_policy
         TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen3vlmoe")), "policy.trainer")
 
 
+def test_at_context_parallel_only_the_controllers_tp_ranks_serve_the_rollout():
+    """`yatt-mm rl` at TP 2 x CP 2 x PP 2 (8 ranks, one DP group): the rollout engine spans the
+    controller's TP ranks (global 0 and 1); CP peers and later stages neither join it nor push the
+    weight sync to theirs. Measured on 4 ranks at TP 2 x CP 2 with a 2-rank engine: sync probe and
+    trainer/vLLM gap 1.6-1.9e-6; with the CP peers joining too (the rule before: every first-stage
+    rank), their engine followed a leader outside their TP group and the run failed in step 1."""
+    from types import SimpleNamespace
+
+    from models.comm import layout_rank
+    from yatt_mm.rl.step import serves_rollout
+
+    serving = sorted(layout_rank(t, 0, p, 2, 1, c, 2) for t in range(2) for c in range(2) for p in range(2)
+                     if serves_rollout(SimpleNamespace(first_stage=p == 0, cp_rank=c)))
+    assert serving == [0, 1]
+
+
 @pytest.mark.slow
 def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     """The packing test's 12 samples plus a 16-frame video group (15 rows, 432 video tokens, rows
