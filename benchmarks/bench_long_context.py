@@ -24,13 +24,14 @@ distinct storage once, parameters excluded), counted with torch.autograd.graph.
 saved_tensors_hooks during one forward per layout; the vision tower's share counted apart. It
 is what the backward keeps alive, not the transient peak inside a kernel.
 
-The vision tower: at CP > 1 every CP rank runs it on the whole media (models/context.py), so
-its activations and time do not shrink with CP; the bench measures its share at both layouts.
+The vision tower: at CP > 1 Qwen3-VL splits its frames over the CP ranks and all-gathers the
+features (models/qwen3vl/model.py). One more measured forward at CP 2 runs it whole on every
+rank instead (the split switched off), to show what the split saves.
 
     python benchmarks/bench_long_context.py [--tokens 8192] [--frames 256] [--rounds 2]
 
-The last line is one JSON object: cp_max_logprob_diff, activation_ratio_cp2 (target <= 0.6),
-throughput_ratio_cp2, and the figures behind them.
+The last line is one JSON object: cp_max_logprob_diff (CP 2, either way, against CP 1),
+activation_ratio_cp2 (target <= 0.6), throughput_ratio_cp2, and the figures behind them.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def rank_main(args) -> None:
 
     import models.trainer as trainer_mod
     from models.comm import init_parallel
+    from models.context import ContextParallel
     from models.trainer import TrainerConfig, VLMTrainer, _forward_scores, _module
 
     init_parallel(1, 0, context_parallel=2)
@@ -169,13 +171,17 @@ def rank_main(args) -> None:
     # one measured (and warm-up) step per layout, then the timed rounds
     _, lp1, mem1 = step(1, measure=True)
     _, lp2, mem2 = step(2, measure=True)
+    split = ContextParallel.media_bounds
+    ContextParallel.media_bounds = lambda self, patches: None  # CP 2, the vision tower whole on each rank
+    _, lp_whole, whole = step(2, measure=True)
+    ContextParallel.media_bounds = split
     times = {1: [], 2: []}
     for _ in range(args.rounds):
         for cp in (1, 2):
             times[cp].append(step(cp)[0])
     trainer_mod.context_plan = real_plan
 
-    mem = torch.tensor([[m.total, m.vision, m.vision_seconds] for m in (mem1, mem2)], dtype=torch.float64)
+    mem = torch.tensor([[m.total, m.vision, m.vision_seconds] for m in (mem1, mem2, whole)], dtype=torch.float64)
     per_rank = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
     dist.all_gather(per_rank, mem)
     if dist.get_rank():
@@ -187,18 +193,22 @@ def rank_main(args) -> None:
     ratios = [b / a for a, b in zip(tps1, tps2)]
     act1 = max(float(r[0, 0]) for r in per_rank)
     act2 = max(float(r[1, 0]) for r in per_rank)
-    vis1, vis2 = (max(float(r[i, 1]) for r in per_rank) for i in (0, 1))
-    vis_s1, vis_s2 = (statistics.median(float(r[i, 2]) for r in per_rank) for i in (0, 1))
+    act_whole = max(float(r[2, 0]) for r in per_rank)
+    vis1, vis2, vis_whole = (max(float(r[i, 1]) for r in per_rank) for i in (0, 1, 2))
+    vis_s1, vis_s2, vis_s_whole = (statistics.median(float(r[i, 2]) for r in per_rank) for i in (0, 1, 2))
     result = {
         "model": "Qwen3-VL, 4 x 512 text layers, 2 x 256 vision blocks (DeepStack), fp32",
         "tokens": tokens, "video_tokens": video_tokens, "frames": args.frames, "rounds": args.rounds,
-        "cp_max_logprob_diff": float((lp2 - lp1).abs().max()),
+        "cp_max_logprob_diff": float(max((lp2 - lp1).abs().max(), (lp_whole - lp1).abs().max())),
         "max_abs_logprob": float(lp1.abs().max()),
         "activation_mib_cp1": act1 / mib, "activation_mib_cp2": act2 / mib,
         "activation_ratio_cp2": act2 / act1,
         "vision_activation_mib_cp1": vis1 / mib, "vision_activation_mib_cp2": vis2 / mib,
         "vision_share_of_activations_cp2": vis2 / act2,
         "vision_forward_s_cp1": vis_s1, "vision_forward_s_cp2": vis_s2,
+        # CP 2 with the vision tower run whole on every rank (the split switched off)
+        "activation_mib_cp2_vision_whole": act_whole / mib, "activation_ratio_cp2_vision_whole": act_whole / act1,
+        "vision_activation_mib_cp2_vision_whole": vis_whole / mib, "vision_forward_s_cp2_vision_whole": vis_s_whole,
         "step_s_cp1": statistics.median(times[1]), "step_s_cp2": statistics.median(times[2]),
         "tokens_per_s_cp1": statistics.median(tps1), "tokens_per_s_cp2": statistics.median(tps2),
         "throughput_ratio_cp2": statistics.median(ratios),
@@ -206,11 +216,14 @@ def rank_main(args) -> None:
     }
     print(f"{tokens} tokens ({video_tokens} video, {args.frames} frames) on 2 ranks:")
     print(f"  activations per rank (saved for backward): CP 1 {act1 / mib:.0f} MiB, CP 2 {act2 / mib:.0f} MiB "
-          f"(ratio {act2 / act1:.2f}); the vision tower's {vis1 / mib:.0f} / {vis2 / mib:.0f} MiB at both")
+          f"(ratio {act2 / act1:.2f}); the vision tower's {vis1 / mib:.0f} / {vis2 / mib:.0f} MiB of them")
+    print(f"  CP 2 with the vision tower whole on each rank: {act_whole / mib:.0f} MiB (ratio {act_whole / act1:.2f}), "
+          f"the tower's {vis_whole / mib:.0f} MiB")
     print(f"  fwd+bwd: CP 1 {result['step_s_cp1']:.2f} s a sequence per rank, CP 2 {result['step_s_cp2']:.2f} s "
           f"(speed-up {result['sequence_speedup_cp2']:.2f}); tokens/s of both ranks {result['tokens_per_s_cp1']:.0f} "
           f"vs {result['tokens_per_s_cp2']:.0f} (ratio {result['throughput_ratio_cp2']:.2f})")
-    print(f"  vision forward {vis_s1:.2f} s at CP 1, {vis_s2:.2f} s per rank at CP 2 (every rank runs it whole)")
+    print(f"  vision forward {vis_s1:.2f} s at CP 1, {vis_s2:.2f} s per rank at CP 2 (its frames split), "
+          f"{vis_s_whole:.2f} s run whole")
     print(f"  max |logprob CP 2 - CP 1| = {result['cp_max_logprob_diff']:.2e} (largest |logprob| "
           f"{result['max_abs_logprob']:.1f})")
     print(json.dumps(result), flush=True)
