@@ -5,10 +5,12 @@ long video sample's activations are shared out along the sequence.
 - The sequence (padded to a multiple of 2 x cp with pad tokens at its end, which real tokens
   never see: causal) is cut into 2 x cp chunks in Megatron's load-balanced zig-zag order: rank r
   holds chunks r and 2cp-1-r, so every rank gets the same share of causal attention's work.
-- The vision tower and the embeddings run once per CP rank on the full media and tokens (the
-  simplest exact choice: every CP rank of a DP group holds the same samples), then the
-  embeddings and the M-RoPE position ids [3, b, s] are sliced to this rank's chunks (Qwen3-VL:
-  its DeepStack features too, so they land on the same visual tokens).
+- The embeddings run on every CP rank over the full tokens (every CP rank of a DP group holds
+  the same samples), then they and the M-RoPE position ids [3, b, s] are sliced to this rank's
+  chunks (Qwen3-VL: its DeepStack features too, so they land on the same visual tokens). The
+  vision tower: Qwen2-VL's runs whole on every CP rank; Qwen3-VL's frames are split over the
+  ranks (`media_bounds`) and the features all-gathered (`gather_media`): run whole, the tower
+  was a quarter of a CP 2 rank's activations on an 8k-token video (bench_long_context.py).
 - Core attention (models/attention.py) all-gathers K and V over the CP group (differentiable:
   the backward sums the K/V gradients of all ranks' queries) and masks by the chunks' global
   positions: causal, and within each sample for a packed row. Each chunk attends only the keys
