@@ -52,8 +52,36 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, layers=()) ->
     processor = AutoProcessor.from_pretrained(hf_dir)
     timed = spec.model_type in family.timed_video_types
 
-    return {"export_equal": exports_the_checkpoint(family, model, hf_dir, groups),
-            **logit_diffs(model, hf, processor, spec, groups, with_video_metadata if timed else lambda media: media)}
+    media = with_video_metadata if timed else lambda media: media
+    result = {"export_equal": exports_the_checkpoint(family, model, hf_dir, groups),
+              **logit_diffs(model, hf, processor, spec, groups, media)}
+    if tp > 1 and not getattr(spec, "num_experts", 0):  # dense: every row-parallel layer is an nn.Linear
+        sum_as_tensor_parallel(hf, tp)
+        result |= {f"tp_order/{k}": v for k, v in logit_diffs(model, hf, processor, spec, groups, media).items()}
+    return result
+
+
+def sum_as_tensor_parallel(hf, tp: int) -> None:
+    """Make transformers' Qwen3-VL sum its row-parallel products (attention output and MLP down
+    projections, in the language model and the vision tower) as Megatron does at `tp`: one
+    product per input shard, added in rank order, the bias after. The "tp_order/" probes compare
+    against it: everything else at TP > 1 (column-parallel shards, per-head q/k norms, the
+    vocabulary-parallel head, the DeepStack additions) must then agree bit for bit, so a
+    TP-specific mistake cannot hide in the float32 summation-order difference (1.3e-5 on the
+    tiny model's logits of magnitude 24; measured 0.0 here)."""
+    import torch.nn.functional as F
+
+    def split_k(linear: torch.nn.Linear) -> None:
+        def forward(x):
+            shards = zip(x.chunk(tp, -1), linear.weight.chunk(tp, -1))
+            out = sum(F.linear(xs.contiguous(), ws.contiguous()) for xs, ws in shards)
+            return out if linear.bias is None else out + linear.bias
+        linear.forward = forward
+
+    for layer in hf.model.language_model.layers:
+        split_k(layer.self_attn.o_proj), split_k(layer.mlp.down_proj)
+    for block in hf.model.visual.blocks:
+        split_k(block.attn.proj), split_k(block.mlp.linear_fc2)
 
 
 def exports_the_checkpoint(family, model, hf_dir: str, groups) -> float:
