@@ -52,14 +52,15 @@ VERSION = 1  # bump when the widths change: the cached model is rebuilt
 
 
 def model_dir() -> Path:
-    """The bench's Qwen3-VL, built once into the cache (before the ranks start)."""
-    from models.qwen3vl.tiny import make_tiny
+    """The bench's Qwen3-VL, built once into the cache (before the ranks start) by the family's
+    tiny-model recipe at this bench's widths."""
+    from models.family import family_for_tiny_kind
     from models.tiny import cache_root
 
     path = cache_root() / "bench" / f"qwen3vl-long-v{VERSION}"
     if not (path / "config.json").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny(tmp, widths=(TEXT, VISION))
+        family_for_tiny_kind("qwen3vl").make_tiny(tmp, widths=(TEXT, VISION))
         os.rename(tmp, path)
     return path
 
@@ -72,15 +73,16 @@ def long_sample(processor, spec, tokens: int, frames: int):
 
     from dataio.synth import moving_ball_video
     from models.inputs import VLMInputs
-    from models.qwen3vl.parity import with_video_metadata
     from models.trainer import MicroBatch
 
     v = moving_ball_video(random.Random(0), frames=frames, size=128)
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": v.question}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
-    # 128 x 128 frames as given (the tiny processor's cap would shrink them to 64 x 64)
-    batch = processor(text=[prompt], return_tensors="pt", size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128 * frames},
-                      **with_video_metadata({"videos": [v.video]}))
+    # the frames as given at 2 fps (Qwen3-VL writes each temporal patch's timestamp into the
+    # prompt), 128 x 128 (the tiny processor's cap would shrink them to 64 x 64)
+    meta = {"fps": 2.0, "total_num_frames": frames, "duration": frames / 2.0, "frames_indices": list(range(frames))}
+    batch = processor(text=[prompt], videos=[v.video], video_metadata=[meta], do_sample_frames=False,
+                      size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128 * frames}, return_tensors="pt")
     ids = batch["input_ids"]
     if ids.shape[1] >= tokens:
         raise SystemExit(f"--tokens {tokens}: the video prompt alone is {ids.shape[1]} tokens; raise it or lower --frames")
