@@ -317,27 +317,36 @@ def test_moe_counts_each_ep_ranks_experts_and_shards_their_adam_state_over_exper
         assert (t.weights, t.grads) == (2 * rank.total, 4 * rank.total)
 
 
-def test_moe_recipe_uses_gspo_and_fits_16_h200_not_80gb(capsys):
-    """The 30B-A3B recipe: GSPO, EP 16, fits 2 nodes x 8 x 141 GB; on 80 GB GPUs the weight sync
-    (the whole model in every rank's vLLM engine beside the trainer) does not fit, and the plan
-    says so; at EP 8 on one node each rank holds 8x more experts' state than at EP 16 / 2."""
+def test_moe_recipe_uses_gspo_and_fits_16x80_and_ep_needs_141gb(capsys):
+    """The 30B-A3B recipe: GSPO, TP 4 x PP 2 x DP 2, fits 2 nodes x 8 x 80 GB. Its EP 16 variant
+    (the header's override) fits 141 GB GPUs but not 80 GB: under EP the rollout engine spans one
+    rank and holds every expert, woken beside the whole trainer rank for the weight sync."""
     cfg = load(RLConfig, ROOT / MOE_RECIPE)
-    assert (cfg.algorithm.policy_loss, cfg.policy.trainer.expert_parallel) == ("gspo", 16)
-    plan = make_plan(cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=141))
+    assert cfg.algorithm.policy_loss == "gspo"
+    plan = make_plan(cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=80))
     assert plan.fits, plan.problems
     spec = plan.spec
-    assert plan.trainer.params.experts == 48 * 8 * 3 * 768 * 2048  # 8 of the 128 experts of each layer
-    assert plan.rollout.weights == param_counts(spec).total * 2  # vLLM at TP 1: every expert resident
-    assert plan.trainer.activations.dispatched == 48 * 3072 * 8 * 2048 * 2  # tokens x top-k x hidden, bf16
-    small = make_plan(cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=80))
-    assert not small.fits and any(p.startswith("phase sync") for p in small.problems), small.problems
-    args = ["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gb"]
-    assert main(args + ["141"]) == 0
+    assert plan.trainer.params.experts == 24 * 128 * 3 * 768 * 2048 // 4  # a stage's experts, split over TP 4
+    assert plan.rollout.weights == param_counts(spec).total * 2 // 4
+    args = ["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "--gpus-per-node", "8"]
+    assert main(args + ["--gpu-memory-gb", "80"]) == 0
     out = capsys.readouterr().out
-    assert "verdict: fits" in out and "8 on each of EP 16 ranks" in out and "active parameters 3.89 B of 31.07 B" in out
+    assert "verdict: fits" in out and "active parameters 3.89 B of 31.07 B" in out
+    ep = ["policy.trainer.tensor_parallel=1", "policy.trainer.pipeline_parallel=1", "policy.trainer.expert_parallel=16",
+          "rollout.engine.tensor_parallel_size=1", "rollout.engine.gpu_memory_utilization=0.55"]
+    ep_cfg = load(RLConfig, ROOT / MOE_RECIPE, ep)
+    big = make_plan(ep_cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=141))
+    assert big.fits, big.problems
+    assert big.trainer.params.experts == 48 * 8 * 3 * 768 * 2048  # 8 of the 128 experts of each layer
+    assert big.rollout.weights == param_counts(spec).total * 2  # vLLM at TP 1: every expert resident
+    assert big.trainer.activations.dispatched == 48 * 3072 * 8 * 2048 * 2  # tokens x top-k x hidden, bf16
+    small = make_plan(ep_cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=80))
+    assert not small.fits and any(p.startswith("phase sync") for p in small.problems), small.problems
+    assert main(args + ["--gpu-memory-gb", "141", *ep]) == 0
+    assert "8 on each of EP 16 ranks" in capsys.readouterr().out
     # one node at EP 4 does not fit; the advice names twice the expert parallelism
-    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--gpus-per-node", "8", "--gpu-memory-gb", "141",
-                 "policy.trainer.expert_parallel=4"]) == 1
+    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--gpus-per-node", "8", "--gpu-memory-gb", "141", *ep[:2],
+                 "policy.trainer.expert_parallel=4", *ep[3:]]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "policy.trainer.expert_parallel=8" in out.split("verdict")[1]
 
@@ -371,6 +380,15 @@ def test_context_parallel_splits_the_language_layers_not_kv_or_vision():
         assert vision(2) == vision(1) > 0, recompute
         assert activation_bytes(spec, shape, 1, 2, recompute, cp=2).peak < activation_bytes(spec, shape, 1, 2,
                                                                                            recompute).peak
+    # Qwen3-VL splits the vision tower's frames over the CP ranks (models/qwen3vl/model.py): 16
+    # of the 32 frames on each of 2 ranks, half the tower's activations (but its rotary table, one
+    # frame's, on every rank: 295 kB of 37 GB)
+    qwen3 = load_spec("Qwen/Qwen3-VL-8B-Instruct")
+
+    def vision3(cp):
+        media = activation_bytes(qwen3, shape, 1, 2, "none", cp=cp).saved
+        return media - activation_bytes(qwen3, dataclasses.replace(shape, media_tokens=0), 1, 2, "none", cp=cp).saved
+    assert abs(vision3(2) * 2 - vision3(1)) <= 1e-5 * vision3(1)
 
 
 def test_long_video_recipe_fits_at_cp4_and_a_cp_that_does_not_divide_is_refused(capsys):
@@ -387,8 +405,7 @@ def test_long_video_recipe_fits_at_cp4_and_a_cp_that_does_not_divide_is_refused(
     assert main(["plan", "--config", recipe, "policy.trainer.context_parallel=3"]) == 2
     assert "policy.trainer.context_parallel = 2 x 1 x 3" in capsys.readouterr().err
     # the trainer's refusals, before any GPU: CP where the family has no CP path, EP without experts
-    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.expert_parallel=1",
-                 "policy.trainer.context_parallel=2"]) == 2
+    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2"]) == 2
     assert "policy.trainer.context_parallel=2: not supported for qwen3_vl_moe" in capsys.readouterr().err
     assert main(["plan", "--config", recipe, "policy.trainer.expert_parallel=2",
                  "policy.trainer.context_parallel=1", "policy.trainer.tensor_parallel=1",

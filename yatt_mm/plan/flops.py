@@ -5,7 +5,7 @@ what a 3B dense model does a token, while its memory is the 30B model's."""
 
 from __future__ import annotations
 
-from yatt_mm.plan.batch import MicroBatchShape
+from yatt_mm.plan.batch import VISION_SPLIT_OVER_CP, MicroBatchShape
 from yatt_mm.plan.params import active_params, param_counts
 
 
@@ -14,8 +14,9 @@ def train_flops(spec, shape: MicroBatchShape, tp: int = 1, cp: int = 1) -> int:
     matmuls over every token (the output layer's included, the embedding lookup not) and causal
     attention's two s x s products per layer and row, split over TP and CP; the vision tower's
     matmuls over the patches with its attention within each frame (Qwen2.5-VL's full-attention
-    blocks attend further: a lower bound there), split over TP only (every CP rank runs the
-    whole media, models/context.py). An estimate from the architecture, not a measurement."""
+    blocks attend further: a lower bound there), split over TP, and over CP where the family
+    splits its frames (batch.VISION_SPLIT_OVER_CP; the others run the whole media on every CP
+    rank). An estimate from the architecture, not a measurement."""
     merge = spec.spatial_merge_size ** 2
     full = param_counts(spec)
     # the input embedding's lookup is no matmul (tied: its one table is also the output layer)
@@ -27,4 +28,5 @@ def train_flops(spec, shape: MicroBatchShape, tp: int = 1, cp: int = 1) -> int:
     patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
     frames = patches // max(frame, 1)
     vision = 2 * full.vision * patches + spec.vision_depth * frames * 4 * frame ** 2 * spec.vision_embed_dim
-    return 3 * ((2 * language * shape.tokens + attention) // (tp * cp) + vision // tp)
+    vision_cp = cp if spec.model_type in VISION_SPLIT_OVER_CP else 1
+    return 3 * ((2 * language * shape.tokens + attention) // (tp * cp) + vision // (tp * vision_cp))
