@@ -58,12 +58,14 @@ def _parallel_lines(plan: Plan) -> list[str]:
     experts = getattr(spec, "num_experts", 0)
     if experts:
         ep, full = tcfg.expert_parallel, param_counts(spec)
-        out.append(f"experts: {experts} a layer, top-{spec.num_experts_per_tok}, {experts // ep} on each of EP {ep} "
-                   f"ranks: {t.params.experts / 1e9:.2f} B expert + {t.params.dense / 1e9:.2f} B dense parameters per "
+        where = (f"{experts // ep} on each of EP {ep} ranks" if ep > 1 else
+                 f"all on every rank, each split over TP {tcfg.tensor_parallel}")
+        out.append(f"experts: {experts} a layer, top-{spec.num_experts_per_tok}, {where}: "
+                   f"{t.params.experts / 1e9:.2f} B expert + {t.params.dense / 1e9:.2f} B dense parameters per "
                    f"GPU; with the distributed optimizer, Adam's state of the experts sharded over "
                    f"{max(1, plan.dp * tcfg.context_parallel // ep)} ranks (expert data parallel), the rest over "
                    f"{plan.dp * tcfg.context_parallel}")
-        out.append(f"token dispatcher (all-to-all): {gib(t.activations.dispatched)} GiB of token copies kept "
+        out.append(f"token dispatcher: {gib(t.activations.dispatched)} GiB of token copies kept "
                    f"(tokens x top-k x hidden, every layer), {gib(t.activations.dispatch_in_flight)} GiB in flight "
                    f"while a layer dispatches; balanced routing assumed")
         out.append(f"active parameters {active_params(spec) / 1e9:.2f} B of {full.total / 1e9:.2f} B a token")
