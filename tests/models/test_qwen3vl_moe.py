@@ -136,8 +136,9 @@ def test_expert_parallel_trains_like_experts_on_every_rank(tiny_moe, tmp_path):
     models/qwen3vl_moe/token_split.py) against the same EP 1 step. Measured: logits within
     1.3e-5 of EP 1's (as transformers' are), grad norm equal, the weights within 4.6e-5
     relative (attention projections; experts 2.6e-6; an Adam step at lr 1e-3 moves a weight
-    1e-3 relative); with the router's losses counted over TP (x1/2) they were 3.3e-4 off, and
-    without the token split Megatron refuses to train."""
+    1e-3 relative; the dense Qwen3-VL's same step at TP 2: 1.4e-5, also attention); with the
+    router's losses counted over TP (x1/2) they were 3.3e-4 off, and without the token split
+    Megatron refuses to train. PP 2 (by hand, same step): 3.9e-7."""
     from safetensors.torch import load_file
 
     runs = {}
