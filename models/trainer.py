@@ -42,7 +42,7 @@ class TrainerConfig:
     expert_parallel: int = 1
     # context-parallel size (models/context.py): each sequence split over this many ranks in
     # zig-zag chunks, K/V all-gathered in attention; tensor x context x pipeline parallel must
-    # divide the world. Qwen2-VL / Qwen2.5-VL only for now
+    # divide the world. Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense; Qwen3-VL-MoE refused)
     context_parallel: int = 1
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate
