@@ -1,10 +1,11 @@
 """One training step of the tiny Qwen3-VL-MoE under torchrun (gloo, 2 ranks), with the experts on
 every rank (--ep 1, DP 2), spread over both (--ep 2, DP 2), or split over them by tensor
-parallelism (--tp 2, DP 1): the same step in each, a supervised loss on the answer tokens (plus
+parallelism (--tp 2, DP 1), or its layers on two pipeline stages (--pp 2, DP 1): the same step in each, a supervised loss on the answer tokens (plus
 Megatron's load-balancing loss), Megatron's distributed optimizer. The data of two DP ranks,
 different image samples on each: at DP 1 the one DP rank takes both ranks' micro-batches (the
 loss is normalised over the whole step, so the gradient is the same). Every rank writes its
-logits of its first micro-batch before the step (gathered over the vocabulary at TP 2), rank 0
+logits of its first micro-batch before the step (gathered over the vocabulary at TP 2; none at
+PP 2, where no rank holds the whole model), rank 0
 the HF export after it (experts gathered from every EP rank), to --out, and prints one JSON line.
 
     torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
@@ -39,12 +40,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     path = str(tiny_model_dir("qwen3vlmoe"))
-    groups = init_parallel(args.tp, 0, 1, args.ep)
-    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, expert_parallel=args.ep, lr=1e-3,
-                                             distributed_optimizer=True))
+    groups = init_parallel(args.tp, 0, args.pp, args.ep)
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                             expert_parallel=args.ep, lr=1e-3, distributed_optimizer=True))
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     share = 2 // trainer.dp_size  # the data ranks (of 2) this DP rank trains on
@@ -58,31 +60,37 @@ def main() -> int:
     def loss_fn(lp, mb):
         return -(lp * mb.extra["mask"]).sum() * trainer.dp_size / tokens, {}
 
-    with torch.no_grad():
-        trainer.model.eval()
-        logits = trainer.model(batches[0].inputs).detach()
-        if args.tp > 1:  # each TP rank holds its share of the vocabulary
-            from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-            logits = gather_from_tensor_model_parallel_region(logits)
-        logits = logits.clone()
-        trainer.model.train()
+    logits = first_logits(trainer, batches[0], args.tp) if args.pp == 1 else None
     local = sorted({n.split("local_experts.")[1].split(".")[0] for n, _ in trainer.module.named_parameters()
                     if "local_experts." in n})
     metrics = trainer.train_step(batches, loss_fn)
     exported = trainer.export_hf()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"ep{args.ep}" + (f"_tp{args.tp}" if args.tp > 1 else "")
-    save_file({"logits": logits}, str(out / f"{name}_logits_rank{groups.rank}.safetensors"))
+    name = f"ep{args.ep}" + (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_pp{args.pp}" if args.pp > 1 else "")
+    if logits is not None:
+        save_file({"logits": logits}, str(out / f"{name}_logits_rank{groups.rank}.safetensors"))
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in exported.items()}, str(out / f"{name}.safetensors"))
-        print(json.dumps({"ep": args.ep, "tp": args.tp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
+        print(json.dumps({"ep": args.ep, "tp": args.tp, "pp": args.pp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
                           "local_experts_rank0": local, "loss": metrics["train/loss"],
                           "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
+
+
+@torch.no_grad()
+def first_logits(trainer: VLMTrainer, batch, tp: int) -> torch.Tensor:
+    """The logits of `batch` before any step (gathered over the vocabulary at TP > 1)."""
+    trainer.model.eval()
+    logits = trainer.model(batch.inputs).detach()
+    if tp > 1:  # each TP rank holds its share of the vocabulary
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits)
+    trainer.model.train()
+    return logits.clone()
 
 
 if __name__ == "__main__":

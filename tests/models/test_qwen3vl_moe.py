@@ -138,16 +138,17 @@ def test_expert_parallel_trains_like_experts_on_every_rank(tiny_moe, tmp_path):
     relative (attention projections; experts 2.6e-6; an Adam step at lr 1e-3 moves a weight
     1e-3 relative; the dense Qwen3-VL's same step at TP 2: 1.4e-5, also attention); with the
     router's losses counted over TP (x1/2) they were 3.3e-4 off, and without the token split
-    Megatron refuses to train. PP 2 (by hand, same step): 3.9e-7."""
+    Megatron refuses to train. PP 2 (DP 1, the layers on two stages, the step as at TP 2):
+    grad norm equal, every exported weight within 3.9e-7 relative of EP 1's."""
     from safetensors.torch import load_file
 
     runs = {}
-    for layout in (("--ep", "1"), ("--ep", "2"), ("--tp", "2")):
+    for layout in (("--ep", "1"), ("--ep", "2"), ("--tp", "2"), ("--pp", "2")):
         runs[layout] = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                  "2", str(ROOT / "tests/dist/moe_ep.py"), *layout, "--out", str(tmp_path)],
                                 timeout=600)
     print(runs)
-    tp = runs.pop(("--tp", "2"))
+    tp, pp = runs.pop(("--tp", "2")), runs.pop(("--pp", "2"))
     runs = {int(ep): run for (_, ep), run in runs.items()}
     assert runs[2]["ep_size"] == 2 and runs[2]["local_experts_rank0"] == ["0", "1"]
     assert runs[1]["local_experts_rank0"] == ["0", "1", "2", "3"]
@@ -171,6 +172,12 @@ def test_expert_parallel_trains_like_experts_on_every_rank(tiny_moe, tmp_path):
     assert three.keys() == one.keys()
     for key in one:
         assert float((one[key] - three[key]).norm() / one[key].norm()) <= 2e-4, key
+    # PP 2: the same step over two stages; the export is handed between them to rank 0
+    assert (pp["pp"], pp["dp"]) == (2, 1) and pp["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=1e-6)
+    staged = load_file(str(tmp_path / "ep1_pp2.safetensors"))
+    assert staged.keys() == one.keys()
+    for key in one:
+        assert float((one[key] - staged[key]).norm() / one[key].norm()) <= 2e-6, key
 
 
 @pytest.fixture(scope="module")
