@@ -43,20 +43,15 @@ class ExpertLoad:
     def of(cls, module: torch.nn.Module | None) -> "ExpertLoad | None":
         """Hooks on the routers of `module` (the family's model, inside DDP or not); None when it
         has none (a dense model) or there is no module."""
-        if module is None:
-            return None
-        from megatron.core.transformer.moe.router import TopKRouter
-
         module = getattr(module, "module", module)
-        routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+        routers = routers_of(module)
         return cls(module, routers) if routers else None
 
     def _hook(self, i: int):
         def hook(router, args, output):
             if router.training and torch.is_grad_enabled():
                 _, routing_map = output  # [tokens, experts] bool
-                if len(args) > 1 and args[1] is not None:  # the padding mask [s, b] (True = padding)
-                    routing_map = routing_map[~args[1].reshape(-1).to(routing_map.device)]
+                routing_map = real_tokens(routing_map, args)
                 self.counts[i] += routing_map.detach().sum(0).to("cpu", torch.float64)
                 self.calls[i] += 1
         return hook
@@ -105,3 +100,20 @@ class ExpertLoad:
             per_layer = aux[moe, 0] / aux[moe, 1].clamp(min=1)  # the mean over every DP rank's micro-batches
             out["moe/aux_loss"] = float(per_layer.mean())
         return out
+
+
+def routers_of(module: torch.nn.Module | None) -> list:
+    """The TopKRouters of `module` (inside DDP or not), in layer order; [] for a dense model or none."""
+    if module is None:
+        return []
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in getattr(module, "module", module).modules() if isinstance(m, TopKRouter)]
+
+
+def real_tokens(per_token: torch.Tensor, router_args: tuple) -> torch.Tensor:
+    """`per_token` ([tokens, ...], a router call's rows) without the padding rows, from the padding
+    mask [s, b] (True = padding) the model hands every router as its second argument."""
+    if len(router_args) > 1 and router_args[1] is not None:
+        return per_token[~router_args[1].reshape(-1).to(per_token.device)]
+    return per_token

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from models.moe_metrics import real_tokens, routers_of
+
 
 def _in_backward() -> bool:
     """Inside autograd's backward: a full recompute re-running a checkpointed forward."""
@@ -115,12 +117,7 @@ class RoutingReplay:
     @classmethod
     def of(cls, module: torch.nn.Module | None, force: bool) -> "RoutingReplay | None":
         """None for a model without routers (dense) or no module."""
-        if module is None:
-            return None
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        module = getattr(module, "module", module)
-        routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+        routers = routers_of(module)
         return cls(routers, force) if routers else None
 
     def _count(self, i: int):
@@ -128,8 +125,7 @@ class RoutingReplay:
             differs = self.replays[i].differs
             if differs is None or _in_backward():
                 return
-            if len(args) > 1 and args[1] is not None:  # the padding mask [s, b] (True = padding)
-                differs = differs[~args[1].reshape(-1).to(differs.device)]
+            differs = real_tokens(differs, args)
             self.counts += torch.tensor([float(differs.sum()), float(differs.numel())], dtype=torch.float64)
         return hook
 
