@@ -51,29 +51,37 @@ class Qwen3VLMoeSpec(Qwen3VLSpec):
         if model_type != "qwen3_vl_moe":
             raise ValueError(f"{where}: model_type is {model_type!r}; this loader reads qwen3_vl_moe")
         text = cfg["text_config"]
-        experts = text.get("num_experts", text.get("num_local_experts"))
-        if not experts:
-            raise ValueError(f"{where}: text_config has no num_experts (a Qwen3-VL-MoE has experts)")
-        topk = text.get("num_experts_per_tok", 0)
-        if not 1 <= topk <= experts:
-            raise ValueError(f"{where}: num_experts_per_tok {topk} must be between 1 and num_experts ({experts})")
+        experts = read_experts(text, where, "a Qwen3-VL-MoE")
         if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
             raise ValueError(f"{where}: dense layers between the MoE layers (mlp_only_layers "
                              f"{text.get('mlp_only_layers')}, decoder_sparse_step {text.get('decoder_sparse_step', 1)}) "
                              "are not implemented: every layer must be a MoE layer")
-        if text.get("norm_topk_prob", True) is not True:
-            raise ValueError(f"{where}: norm_topk_prob false is not implemented (transformers renormalises the "
-                             "top-k probabilities whatever the flag says, vLLM follows it)")
         if text.get("shared_expert_intermediate_size"):
             raise ValueError(f"{where}: shared experts (shared_expert_intermediate_size) are not implemented")
         # the dense reader checks and reads everything else; the MoE config keeps the same fields
         dense_text = {**text, "intermediate_size": text.get("intermediate_size") or text["moe_intermediate_size"]}
         dense = Qwen3VLSpec.from_hf_config({**cfg, "model_type": "qwen3_vl", "text_config": dense_text}, where)
         fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(Qwen3VLSpec) if f.name != "model_type"}
-        return cls(**fields, num_experts=int(experts), num_experts_per_tok=int(topk),
-                   moe_intermediate_size=int(text["moe_intermediate_size"]),
-                   router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
-                   router_z_loss_coef=float(text.get("router_z_loss_coef") or 0.0))
+        return cls(**fields, **experts)
+
+
+def read_experts(text: dict, where: str, what: str) -> dict:
+    """The routed experts' fields of an HF text config (`what` names the model in errors):
+    num_experts, num_experts_per_tok, moe_intermediate_size, router_aux_loss_coef,
+    router_z_loss_coef. Shared by the MoE families (models/qwen35_moe/config.py)."""
+    experts = text.get("num_experts", text.get("num_local_experts"))
+    if not experts:
+        raise ValueError(f"{where}: text_config has no num_experts ({what} has experts)")
+    topk = text.get("num_experts_per_tok", 0)
+    if not 1 <= topk <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok {topk} must be between 1 and num_experts ({experts})")
+    if text.get("norm_topk_prob", True) is not True:
+        raise ValueError(f"{where}: norm_topk_prob false is not implemented (transformers renormalises the "
+                         "top-k probabilities whatever the flag says, vLLM follows it)")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(topk),
+                moe_intermediate_size=int(text["moe_intermediate_size"]),
+                router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
+                router_z_loss_coef=float(text.get("router_z_loss_coef") or 0.0))
 
 
 def check_layout(spec: Qwen3VLMoeSpec, tp: int, pp: int, prefix: str = "", layers=(), ep: int = 1) -> None:
@@ -96,8 +104,13 @@ def language_config(spec: Qwen3VLMoeSpec, dtype: torch.dtype = torch.float32, tp
     """Qwen3-VL's language config with every MLP a mixture of experts."""
     check_layout(spec, tp, pp, "", layers, ep)
     dense = dense_language_config(spec, dtype, tp, recompute, pp, *((tuple(layers),) if layers else ()))
-    return dataclasses.replace(
-        dense,
+    return dataclasses.replace(dense, **moe_settings(spec, tp, pp, ep))
+
+
+def moe_settings(spec, tp: int, pp: int, ep: int) -> dict:
+    """Megatron's TransformerConfig fields of the routed experts of `spec` (read_experts'
+    fields), their router and their dispatcher. Shared by the MoE families."""
+    return dict(
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.num_experts_per_tok,
         moe_ffn_hidden_size=spec.moe_intermediate_size,

@@ -31,7 +31,9 @@ from models.qwen3vl import convert as dense
 from models.qwen3vl_moe.config import Qwen3VLMoeSpec
 
 _EXPERT = re.compile(r"^(language\.decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
-_EXPERT_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight$")
+# an expert's fc1, [gate; up] (a shared expert's too: Qwen3.5-MoE, models/qwen35_moe/convert.py)
+_EXPERT_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.(experts\.local_experts\.\d+|shared_experts)"
+                         r"\.linear_fc1\.weight$")
 _DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _MOE_HF = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

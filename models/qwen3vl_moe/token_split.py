@@ -13,9 +13,10 @@ mask and expert-load counts), then each TP rank hands its 1/TP of the tokens, th
 probabilities and routes to the dispatcher, and the outputs are all-gathered back. The split's
 backward all-gathers the gradients and the gather's backward splits them, so each token's
 gradient reaches the experts once and every TP rank gets the whole input gradient, as a dense
-TP MLP gives it. The token count is padded to a multiple of TP with tokens routed to no expert.
-The router's losses count tokens over the context-parallel ranks, not TP. At TP 1 the layer is
-left as it is.
+TP MLP gives it. A shared expert is not split: it runs on all the tokens as a dense TP MLP and
+its output is added after the gather. The token count is padded to a multiple of TP with tokens
+routed to no expert. The router's losses count tokens over the context-parallel ranks, not TP.
+At TP 1 the layer is left as it is.
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ def _preprocess(self: MoELayer, hidden_states: torch.Tensor, probs: torch.Tensor
 
 
 def _postprocess(self: MoELayer, output: torch.Tensor, shared_expert_output):
-    output = MoELayer.postprocess(self, output, shared_expert_output)
+    output = MoELayer.postprocess(self, output, None)
     # every TP rank's gradient of the output is whole: the backward keeps this rank's rows
     output = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=False, group=self.tp_group)
     shape = self._split_shape
-    return output[:shape[0] * shape[1]].view(shape)
+    output = output[:shape[0] * shape[1]].view(shape)
+    # a shared expert (Qwen3.5-MoE) ran on all the tokens as a dense TP MLP (its output whole on
+    # every TP rank): it joins after the gather
+    return output if shared_expert_output is None else output + shared_expert_output
