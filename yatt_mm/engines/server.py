@@ -20,6 +20,7 @@ from typing import Protocol
 
 from models import runtime
 from models.comm import free_port
+from yatt_mm.engines.engine import engine_dtype
 from yatt_mm.engines.vllm_fixes import engine_fix_args
 
 
@@ -61,7 +62,7 @@ class JudgeServer:
         if runtime.has_gpu():
             cmd += ["--gpu-memory-utilization", str(self.cfg.gpu_memory_utilization)]
         else:
-            cmd += ["--dtype", "float32", "--enforce-eager"]
+            cmd += ["--dtype", engine_dtype(self.cfg.model), "--enforce-eager"]
         return cmd + engine_fix_args(self.cfg.model)  # vLLM bugs worked around for this checkpoint
 
     def start(self) -> "JudgeServer":

