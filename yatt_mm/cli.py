@@ -54,7 +54,8 @@ def _simulate(args: argparse.Namespace) -> int:
                            prompt_tokens=args.prompt_tokens, responses_per_step=args.responses,
                            judge_tokens=args.judge_tokens, votes=args.votes)
     try:
-        return run_simulate(args.run_dir, args.placement, args.profile, args.gpus, args.rank, args.png, work)
+        return run_simulate(args.run_dir, args.placement, args.profile, args.gpus, args.rank, args.png, work,
+                            args.staleness, args.rollout_gpus)
     except ValueError as e:  # a run dir it cannot replay, a bad profile or workload: the message names the fix
         print(f"yatt-mm simulate: {e}", file=sys.stderr)
         return 2
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=0, help="GPU profile: GPUs in the cluster (default: one node)")
     p.add_argument("--rank", type=int, default=None, help="whose timeline (a DP group's controller; default 0)")
     p.add_argument("--png", default=None, help="where to draw the timelines (default: RUN_DIR/simulated_*.png)")
+    p.add_argument("--staleness", type=int, default=None, help="instead: this synchronous run's step time at "
+                   "run.max_staleness K (rollout generating ahead), here or on a GPU profile, and what bounds it")
+    p.add_argument("--rollout-gpus", type=int, default=0, help="GPU, with --staleness: GPUs generating (default: "
+                   "the split predicted fastest); the trainer has the rest")
     cluster = ClusterWorkloadDefaults()
     p.add_argument("--policy-b", type=float, default=cluster.policy_params_b, help="GPU: policy size, B parameters")
     p.add_argument("--judge-b", type=float, default=cluster.judge_params_b, help="GPU: judge size, B parameters")

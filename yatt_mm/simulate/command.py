@@ -1,6 +1,8 @@
 """`yatt-mm simulate RUN_DIR`: a run replayed under full and partial colocation.
 
-Without a profile, or with a CPU profile (its calibration), the run's own steps are replayed on
+With `--staleness K`: the run (synchronous) predicted at run.max_staleness K instead
+(yatt_mm/simulate/staleness.py), here or on a GPU profile. Otherwise:
+without a profile, or with a CPU profile (its calibration), the run's own steps are replayed on
 the machine it ran on (yatt_mm/simulate/predict.py); with a GPU profile, the run's length mix
 is scaled to a cluster of `--gpus` GPUs (yatt_mm/simulate/cluster.py). Prints, per placement,
 the rollout+reward and step seconds, each role's idle share and utilisation, draws the
@@ -17,13 +19,19 @@ from yatt_mm.simulate.cluster import ClusterResult, ClusterWorkload, best_partia
 from yatt_mm.simulate.draw import draw_timelines
 from yatt_mm.simulate.predict import PlacementResult, best_split, predict
 from yatt_mm.simulate.profile import DeviceProfile, load_profile
+from yatt_mm.simulate.staleness import predict_cluster, predict_here, read_phases
 from yatt_mm.simulate.trace import RunTrace, read_run
 
 
 def run_simulate(run_dir: str, placement: str = "both", profile_path: str | None = None, gpus: int = 0,
-                 rank: int | None = None, out: str | None = None, workload: ClusterWorkload | None = None) -> int:
-    trace = read_run(run_dir, rank)
+                 rank: int | None = None, out: str | None = None, workload: ClusterWorkload | None = None,
+                 staleness: int | None = None, rollout_gpus: int = 0) -> int:
     profile = load_profile(profile_path) if profile_path else None
+    if staleness is not None:  # asynchronous RL predicted from this synchronous run
+        summary = _staleness(run_dir, staleness, profile, gpus, rank, workload or ClusterWorkload(), rollout_gpus)
+        print(json.dumps(summary))
+        return 0
+    trace = read_run(run_dir, rank)
     png = Path(out) if out else Path(run_dir) / f"simulated_{'cluster' if profile and profile.kind == 'gpu' else 'here'}.png"
     if profile is not None and profile.kind == "gpu":
         summary = _cluster(trace, profile, gpus or profile.devices_per_node, placement, workload or ClusterWorkload(), png)
@@ -86,13 +94,7 @@ def _here(trace: RunTrace, profile: DeviceProfile | None, placement: str, png: P
 def _cluster(trace: RunTrace, profile: DeviceProfile, gpus: int, placement: str, work: ClusterWorkload,
              png: Path) -> dict:
     work.validate()
-    max_tokens = trace.config.get("rollout", {}).get("sampling", {}).get("max_tokens") or max(
-        t for s in trace.steps for w in s.waves for t in w.wave.sample_tokens)
-    lengths = [t / max_tokens for s in trace.steps for w in s.waves for t in w.wave.sample_tokens]
-    tail = sum(x >= 1 for x in lengths) / len(lengths)
-    print(f"{trace.run_dir}: {len(lengths)} responses, median {statistics.median(lengths):.0%} of max_tokens, "
-          f"{tail:.0%} at max_tokens; scaled to {work.policy_params_b:g}B policy, {work.judge_params_b:g}B judge, "
-          f"max_tokens {work.max_tokens}, {work.responses_per_step} responses a step on {gpus} x {profile.name}")
+    lengths = _length_mix(trace, profile, gpus, work)
     results: list[ClusterResult] = []
     for p in _placements(placement):
         results.append(simulate_cluster(lengths, work, profile, gpus, "full") if p == "full"
@@ -123,3 +125,53 @@ def _cluster(trace: RunTrace, profile: DeviceProfile, gpus: int, placement: str,
              {"rollout": r.rollout_busy, "judges": r.judge_busy}) for r in results]
     draw_timelines(rows, png, f"simulated step on {gpus} x {profile.name}")
     return summary
+
+
+def _length_mix(trace: RunTrace, profile: DeviceProfile, gpus: int, work: ClusterWorkload) -> list[float]:
+    """The run's response lengths as shares of its max_tokens: what the cluster model scales."""
+    max_tokens = trace.config.get("rollout", {}).get("sampling", {}).get("max_tokens") or max(
+        t for s in trace.steps for w in s.waves for t in w.wave.sample_tokens)
+    lengths = [t / max_tokens for s in trace.steps for w in s.waves for t in w.wave.sample_tokens]
+    tail = sum(x >= 1 for x in lengths) / len(lengths)
+    print(f"{trace.run_dir}: {len(lengths)} responses, median {statistics.median(lengths):.0%} of max_tokens, "
+          f"{tail:.0%} at max_tokens; scaled to {work.policy_params_b:g}B policy, {work.judge_params_b:g}B judge, "
+          f"max_tokens {work.max_tokens}, {work.responses_per_step} responses a step on {gpus} x {profile.name}")
+    return lengths
+
+
+def _staleness(run_dir: str, k: int, profile: DeviceProfile | None, gpus: int, rank: int | None,
+               work: ClusterWorkload, rollout_gpus: int) -> dict:
+    """`--staleness K`: the step time of this synchronous run with each controller generating up
+    to K versions ahead (yatt_mm/simulate/staleness.py), here or on a GPU profile."""
+    if k < 1:
+        raise ValueError(f"--staleness must be >= 1 (the synchronous run is staleness 0), got {k}")
+    if profile is not None and profile.kind == "gpu":
+        gpus = gpus or profile.devices_per_node
+        lengths = _length_mix(read_run(run_dir, rank), profile, gpus, work)
+        c = predict_cluster(lengths, work, profile, gpus, rollout_gpus)
+        print(f"synchronous, colocated on {gpus} GPUs: {c.sync_seconds:.1f} s/step ("
+              + ", ".join(f"{name} {v:.1f}" for name, v in c.sync_parts.items()) + ")")
+        print(f"staleness {k}, rollout on {c.rollout_gpus} GPUs and training on {gpus - c.rollout_gpus}: "
+              f"{c.async_seconds:.1f} s/step (" + ", ".join(f"{n} {v:.1f}" for n, v in c.async_parts.items())
+              + f"), {c.bound}-bound")
+        print(f"step_time_ratio {c.ratio:.2f}")
+        return {"run_dir": run_dir, "staleness": k, "profile": profile.name, "gpus": gpus,
+                "rollout_gpus": c.rollout_gpus, "sync_step_seconds": round(c.sync_seconds, 2),
+                "predicted_step_seconds": round(c.async_seconds, 2), "step_time_ratio": round(c.ratio, 3),
+                "bound": c.bound, "sync_parts": {n: round(v, 2) for n, v in c.sync_parts.items()},
+                "async_parts": {n: round(v, 2) for n, v in c.async_parts.items()}, "workload": work.__dict__}
+    run = read_phases(run_dir)
+    r = predict_here(run, k)
+    print(f"{run_dir}: {len(run.steps)} synchronous steps on {run.units} {run.kind} cores, "
+          f"{len({g for s in run.steps for g in s.generation})} DP groups")
+    print(f"{'step':>4} {'generation s':>13} {'training s':>11} {'pause s':>8} {'measured s':>11} "
+          f"{'staleness ' + str(k) + ' s':>13}  held back by")
+    for s, p, c in zip(run.steps, r.predicted, r.critical):
+        print(f"{s.step + 1:>4} {s.slowest_generation:>13.2f} {s.training:>11.2f} {s.pause:>8.2f} {s.seconds:>11.2f} "
+              f"{p:>13.2f}  {c}")
+    print(f"steady state (steps {r.steady_from + 1}-{len(run.steps)}, medians): measured {r.measured_seconds:.2f} s, "
+          f"predicted at staleness {k} {r.predicted_seconds:.2f} s: step_time_ratio {r.ratio:.2f}, {r.bound}-bound")
+    return {"run_dir": run_dir, "staleness": k, "units": run.units, "steady_from_step": r.steady_from + 1,
+            "measured_step_seconds": round(r.measured_seconds, 3),
+            "predicted_step_seconds": round(r.predicted_seconds, 3), "step_time_ratio": round(r.ratio, 3),
+            "bound": r.bound}

@@ -45,6 +45,9 @@ class DeviceProfile:
     memory_bandwidth_tbs: float = 0.0  # gpu: HBM bandwidth of one GPU, TB/s (datasheet)
     bf16_tflops: float = 0.0  # gpu: dense bf16 tensor FLOP/s of one GPU, TFLOP/s (datasheet, no sparsity)
     host_link_gbs: float = 0.0  # gpu: host <-> GPU bandwidth of one GPU, GB/s (sleep/wake, offload)
+    # gpu: one GPU's network link to other nodes, GB/s (the trainer's weights broadcast to rollout
+    # GPUs under run.max_staleness); 0: the host link's figure is used
+    network_gbs: float = 0.0
     bandwidth_efficiency: float = 0.7  # gpu: share of the memory bandwidth a decode step achieves
     compute_efficiency: float = 0.5  # gpu: share of the FLOP/s a prefill achieves
     step_overhead_ms: float = 3.0  # gpu: an engine step's fixed cost (scheduling, sampling, launch), ms
@@ -57,6 +60,8 @@ class DeviceProfile:
             for name in ("memory_gb", "memory_bandwidth_tbs", "bf16_tflops", "host_link_gbs"):
                 if getattr(self, name) <= 0:
                     raise ValueError(f"a gpu profile needs {name} > 0 (from the GPU's datasheet)")
+            if self.network_gbs < 0:
+                raise ValueError(f"network_gbs must be >= 0 (0: the host link's), got {self.network_gbs}")
             for name in ("bandwidth_efficiency", "compute_efficiency"):
                 if not 0 < getattr(self, name) <= 1:
                     raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
