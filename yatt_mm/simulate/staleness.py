@@ -1,25 +1,21 @@
-"""Asynchronous RL predicted from a synchronous run: the step time at `run.max_staleness` k.
+"""Asynchronous RL predicted from a synchronous run: the step time at `run.max_staleness` k >= 1.
 
 A synchronous step is generation (the controller: rollout, reward, dynamic sampling, building
 the samples), then training (old logprobs and the update), then the weight copy into the rollout
-engine (sync, probe, eval). With staleness k >= 1 each controller generates step n+1's samples
-while step n trains, from weights at most k versions old, and a weight copy pauses generation
-for its length. Replayed step by step from the run's phase timeline (every DP group's controller
-has one; training waits for the slowest group):
+engine (sync, probe, eval). With k >= 1 each controller generates step n+1's samples while step
+n trains, and the weight copy waits for that rollout to end (yatt_mm/rl/rollout_ahead.py: one
+step ahead whatever k; a larger k only lets the sampler's buffer hand older groups on). So step
+n takes max(T[n], G[n+1]) + C[n]: training n beside the slowest DP group's generation of n+1,
+then the copy. The first step generates its own samples first; the last has nothing to generate.
+Every DP group's controller has a timeline; training waits for the slowest group.
 
-    generation n starts when generation n-1 has ended and the weights of version n-k are loaded,
-    and ends G[n] (+ the copy's pause) later, per DP group;
-    training n starts when every group's samples of n are there and training n-1 and its copy
-    are done, and ends T[n] later; version n+1 is loaded after the copy C[n].
-
-At k = 0 this is the measured run step for step. With k >= 1 the steady state tends to
-max(G, T) + C: rollout-bound or train-bound. Here (the run's own machine) both sides share the
-same cores (rl/placement.py's disaggregated plan on CPU: two threads of each rank), so a step
-also takes at least the CPU seconds both sides need over the node's cores ("cpu-bound"). On a
-GPU profile the sides get their own GPUs: the run's length mix is scaled to the cluster model
-(yatt_mm/simulate/cluster.py) on the rollout GPUs, training (its estimate) to the rest, and the
-copy is the policy's bf16 weights over each GPU's network link; the synchronous baseline is the
-same work colocated on every GPU, with the trainer's offload around the rollout.
+Here (the run's own machine) both sides share the same cores (on CPU the rollout is a thread of
+each rank beside its trainer), so a step also takes at least the CPU seconds both sides need
+over the node's cores ("cpu"-bound). On a GPU profile the sides get their own GPUs: the run's
+length mix is scaled to the cluster model (yatt_mm/simulate/cluster.py) on the rollout GPUs,
+training (its estimate) to the rest, and the copy is the policy's bf16 weights over each GPU's
+network link; the synchronous baseline is the same work colocated on every GPU, with the
+trainer's offload around the rollout.
 """
 
 from __future__ import annotations
@@ -120,12 +116,13 @@ def _step(step: int, phases: list[dict], requests: list[dict], seconds: float) -
 class StalenessResult:
     staleness: int
     measured: list[float]  # per step, as the run went
-    predicted: list[float]  # per step, at staleness k (seconds between weight versions)
+    predicted: list[float]  # per step, at staleness k
     critical: list[str]  # per step: "rollout", "train" or "cpu": what held the step back
-    steady_from: int  # the first step counted (the pipeline has filled)
+    steady_from: int  # the first step counted (after start-up)
+    steady_to: int  # the first step not counted (the last one has nothing to generate beside it)
 
     def median(self, values: list[float]) -> float:
-        return statistics.median(values[self.steady_from:] or values)
+        return statistics.median(values[self.steady_from:self.steady_to] or values)
 
     @property
     def measured_seconds(self) -> float:
@@ -141,27 +138,25 @@ class StalenessResult:
 
     @property
     def bound(self) -> str:
-        counted = self.critical[self.steady_from:] or self.critical
+        counted = self.critical[self.steady_from:self.steady_to] or self.critical
         return max(sorted(set(counted)), key=counted.count)
 
 
-def pipeline(generation: list[dict[int, float]], training: list[float], pause: list[float], k: int
+def pipeline(generation: list[dict[int, float]], training: list[float], pause: list[float], ahead: bool
              ) -> tuple[list[float], list[str]]:
-    """Seconds between weight versions, step by step, with each DP group generating up to k
-    versions ahead (k = 0: one after the other); and per step which side training waited for."""
-    ready = [0.0]  # when version v is loaded into the engines (v = 0: the start)
-    gen_end: dict[int, float] = {}
+    """Seconds per step, synchronous (G[n] + T[n] + C[n]) or one step ahead (step n: max(T[n],
+    G[n+1]) + C[n], the first step's own generation before it); G[n] is the slowest DP group's.
+    And per step what held it back: "rollout" (training waited for samples) or "train"."""
+    gen = [max(g.values()) for g in generation]
     steps, critical = [], []
-    for n, (gens, t, p) in enumerate(zip(generation, training, pause)):
-        loaded = ready[max(0, n - k)]
-        # ahead of training, one copy lands while a generation runs, and pauses it
-        paused = pause[n - 1] if k and n else 0.0
-        for r, g in gens.items():
-            gen_end[r] = max(gen_end.get(r, 0.0), loaded) + g + paused
-        samples = max(gen_end[r] for r in gens)
-        critical.append("rollout" if samples > ready[n] else "train")  # ready[n]: training n-1 and its copy done
-        ready.append(max(ready[n], samples) + t + p)
-        steps.append(ready[-1] - ready[-2])
+    for n, (t, c) in enumerate(zip(training, pause)):
+        if not ahead:
+            steps.append(gen[n] + t + c)
+            critical.append("rollout" if gen[n] > t else "train")
+            continue
+        following = gen[n + 1] if n + 1 < len(gen) else 0.0
+        steps.append((gen[0] if n == 0 else 0.0) + max(t, following) + c)
+        critical.append("rollout" if following > t else "train")
     return steps, critical
 
 
@@ -172,22 +167,31 @@ def predict_here(run: RunPhases, k: int) -> StalenessResult:
         raise ValueError(f"--staleness must be >= 0, got {k}")
     steps = run.steps
     predicted, critical = pipeline([s.generation for s in steps], [s.training for s in steps],
-                                   [s.pause for s in steps], k)
+                                   [s.pause for s in steps], k > 0)
     if k:
-        for i, s in enumerate(steps):  # the CPU both sides need in a step, over the node's cores
-            need = cpu_seconds(s, run) / run.units + s.pause
-            if need > predicted[i]:
-                predicted[i], critical[i] = need, "cpu"
-    return StalenessResult(k, [s.seconds for s in steps], predicted, critical, min(k + 1, len(steps) - 1))
+        for n, s in enumerate(steps[:-1]):  # the CPU training n and generating n+1 need, over the node's cores
+            need = (training_cpu(s, run) + generation_cpu(steps[n + 1], run)) / run.units + s.pause
+            need += steps[0].slowest_generation if n == 0 else 0.0
+            if need > predicted[n]:
+                predicted[n], critical[n] = need, "cpu"
+    # the steady state: neither the first step (start-up, and its own generation) nor the last
+    # (nothing left to generate beside it)
+    return StalenessResult(k, [s.seconds for s in steps], predicted, critical, 1 if len(steps) > 2 else 0,
+                           len(steps) - 1 if len(steps) > 2 else len(steps))
 
 
-def cpu_seconds(step: StepPhases, run: RunPhases) -> float:
-    """CPU seconds a step needs: generation and judging as measured (each rank's share of the
-    cores where not measured), training at its threads on every rank (compute-bound)."""
+def generation_cpu(step: StepPhases, run: RunPhases) -> float:
+    """CPU seconds of a step's generating and judging, as measured (where not measured: the
+    rank's share of the cores for as long as it generated)."""
     per_rank = run.units / max(len(step.generation), 1)
-    trainer = min(run.train_threads, per_rank) * len(step.generation)
-    gen = sum(c if c is not None else step.generation[r] * per_rank for r, c in step.generation_cpu.items())
-    return gen + step.training * trainer
+    return sum(c if c is not None else step.generation[r] * per_rank for r, c in step.generation_cpu.items())
+
+
+def training_cpu(step: StepPhases, run: RunPhases) -> float:
+    """CPU seconds of a step's training: every rank's trainer busy at its torch threads (within
+    its share of the cores) for the whole training time (compute-bound)."""
+    ranks = max(len(step.generation), 1)
+    return step.training * min(run.train_threads, run.units / ranks) * ranks
 
 
 @dataclass
