@@ -1,0 +1,122 @@
+"""Asynchronous RL on this machine: the demo at run.max_staleness 1 against 0, seconds per step
+and the held-out reward after the same number of samples.
+
+The demo's workload as a user runs it (configs/tiny_demo.yaml's defaults: 2 ranks, 8 prompts x 8
+responses per DP group, rule reward + the tiny GenRM judge, dynamic sampling), the demo's data
+and cached warm starts (benchmarks/_rl.py), `--steps` steps each, held-out eval once at the end
+(eval/reward_mean: greedy answers to the demo's 32 held-out prompts), so both have trained on the
+same number of samples. Staleness 1 runs `run.placement=disaggregated run.max_staleness=1`
+(yatt_mm/rl/rollout_ahead.py: each controller's rollout of step n+1 in a thread beside step n's
+training). Paired rounds: each round runs both, in alternating order, with the round's seed
+(run.seed), and its ratio is async / sync; the figure is the median of the rounds' ratios.
+
+Seconds per step: from one step's training to the next's (the start of rank 0's "train" phase in
+the timeline), the same clock for both modes; the steady state leaves out the first two steps
+(start-up, the first rollout ahead) and the last (its eval). The simulator's prediction
+(`yatt-mm simulate RUN --staleness 1`, yatt_mm/simulate/staleness.py) is made from each
+synchronous run's own timeline and compared with the same round's measured ratio.
+
+Runs go to a temporary directory; tracked files are left as they were.
+Last line: JSON with step_time_ratio (target <= 0.75), the seconds per step of both, the held-out
+rewards and their difference (with the spread of the synchronous runs' rewards across seeds),
+and predicted_step_time_ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rl import ROOT, demo_rl_records  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from yatt_mm.simulate.staleness import predict_here, read_phases  # noqa: E402
+
+MODES = {"sync": [], "async": ["run.placement=disaggregated", "run.max_staleness=1"]}
+SKIP_FIRST = 2  # start-up, and the first step of a rollout ahead (it generates its own samples)
+
+
+def train_starts(run_dir: Path) -> list[float]:
+    """When each step's training began on rank 0: one step's seconds is the gap to the next."""
+    spans = [json.loads(line) for line in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()
+             if line.endswith("}")]
+    starts = {s["step"]: s["start"] for s in spans if s["phase"] == "train" and s.get("kind") != "request"}
+    return [starts[n] for n in sorted(starts)]
+
+
+def run(mode: str, steps: int, seed: int) -> dict:
+    seen: dict = {}
+
+    def inspect(run_dir: Path) -> None:
+        seen["starts"] = train_starts(run_dir)
+        if mode == "sync":
+            seen["prediction"] = predict_here(read_phases(run_dir), 1)
+
+    records = demo_rl_records(steps, *MODES[mode], f"eval.every={steps}", f"run.seed={seed}", inspect=inspect)
+    starts = seen["starts"]
+    gaps = [b - a for a, b in zip(starts, starts[1:])][SKIP_FIRST:]  # steps SKIP_FIRST+1 .. steps-1
+    if not gaps:
+        sys.exit(f"--steps {steps}: too few to measure a steady state; use at least {SKIP_FIRST + 2}")
+    evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
+    stale = [r["rollout/staleness_mean"] for r in records if "rollout/staleness_mean" in r]
+    return {"seconds": statistics.median(gaps), "gaps": gaps, "eval": evals[-1],
+            "staleness_mean": statistics.mean(stale) if stale else 0.0,
+            "dropped": sum(r.get("rollout/stale_dropped", 0.0) for r in records),
+            "prediction": seen.get("prediction")}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds (each: one run of each mode)")
+    p.add_argument("--steps", type=int, default=8, help="RL steps per run (the held-out eval after the last)")
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < SKIP_FIRST + 2:
+        p.error(f"--rounds must be >= 1 and --steps >= {SKIP_FIRST + 2}")
+    rounds = []
+    for r in range(args.rounds):
+        order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+        result = {mode: run(mode, args.steps, seed=r) for mode in order}
+        sync, ahead = result["sync"], result["async"]
+        pred = sync["prediction"]
+        rounds.append({"ratio": ahead["seconds"] / sync["seconds"], "sync": sync, "async": ahead,
+                       "predicted_ratio": pred.ratio, "bound": pred.bound})
+        print(f"round {r + 1}/{args.rounds} (seed {r}, {' then '.join(order)}): sync {sync['seconds']:.2f} s/step "
+              f"({' '.join(f'{g:.2f}' for g in sync['gaps'])}), staleness 1 {ahead['seconds']:.2f} s/step "
+              f"({' '.join(f'{g:.2f}' for g in ahead['gaps'])}): ratio {rounds[-1]['ratio']:.3f}, predicted "
+              f"{pred.ratio:.3f} ({pred.bound}-bound); held-out reward {sync['eval']:.3f} vs {ahead['eval']:.3f}, "
+              f"staleness mean {ahead['staleness_mean']:.2f}", flush=True)
+    ratio = statistics.median(x["ratio"] for x in rounds)
+    rewards = {m: [x[m]["eval"] for x in rounds] for m in MODES}
+    out = {
+        "step_time_ratio": round(ratio, 3), "target": 0.75, "met": ratio <= 0.75,
+        "sync_step_seconds": round(statistics.median(x["sync"]["seconds"] for x in rounds), 3),
+        "async_step_seconds": round(statistics.median(x["async"]["seconds"] for x in rounds), 3),
+        "round_ratios": [round(x["ratio"], 3) for x in rounds],
+        "eval_reward_sync": round(statistics.mean(rewards["sync"]), 4),
+        "eval_reward_async": round(statistics.mean(rewards["async"]), 4),
+        "eval_reward_diff": round(statistics.mean(a - s for s, a in zip(rewards["sync"], rewards["async"])), 4),
+        # the noise the difference is read against: the synchronous runs' spread across seeds
+        "eval_reward_sync_stdev": round(statistics.stdev(rewards["sync"]), 4) if len(rounds) > 1 else None,
+        "eval_rewards": {m: [round(v, 4) for v in vs] for m, vs in rewards.items()},
+        "predicted_step_time_ratio": round(statistics.median(x["predicted_ratio"] for x in rounds), 3),
+        "predicted_round_ratios": [round(x["predicted_ratio"], 3) for x in rounds],
+        "predicted_bound": max(sorted({x["bound"] for x in rounds}), key=[x["bound"] for x in rounds].count),
+        "staleness_mean": round(statistics.mean(x["async"]["staleness_mean"] for x in rounds), 3),
+        "stale_dropped": sum(x["async"]["dropped"] for x in rounds),
+        "rounds": args.rounds, "steps": args.steps, "steady_steps": [SKIP_FIRST + 1, args.steps - 1],
+        "load_average_end": round(os.getloadavg()[0], 2),
+    }
+    print(f"staleness 1 / 0 seconds per step: {ratio:.3f} (median of {args.rounds} rounds; target <= 0.75: "
+          f"{'met' if out['met'] else 'not met'}); simulator predicted {out['predicted_step_time_ratio']:.3f}; "
+          f"held-out reward {out['eval_reward_sync']:.3f} (sync) vs {out['eval_reward_async']:.3f} (staleness 1)")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
