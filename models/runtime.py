@@ -430,6 +430,37 @@ def _moe_utils_without_te(moe_utils: ModuleType) -> None:
             setattr(moe_utils, name, None)
 
 
+def _gated_delta_net_without_fla(gated_delta_net: ModuleType) -> None:
+    # Qwen3.5's linear-attention layers, megatron-core 0.16.1: GatedDeltaNet refuses to build
+    # without fla (flash-linear-attention: Triton kernels, which have no CPU backend) and takes
+    # two functions from it. Where fla is missing they are replaced by pure-torch equals:
+    # fla's l2norm by L2 normalisation over the last dim (transformers' own formula, so the
+    # numerics match its Qwen3.5), and fla's chunked gated delta rule by Megatron's own
+    # torch_chunk_gated_delta_rule (what it runs under deterministic_mode). The depthwise causal
+    # conv already falls back to nn.Conv1d without causal_conv1d. Where fla is installed, nothing
+    # changes.
+    _uncompiled(gated_delta_net.GatedDeltaNet, "_apply_gated_norm")
+    if gated_delta_net.HAVE_FLA:
+        return
+    gated_delta_net.l2norm = _l2norm
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule
+    gated_delta_net.HAVE_FLA = True
+
+
+def _uncompiled(cls: type, name: str) -> None:
+    # megatron-core 0.16.1 wraps a few small element-wise methods in `jit_fuser` (torch.compile
+    # on torch >= 2.2): on the CPU their first call compiles for ~15 s (tiny Qwen3.5: the
+    # DeltaNet's gated norm and the attention's output gate) to save microseconds. The method
+    # itself, unwrapped, computes the same.
+    method = cls.__dict__[name]
+    setattr(cls, name, getattr(method, "_torchdynamo_orig_callable", method))
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over `dim`, as fla's l2norm and transformers' Qwen3.5 compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
 def _cpu_clip_grads(clip_grads: ModuleType) -> None:
     # The grad norm, the clipping and the zero count run once per optimizer step over every
     # grad. Not run under `_CudaAsCpu`: that sent each of their torch calls through Python
@@ -519,4 +550,8 @@ _MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
     # split sizes, and a name moe_utils leaves undefined without Transformer Engine.
     "megatron.core.transformer.moe.token_dispatcher": _cpu_moe_dispatcher,
     "megatron.core.transformer.moe.moe_utils": _moe_utils_without_te,
+    # Qwen3.5's gated DeltaNet layers: the pure-torch rule and L2 norm where fla is missing.
+    "megatron.core.ssm.gated_delta_net": _gated_delta_net_without_fla,
+    # ... and gated attention's output gate, compiled on first call (see _uncompiled)
+    "megatron.core.transformer.attention": lambda module: _uncompiled(module.Attention, "_apply_output_gate"),
 }

@@ -87,8 +87,6 @@ class Qwen3VLModel(nn.Module):
         from megatron.core.enums import ModelType
         from megatron.core.models.gpt import GPTModel
 
-        from models.attention import CoreAttention
-
         self.spec = spec
         self.model_type = ModelType.encoder_or_decoder  # read by Megatron's schedules
         stage = parallel_state.get_pipeline_model_parallel_rank() if pp > 1 else 0
@@ -96,11 +94,9 @@ class Qwen3VLModel(nn.Module):
         self.config = self._language_config(spec, dtype, tp, recompute, pp, layers)  # checks the layout
         if self.pre_process:
             self.vision = Qwen3VisionModel(spec, vision_config(spec, dtype, tp, recompute))
-        layer = self._layer_spec()
-        layer.submodules.self_attention.submodules.core_attention = CoreAttention  # torch's kernel; packed rows too
         self.language = GPTModel(
             config=self.config,
-            transformer_layer_spec=layer,
+            transformer_layer_spec=self._decoder_spec(),
             vocab_size=spec.vocab_size,
             max_sequence_length=32768,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
@@ -124,6 +120,15 @@ class Qwen3VLModel(nn.Module):
 
     def _language_config(self, spec, dtype, tp, recompute, pp, layers):
         return language_config(spec, dtype, tp, recompute, pp, layers)
+
+    def _decoder_spec(self):
+        """What GPTModel builds its decoder from: one layer spec for every layer (a family with
+        layers of several kinds returns a block spec, models/qwen35/model.py)."""
+        from models.attention import CoreAttention
+
+        layer = self._layer_spec()
+        layer.submodules.self_attention.submodules.core_attention = CoreAttention  # torch's kernel; packed rows too
+        return layer
 
     def _layer_spec(self):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

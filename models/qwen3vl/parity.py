@@ -79,7 +79,9 @@ def sum_as_tensor_parallel(hf, tp: int) -> None:
         linear.forward = forward
 
     for layer in hf.model.language_model.layers:
-        split_k(layer.self_attn.o_proj), split_k(layer.mlp.down_proj)
+        # Qwen3.5's DeltaNet layers have their output projection where attention has o_proj
+        attention = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+        split_k(attention), split_k(layer.mlp.down_proj)
     for block in hf.model.visual.blocks:
         split_k(block.attn.proj), split_k(block.mlp.linear_fc2)
 
@@ -96,7 +98,8 @@ def exports_the_checkpoint(family, model, hf_dir: str, groups) -> float:
     return float(same)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run=None) -> int:
+    """`run`: the comparison (default this module's run_parity; a family's parity module passes its own)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("hf_dir")
     parser.add_argument("--tp", type=int, default=1)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline-layers", type=parse_layers, default=(),
                         help="language layers per stage, comma-separated (default: an even split)")
     args = parser.parse_args(argv)
-    result = run_parity(args.hf_dir, args.tp, args.pp, layers=args.pipeline_layers)
+    result = (run or run_parity)(args.hf_dir, args.tp, args.pp, layers=args.pipeline_layers)
     if dist.get_rank() == 0:
         for name, diff in result.items():
             print(f"{name:12s} max |logits diff| = {diff:.3e}")

@@ -1,0 +1,118 @@
+"""Qwen3.5 (dense) on Megatron-Core: models/qwen3vl/model.py's Qwen3VLModel (vision tower, M-RoPE,
+embedding, pipeline stages and forward; no DeepStack), with a hybrid decoder built from
+Megatron's own layers, one kind per layer as `layer_types` says (models/qwen35/config.py):
+- linear attention: Megatron's `GatedDeltaNet` (megatron/core/ssm/gated_delta_net.py: fused
+  in_proj [q, k, v, z, beta, alpha], depthwise causal conv1d, the chunked gated delta rule,
+  gated RMSNorm, out_proj). Without `fla` (no CPU kernels) the rule is Megatron's pure-torch
+  one (models/runtime.py); with `fla` its Triton kernels;
+- full attention: Megatron's SelfAttention with `attention_output_gate` (linear_qkv holds per
+  query group [q heads, gate heads, k, v]), q/k RMSNorm, partial rotary (the angles cover the
+  first rotary_dim of each head; Megatron rotates those and passes the rest through).
+Every RMSNorm but the DeltaNet's output norm scales by (1 + weight) (`ZeroCenteredRMSNorm`).
+
+Packed rows (models/packing.py): a DeltaNet layer runs each sample of the row on its own, so
+each starts from a zero recurrent state and conv history, as it would unpacked (Megatron's
+GatedDeltaNet refuses packed sequences itself). Context parallelism is not implemented for this
+family (the trainer refuses it by name: models/trainer.py's CONTEXT_PARALLEL_TYPES).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.qwen35.config import Qwen35Spec, language_config
+from models.qwen3vl.model import InterleavedMRoPE, Qwen3VLModel
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: x / rms(x) * (1 + weight), computed in float32 and cast back, as
+    transformers computes it. The weight is stored as the checkpoint holds it (around 0), so
+    conversion copies it unchanged. Built by Megatron's `build_module(config=, hidden_size=, eps=)`."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _packable_gated_delta_net():
+    """Megatron's GatedDeltaNet whose forward also takes a packed row: the row's samples (the
+    packed params' cu_seqlens along the sequence dim of an sbhd row) run one by one, each from a
+    zero state. The in/out projections are per token, so only the conv and the recurrence need
+    the boundaries; running each sample alone gives them exactly."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    class PackableGatedDeltaNet(GatedDeltaNet):
+        def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
+            if packed_seq_params is None:
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            outs = [super(PackableGatedDeltaNet, self).forward(hidden_states[a:b], attention_mask, *args, **kwargs)
+                    for a, b in zip(bounds, bounds[1:])]
+            return torch.cat([out for out, _ in outs]), outs[0][1]
+
+    return PackableGatedDeltaNet
+
+
+def _stage_layer_ids(config) -> list[int]:
+    """The language layers this pipeline stage builds (whole-model numbers from 0): Megatron's
+    own rule (its layout, or the even split), as its hybrid block spec computes them."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.pipeline_model_parallel_layout is not None:
+        return list(config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder))
+    offset = get_transformer_layer_offset(config)
+    return list(range(offset, offset + get_num_layers_to_build(config)))
+
+
+class Qwen35Model(Qwen3VLModel):
+    """As Qwen3VLModel, with the hybrid decoder above and partial rotary."""
+
+    spec: Qwen35Spec
+
+    def __init__(self, spec: Qwen35Spec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
+                 pp: int = 1, layers=()):
+        super().__init__(spec, dtype, tp, recompute, pp, layers)
+        # the angles of the rotary part of each head only (the rest passes through)
+        self.language.rotary_pos_emb = InterleavedMRoPE(spec.rotary_dim, spec.rope_theta, spec.mrope_section)
+
+    def _language_config(self, spec, dtype, tp, recompute, pp, layers):
+        return language_config(spec, dtype, tp, recompute, pp, layers)
+
+    def _decoder_spec(self):
+        """A block spec with one layer spec per layer of this stage: DeltaNet or gated attention
+        by `layer_types`, each with a SwiGLU MLP; zero-centred RMSNorms."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        from models.attention import CoreAttention
+
+        def layer(linear: bool) -> ModuleSpec:
+            spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
+            sub = spec.submodules
+            sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+            if linear:
+                # the DeltaNet's own output norm is a plain RMSNorm over each value head (torch's)
+                sub.self_attention = ModuleSpec(module=_packable_gated_delta_net(), submodules=GatedDeltaNetSubmodules(
+                    in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+            else:
+                attention = sub.self_attention.submodules
+                attention.q_layernorm = attention.k_layernorm = ZeroCenteredRMSNorm
+                attention.core_attention = CoreAttention  # torch's kernel; packed rows too
+            return spec
+
+        kinds = self.spec.linear_layers
+        return TransformerBlockSubmodules(layer_specs=[layer(kinds[i]) for i in _stage_layer_ids(self.config)],
+                                          layer_norm=ZeroCenteredRMSNorm)
