@@ -16,7 +16,8 @@ the timeline), the same clock for both modes; the steady state leaves out the fi
 (`yatt-mm simulate RUN --staleness 1`, yatt_mm/simulate/staleness.py) is made from each
 synchronous run's own timeline and compared with the same round's measured ratio.
 
-Runs go to a temporary directory; tracked files are left as they were.
+The runs' directories (timelines, metrics) are kept under runs/bench-async/{sync,async}-ROUND for
+`yatt-mm simulate`; tracked files are left as they were.
 Last line: JSON with step_time_ratio (target <= 0.75), the seconds per step of both, the held-out
 rewards and their difference (with the spread of the synchronous runs' rewards across seeds),
 and predicted_step_time_ratio.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -39,6 +41,7 @@ from yatt_mm.simulate.staleness import predict_here, read_phases  # noqa: E402
 
 MODES = {"sync": [], "async": ["run.placement=disaggregated", "run.max_staleness=1"]}
 SKIP_FIRST = 2  # start-up, and the first step of a rollout ahead (it generates its own samples)
+KEEP = ROOT / "runs" / "bench-async"  # the runs' timelines and metrics, for `yatt-mm simulate`
 
 
 def train_starts(run_dir: Path) -> list[float]:
@@ -53,6 +56,7 @@ def run(mode: str, steps: int, seed: int) -> dict:
     seen: dict = {}
 
     def inspect(run_dir: Path) -> None:
+        shutil.copytree(run_dir, KEEP / f"{mode}-{seed}", ignore=shutil.ignore_patterns("checkpoints", "tb"))
         seen["starts"] = train_starts(run_dir)
         if mode == "sync":
             seen["prediction"] = predict_here(read_phases(run_dir), 1)
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rounds < 1 or args.steps < SKIP_FIRST + 2:
         p.error(f"--rounds must be >= 1 and --steps >= {SKIP_FIRST + 2}")
     rounds = []
+    shutil.rmtree(KEEP, ignore_errors=True)
     for r in range(args.rounds):
         order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
         result = {mode: run(mode, args.steps, seed=r) for mode in order}
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         "staleness_mean": round(statistics.mean(x["async"]["staleness_mean"] for x in rounds), 3),
         "stale_dropped": sum(x["async"]["dropped"] for x in rounds),
         "rounds": args.rounds, "steps": args.steps, "steady_steps": [SKIP_FIRST + 1, args.steps - 1],
-        "load_average_end": round(os.getloadavg()[0], 2),
+        "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": str(KEEP.relative_to(ROOT)),
     }
     print(f"staleness 1 / 0 seconds per step: {ratio:.3f} (median of {args.rounds} rounds; target <= 0.75: "
           f"{'met' if out['met'] else 'not met'}); simulator predicted {out['predicted_step_time_ratio']:.3f}; "
