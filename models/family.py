@@ -87,7 +87,7 @@ def patch_merge_factor(spec) -> int:
 
 # The family modules, imported on the first lookup (an import error surfaces there).
 _FAMILY_MODULES = ["models.qwen2vl.family", "models.qwen3vl.family", "models.qwen3vl_moe.family",
-                  "models.qwen35.family"]
+                  "models.qwen35.family", "models.qwen35_moe.family"]
 _REGISTRY: dict[str, ModelFamily] = {}  # model_type -> family
 _loaded = False
 

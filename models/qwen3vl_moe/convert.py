@@ -143,11 +143,16 @@ def _ep_group(model):
 
 
 def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
-                  bucket_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+                  bucket_bytes: int | None = None, gather=None, to_hf=None) -> Iterator[dict[str, torch.Tensor]]:
     """This pipeline stage's HF-named full tensors, gathered over TP and (the experts) over EP,
     in buckets of whole sync units (a layer, router and every expert included) of at most
-    `bucket_bytes` (None: one bucket). A collective over TP and EP: every rank iterates to the end."""
+    `bucket_bytes` (None: one bucket). A collective over TP and EP: every rank iterates to the end.
+    Another MoE family gives its own `gather` (name, param, tp_group) -> full tensor over TP and
+    `to_hf` (full Megatron tensors) -> HF tensors (models/qwen35_moe/convert.py)."""
     import torch.distributed as dist
+
+    gather = gather or _gather
+    to_hf = to_hf or (lambda full: megatron_to_hf(full, model.spec))
 
     ep_group = _ep_group(model)
     ep = dist.get_world_size(ep_group) if ep_group is not None else 1
@@ -155,7 +160,7 @@ def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | No
     def gather_unit(params):
         full = {}
         for name, p in params:
-            tensor = _gather(name, p, tp_group)
+            tensor = gather(name, p, tp_group)
             expert = _EXPERT.match(name)
             if expert is None:
                 full[name] = tensor
@@ -169,8 +174,7 @@ def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | No
                 full[f"{expert.group(1)}{r * model.local_experts + local}{expert.group(3)}"] = part
         return full
 
-    yield from _stage_buckets(model, tp_group, dtype, bucket_bytes, gather_unit,
-                              lambda full: megatron_to_hf(full, model.spec),
+    yield from _stage_buckets(model, tp_group, dtype, bucket_bytes, gather_unit, to_hf,
                               lambda name: ep if _EXPERT.match(name) else 1)
 
 

@@ -41,10 +41,13 @@ class Qwen3VLMoeModel(Qwen3VLModel):
             if type(module).__name__ == "MoELayer":
                 split_tokens_over_tp(module)  # TP without sequence parallelism (models/qwen3vl_moe/token_split.py)
 
+    # the family's language config with experts (a family built on this class names its own)
+    moe_language_config = staticmethod(language_config)
+
     def _language_config(self, spec, dtype, tp, recompute, pp, layers):
         from megatron.core import parallel_state
 
-        config = language_config(spec, dtype, tp, recompute, pp, layers, self.ep)  # checks the layout
+        config = self.moe_language_config(spec, dtype, tp, recompute, pp, layers, self.ep)  # checks the layout
         if self.ep > 1 and parallel_state.get_expert_model_parallel_world_size() != self.ep:
             raise RuntimeError(f"expert_parallel={self.ep} but Megatron's expert-parallel groups have "
                                f"{parallel_state.get_expert_model_parallel_world_size()} ranks")

@@ -31,7 +31,8 @@ def run_parity(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, layers=()) ->
     return dict(zip(result, worst.tolist()))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run=None) -> int:
+    """`run`: the comparison (default this module's run_parity; models/qwen35_moe/parity.py passes its own)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("hf_dir")
     parser.add_argument("--tp", type=int, default=1)
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,3")
     args = parser.parse_args(argv)
     layers = tuple(int(n) for n in args.pipeline_layers.split(",") if n.strip())
-    result = run_parity(args.hf_dir, args.tp, args.pp, args.ep, layers)
+    result = (run or run_parity)(args.hf_dir, args.tp, args.pp, args.ep, layers)
     if dist.get_rank() == 0:
         for name, diff in result.items():
             print(f"{name:12s} max |logits diff| = {diff:.3e}")

@@ -1,5 +1,6 @@
-"""The Qwen3.5-MoE pieces on one rank, in one process (one import of Megatron and transformers).
-Prints one JSON line.
+"""The tiny Qwen3.5-MoE on one rank, in one process (one import of Megatron and transformers, one
+model build per check). Prints one JSON line: {"block": ..., "parity": ..., "padding": ...,
+"replay": ...}.
 
     python tests/dist/qwen35_moe_one_rank.py HF_DIR
 
@@ -14,9 +15,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import models  # noqa: F401 - CPU runtime hooks first
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_one_rank import padding_check, replay_check  # noqa: E402
 
 HF_MOE = "model.language_model.layers.0.mlp."
 
@@ -98,8 +103,12 @@ def block_check(path: str) -> dict:
 def main() -> int:
     from models.comm import init_parallel
 
+    from models.qwen35_moe.parity import run_parity
+
     init_parallel(1)
-    print(json.dumps({"block": block_check(sys.argv[1])}))
+    path = sys.argv[1]
+    print(json.dumps({"block": block_check(path), "parity": run_parity(path),
+                      "padding": padding_check(path), "replay": replay_check(path)}))
     return 0
 
 
