@@ -69,8 +69,9 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--kind", default="policy", help="the tiny model (models/tiny.py's kinds)")
     args = parser.parse_args()
-    path = str(tiny_model_dir("policy"))
+    path = str(tiny_model_dir(args.kind))
     init_parallel(args.tp)
     trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, lr=1e-3, dtype=args.dtype, offload="always"))
     processor = AutoProcessor.from_pretrained(path)
@@ -128,7 +129,7 @@ def main() -> int:
     reference = load_hf_state(path)
     shapes_ok = exported.keys() == reference.keys() and all(exported[k].shape == reference[k].shape for k in reference)
     if dist.get_rank() == 0:
-        print(json.dumps({"tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
+        print(json.dumps({"kind": args.kind, "model_type": trainer.spec.model_type, "tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
                           "dp_identical": identical, "entropy_tp_consistent": entropy_ok,
                           "entropy_tp_max_diff": entropy_diff, "logprob_tp_max_diff": logprob_diff,
                           "entropy_grad_max_diff": entropy_grad_diff,
