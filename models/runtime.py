@@ -461,6 +461,29 @@ def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
+def _uneven_gather_on_gloo(mappings: ModuleType) -> None:
+    # MoE under EP x TP, megatron-core 0.16.1: the all-to-all dispatcher all-gathers over TP the
+    # tokens each TP rank received from its EP peers, a count per rank as the routing falls
+    # (output_split_sizes), through torch.distributed.all_gather into unequal tensors, which
+    # gloo refuses ("invalid tensor size"). Unequal counts are padded to the largest, gathered
+    # as equal blocks and cut back: the same rows in the same order. Equal counts (and no
+    # counts) take Megatron's own path.
+    gather = mappings._gather_along_first_dim
+
+    @functools.wraps(gather)
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(output_split_sizes)
+        padded = torch.cat([input_, input_.new_zeros((rows - input_.shape[0], *input_.shape[1:]))])
+        blocks = list(torch.empty((len(output_split_sizes) * rows, *input_.shape[1:]), dtype=input_.dtype,
+                                  device=input_.device).split(rows))
+        torch.distributed.all_gather(blocks, padded, group=group)
+        return torch.cat([block[:n] for block, n in zip(blocks, output_split_sizes)])
+
+    mappings._gather_along_first_dim = _gather_along_first_dim
+
+
 def _cpu_clip_grads(clip_grads: ModuleType) -> None:
     # The grad norm, the clipping and the zero count run once per optimizer step over every
     # grad. Not run under `_CudaAsCpu`: that sent each of their torch calls through Python
@@ -554,4 +577,6 @@ _MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.ssm.gated_delta_net": _gated_delta_net_without_fla,
     # ... and gated attention's output gate, compiled on first call (see _uncompiled)
     "megatron.core.transformer.attention": lambda module: _uncompiled(module.Attention, "_apply_output_gate"),
+    # MoE under EP x TP: the dispatcher's all-gather of uneven token counts over TP, which gloo refuses.
+    "megatron.core.tensor_parallel.mappings": _uneven_gather_on_gloo,
 }

@@ -90,13 +90,6 @@ def check_layout(spec: Qwen3VLMoeSpec, tp: int, pp: int, prefix: str = "", layer
     check_dense_layout(spec, tp, pp, prefix, *((tuple(layers),) if layers else ()))
     if ep < 1 or spec.num_experts % ep:
         raise ValueError(f"{prefix}expert_parallel={ep}: the model's {spec.num_experts} experts must divide by it")
-    if tp > 1 and ep > 1:
-        # TP alone works (models/qwen3vl_moe/token_split.py). With EP beside it, Megatron's
-        # all-to-all dispatcher all-gathers each TP group's tokens with uneven sizes per rank,
-        # which gloo's all_gather cannot do (tried: "invalid tensor size"); untested on a GPU
-        raise ValueError(f"{prefix}expert_parallel={ep} with {prefix}tensor_parallel={tp}: expert parallelism "
-                         "together with tensor parallelism is not implemented (Megatron's dispatcher then "
-                         "all-gathers uneven token counts over TP, which gloo cannot); use one of them")
 
 
 def language_config(spec: Qwen3VLMoeSpec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",

@@ -1,12 +1,17 @@
-"""One training step of the tiny Qwen3-VL-MoE under torchrun (gloo, 2 ranks), with the experts on
-every rank (--ep 1, DP 2), spread over both (--ep 2, DP 2), or split over them by tensor
-parallelism (--tp 2, DP 1), or its layers on two pipeline stages (--pp 2, DP 1): the same step in each, a supervised loss on the answer tokens (plus
-Megatron's load-balancing loss), Megatron's distributed optimizer. The data of two DP ranks,
-different image samples on each: at DP 1 the one DP rank takes both ranks' micro-batches (the
-loss is normalised over the whole step, so the gradient is the same). Every rank writes its
-logits of its first micro-batch before the step (gathered over the vocabulary at TP 2; none at
-PP 2, where no rank holds the whole model), rank 0
-the HF export after it (experts gathered from every EP rank), to --out, and prints one JSON line.
+"""One training step of the tiny Qwen3-VL-MoE under torchrun (gloo), with the experts on every
+rank (--ep 1, 2 ranks, DP 2), spread over both (--ep 2, DP 2), or split over them by tensor
+parallelism (--tp 2, DP 1), or its layers on two pipeline stages (--pp 2, DP 1), or both spread
+and split (--ep 2 --tp 2: 4 ranks, DP 2, each TP pair's experts 2 of the 4): the same step in
+each, a supervised loss on the answer tokens (plus Megatron's load-balancing loss), Megatron's
+distributed optimizer. The data of two DP ranks, different image samples on each: at DP 1 the
+one DP rank takes both ranks' micro-batches (the loss is normalised over the whole step, so the
+gradient is the same). Every rank writes its logits of its first micro-batch before the step
+(gathered over the vocabulary at TP 2; none at PP 2, where no rank holds the whole model), rank 0
+the HF export after it (experts gathered from every EP rank), to --out, and prints one JSON line
+with the step's loss (the token mean over every DP rank's samples) and grad norm.
+
+    torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
+    torchrun --nproc-per-node 4 tests/dist/moe_ep.py --ep 2 --tp 2 --out DIR
 
     torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
 """
@@ -64,6 +69,10 @@ def main() -> int:
     local = sorted({n.split("local_experts.")[1].split(".")[0] for n, _ in trainer.module.named_parameters()
                     if "local_experts." in n})
     metrics = trainer.train_step(batches, loss_fn)
+    # train/loss is this DP rank's share of the step's loss, times the DP size (loss_fn's scale):
+    # the mean over DP ranks is the step's loss, the same figure at every DP size
+    loss = torch.tensor(metrics["train/loss"] / trainer.dp_size, dtype=torch.float64)
+    dist.all_reduce(loss, group=comm().dp_cpu)
     exported = trainer.export_hf()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +82,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in exported.items()}, str(out / f"{name}.safetensors"))
         print(json.dumps({"ep": args.ep, "tp": args.tp, "pp": args.pp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
-                          "local_experts_rank0": local, "loss": metrics["train/loss"],
+                          "local_experts_rank0": local, "loss": float(loss),
                           "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
