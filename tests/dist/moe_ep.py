@@ -13,12 +13,15 @@ with the step's loss (the token mean over every DP rank's samples) and grad norm
     torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
     torchrun --nproc-per-node 4 tests/dist/moe_ep.py --ep 2 --tp 2 --out DIR
 
-    torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
+`--kind qwen35moe` runs the tiny Qwen3.5-MoE instead (its files named qwen35moe_...), and
+`--parity` then compares a fresh model's logits with transformers' at the same layout (the
+family's parity module; a second JSON line).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import sys
@@ -47,8 +50,11 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--kind", default="qwen3vlmoe", help="the tiny MoE model: qwen3vlmoe or qwen35moe")
+    parser.add_argument("--parity", action="store_true",
+                        help="after the step, also the model family's logits vs transformers at this layout")
     args = parser.parse_args()
-    path = str(tiny_model_dir("qwen3vlmoe"))
+    path = str(tiny_model_dir(args.kind))
     groups = init_parallel(args.tp, 0, args.pp, args.ep)
     trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                              expert_parallel=args.ep, lr=1e-3, distributed_optimizer=True))
@@ -76,7 +82,8 @@ def main() -> int:
     exported = trainer.export_hf()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"ep{args.ep}" + (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_pp{args.pp}" if args.pp > 1 else "")
+    kind = "" if args.kind == "qwen3vlmoe" else f"{args.kind}_"  # the Qwen3-VL-MoE test's names unchanged
+    name = kind + f"ep{args.ep}" + (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_pp{args.pp}" if args.pp > 1 else "")
     if logits is not None:
         save_file({"logits": logits}, str(out / f"{name}_logits_rank{groups.rank}.safetensors"))
     if dist.get_rank() == 0:
@@ -84,6 +91,13 @@ def main() -> int:
         print(json.dumps({"ep": args.ep, "tp": args.tp, "pp": args.pp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
                           "local_experts_rank0": local, "loss": float(loss),
                           "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}), flush=True)
+    if args.parity:  # a fresh model from the checkpoint, the same process groups
+        from models.family import family_for_dir
+
+        run_parity = importlib.import_module(family_for_dir(path).parity_module).run_parity
+        diffs = run_parity(path, args.tp, args.pp, args.ep)
+        if dist.get_rank() == 0:
+            print(json.dumps({"parity": diffs}), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
