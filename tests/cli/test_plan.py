@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,10 @@ def test_the_command_exits_2_on_an_impossible_cluster():
 # of an image micro-batch with a scored response span, as the trainer computes its logprobs.
 # Qwen2-VL, Qwen2.5-VL, Qwen3-VL (DeepStack, q/k norms, position table), Qwen3-VL-MoE (4 experts, top-2)
 KINDS = ["policy", "policy25", "qwen3vl", "qwen3vlmoe"]
+# Qwen3.5 and Qwen3.5-MoE (gated DeltaNet and gated attention layers, a shared expert): their
+# parameter counts only. Their activations are planned as attention layers' (an estimate: the
+# tiny ones' autograd keeps 2.1x the planned bytes, the DeltaNet's chunked rule keeps more).
+COUNT_ONLY = ["qwen35", "qwen35moe"]
 WORKER = r"""
 import json, sys
 import models, torch
@@ -164,11 +169,14 @@ from models.trainer import TrainerConfig, build_module
 
 init_parallel(1)
 out = {}
-for kind in sys.argv[1:]:
+COUNT_ONLY = json.loads(sys.argv[1])
+for kind in sys.argv[2:]:
     path = str(tiny_model_dir(kind))
     spec = read_spec(path)
     module = build_module(path, spec, TrainerConfig()).train()
     out[kind] = {"params": sum(p.numel() for p in module.parameters())}
+    if kind in COUNT_ONLY:
+        continue
     rows, seq, media, scored = 2, 160, 64, 32
     ids = torch.randint(0, 600, (rows, seq), generator=torch.Generator().manual_seed(0))
     ids[:, 4:4 + media] = spec.image_token_id
@@ -193,10 +201,10 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def tiny_measured():
-    return run_json([sys.executable, "-c", WORKER, *KINDS], timeout=300)
+    return run_json([sys.executable, "-c", WORKER, json.dumps(COUNT_ONLY), *KINDS, *COUNT_ONLY], timeout=300)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + COUNT_ONLY)
 def test_param_count_equals_the_megatron_model(tiny_measured, kind):
     assert param_counts(load_spec(f"tiny:{kind}")).total == tiny_measured[kind]["params"]
 
@@ -411,3 +419,63 @@ def test_long_video_recipe_fits_at_cp4_and_a_cp_that_does_not_divide_is_refused(
                  "policy.trainer.context_parallel=1", "policy.trainer.tensor_parallel=1",
                  "rollout.engine.tensor_parallel_size=1"]) == 2
     assert "policy.trainer.expert_parallel=2: qwen3_vl is not a mixture-of-experts model" in capsys.readouterr().err
+
+
+# -- Qwen3.5: hybrid linear attention (issue 30) -------------------------------------------------------------------
+
+QWEN35_RECIPE = "configs/qwen35_35b_a3b_16gpu.yaml"
+
+
+def test_qwen35_counts_deltanet_gated_attention_shared_expert_and_a_state_instead_of_kv():
+    """Qwen3.5-35B-A3B by hand: 40 layers of hidden 2048, every 4th gated attention (16 query
+    heads and their 16 gate heads, 2 KV heads, of 256), the rest gated DeltaNets (16 key / 32
+    value heads of 128, conv kernel 4); every MLP 256 experts of 512 (top 8), a router and a
+    shared expert of 512 with its gate. vLLM keeps K and V for the 10 attention layers only, and
+    for each DeltaNet layer a state per sequence: 32 heads x 128 x 128 plus 3 conv inputs."""
+    from yatt_mm.plan import kv_bytes_per_token, state_bytes_per_sequence
+    from yatt_mm.plan.params import active_params
+
+    spec = load_spec("Qwen/Qwen3.5-35B-A3B")
+    h, vocab, layers, full_layers = 2048, 248320, 40, 10
+    attention = h * (2 * 16 + 2 * 2) * 256 + 16 * 256 * h + 2 * 256  # QKV and gate, output, q/k norms
+    qk, v = 16 * 128, 32 * 128
+    delta = h * (2 * qk + 2 * v + 2 * 32) + (2 * qk + v) * 4 + 2 * 32 + 128 + v * h  # in_proj, conv, A/dt, norm, out
+    expert = 3 * 512 * h
+    mlp = 256 * h + expert + h  # router, shared expert and its gate
+    experts = layers * 256 * expert
+    full = param_counts(spec)
+    language = (full_layers * attention + (layers - full_layers) * delta + layers * (2 * h + mlp) + experts
+                + 2 * vocab * h + h)
+    assert (full.language, full.experts) == (language, experts)
+    assert round(full.total / 1e9, 2) == 35.11
+    assert round((active_params(spec) - full.vision) / 1e9, 2) == 3.45  # "A3B": top-8 of 256 experts + the rest
+    assert param_counts(spec, tp=2).experts == experts // 2
+    assert kv_bytes_per_token(spec, 1) == 2 * full_layers * 2 * 256 * 2
+    assert state_bytes_per_sequence(spec, 1) == (layers - full_layers) * (32 * 128 * 128 + (2 * qk + v) * 3) * 2
+    assert state_bytes_per_sequence(spec, 2) == state_bytes_per_sequence(spec, 1) // 2
+    assert state_bytes_per_sequence(load_spec("Qwen/Qwen3-VL-8B-Instruct"), 1) == 0
+
+
+def test_qwen35_recipe_uses_gspo_and_fits_16x141_not_16x80(capsys):
+    """The 35B-A3B recipe: GSPO, TP 2 x PP 4 x DP 2 on 2 x 8 H200s; the engine's cache holds whole
+    sequences (their KV and their DeltaNet state). On 16 x 80 GB the sync phase (the trainer rank
+    beside half the model in vLLM) does not fit; on 32 it does."""
+    from yatt_mm.plan import kv_bytes_per_token, state_bytes_per_sequence
+
+    cfg = load(RLConfig, ROOT / QWEN35_RECIPE)
+    assert cfg.algorithm.policy_loss == "gspo" and cfg.policy.trainer.dtype == "bf16"
+    plan = make_plan(cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=141))
+    assert plan.fits, plan.problems
+    e, spec = plan.rollout, plan.spec
+    per_sequence = e.max_model_len * kv_bytes_per_token(spec, 2) + state_bytes_per_sequence(spec, 2)
+    assert e.state_bytes == state_bytes_per_sequence(spec, 2)
+    assert e.kv_tokens == e.kv_cache // per_sequence * e.max_model_len
+    args = ["plan", "--config", str(ROOT / QWEN35_RECIPE), "--nodes", "2", "--gpus-per-node", "8"]
+    assert main(args + ["--gpu-memory-gb", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: fits" in out and "active parameters 3.90 B of 35.11 B" in out
+    assert "MiB of linear-attention state" in out
+    small = make_plan(cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=80))
+    assert not small.fits and any(p.startswith("phase sync") for p in small.problems), small.problems
+    more = load(RLConfig, ROOT / QWEN35_RECIPE, ["rollout.engine.gpu_memory_utilization=0.6"])
+    assert make_plan(more, Cluster(gpus_per_node=8, nodes=4, gpu_memory_gib=80)).fits

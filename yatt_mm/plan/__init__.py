@@ -52,7 +52,7 @@ from yatt_mm.plan.command import run_plan
 from yatt_mm.plan.constants import (ACTIVATION_CALIBRATION, ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, GIB,
                                     JUDGE_SERVER_MAX_MODEL_LEN, PROMPT_TEXT_TOKENS, VLLM_ASLEEP_GIB, VLLM_DTYPE_BYTES,
                                     VLLM_RESERVE_GIB, PlanError)
-from yatt_mm.plan.engines import EngineMemory, engine_memory, kv_bytes_per_token
+from yatt_mm.plan.engines import EngineMemory, engine_memory, kv_bytes_per_token, state_bytes_per_sequence
 from yatt_mm.plan.flops import train_flops
 from yatt_mm.plan.params import Params, active_params, param_counts
 from yatt_mm.plan.phases import GpuPhase, Line, gpu_phases, host_lines
@@ -69,5 +69,6 @@ __all__ = [
     "dispatched_bytes", "engine_memory", "format_plan", "gpu_phases",
     "host_lines", "input_problems", "known_hf_config", "kv_bytes_per_token", "language_block", "layer_bytes",
     "load_spec", "make_plan", "media_per_sample", "over_limit", "param_counts", "resolve_model", "rl_micro_batch",
-    "run_plan", "spec_from_hf_config", "stage_memory", "train_flops", "trainer_memory", "vision_block",
+    "run_plan", "spec_from_hf_config", "stage_memory", "state_bytes_per_sequence", "train_flops", "trainer_memory",
+    "vision_block",
 ]

@@ -1,6 +1,6 @@
 """Which architecture a model setting names: a checkpoint's config.json, the tiny models, or
-the built-in table of published configs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; new model families
-join here)."""
+the built-in table of published configs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
+Qwen3.5-MoE; new model families join here)."""
 
 from __future__ import annotations
 
@@ -57,8 +57,30 @@ KNOWN_MODELS.update({
 })
 
 
+# Qwen3.5-35B-A3B (issue 30): a hybrid language model, gated DeltaNet and gated attention, 3 : 1.
+# (text hidden_size, num_hidden_layers, full_attention_interval, attention heads, KV heads,
+# head_dim, partial_rotary_factor, DeltaNet key heads, value heads, key / value head dim, conv
+# kernel, experts, top-k, moe_intermediate_size, shared_expert_intermediate_size, vocab_size).
+# The numbers are transformers 5.19's Qwen3_5MoeTextConfig defaults, which its docstring names
+# "Qwen/Qwen3.5-35B-A3B" style: 40 layers of hidden 2048, full attention every 4th (10 layers of
+# 16 query / 2 KV heads of 256, the first quarter of each head rotated), 30 DeltaNet layers of 16
+# key / 32 value heads of 128, every MLP 256 experts of 512 (top 8) plus a shared expert of 512
+# behind a sigmoid gate, vocabulary 248320, untied. Vision: Qwen3-VL's larger tower without
+# DeepStack (depth 27, 1152 wide, 16 heads, 4304, patch 16, 2304 positions), out width 2048;
+# interleaved mrope_section [11, 11, 10] (transformers' default), rope_theta 1e7. Not read from
+# the published config.json (the hub is not reachable here): the out width and rope_theta are
+# from memory of the release.
+KNOWN_MODELS.update({
+    "Qwen/Qwen3.5-35B-A3B": ("qwen3_5_moe", 2048, 40, 4, 16, 2, 256, 0.25, 16, 32, 128, 128, 4, 256, 8, 512, 512,
+                             248320),
+})
+
+
 def known_hf_config(model_id: str) -> dict:
-    """The table row of `model_id` as a config.json (transformers 4.x layout, as published)."""
+    """The table row of `model_id` as a config.json (transformers 4.x layout, as published;
+    Qwen3.5: transformers 5.x's, rope_parameters)."""
+    if KNOWN_MODELS[model_id][0] == "qwen3_5_moe":
+        return _qwen35_moe_config(*KNOWN_MODELS[model_id][1:])
     if KNOWN_MODELS[model_id][0] == "qwen3_vl":
         return _qwen3vl_config(*KNOWN_MODELS[model_id][1:])
     if KNOWN_MODELS[model_id][0] == "qwen3_vl_moe":
@@ -93,6 +115,27 @@ def _qwen3vl_config(hidden: int, inter: int, layers: int, heads: int, kv: int, t
                                    hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2,
                                    temporal_patch_size=2, in_channels=3, num_position_embeddings=2304,
                                    out_hidden_size=hidden, deepstack_visual_indexes=list(deepstack)))
+
+
+def _qwen35_moe_config(hidden: int, layers: int, interval: int, heads: int, kv: int, head_dim: int, rotary: float,
+                       key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int, experts: int,
+                       topk: int, moe_inter: int, shared: int, vocab: int) -> dict:
+    types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    text = dict(hidden_size=hidden, num_hidden_layers=layers, layer_types=types, num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=False,
+                rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, attn_output_gate=True,
+                linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, linear_key_head_dim=key_dim,
+                linear_value_head_dim=value_dim, linear_conv_kernel_dim=kernel, num_experts=experts,
+                num_experts_per_tok=topk, moe_intermediate_size=moe_inter, shared_expert_intermediate_size=shared,
+                router_aux_loss_coef=0.001, max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": rotary,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    return dict(model_type="qwen3_5_moe", tie_word_embeddings=False, image_token_id=248056, video_token_id=248057,
+                vision_start_token_id=248053, vision_end_token_id=248054, text_config=text,
+                vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                   hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2,
+                                   temporal_patch_size=2, in_channels=3, num_position_embeddings=2304,
+                                   out_hidden_size=hidden))
 
 
 def spec_from_hf_config(config: dict):

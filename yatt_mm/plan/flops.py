@@ -6,13 +6,14 @@ what a 3B dense model does a token, while its memory is the 30B model's."""
 from __future__ import annotations
 
 from yatt_mm.plan.batch import VISION_SPLIT_OVER_CP, MicroBatchShape
-from yatt_mm.plan.params import active_params, param_counts
+from yatt_mm.plan.params import active_params, linear_layers, param_counts
 
 
 def train_flops(spec, shape: MicroBatchShape, tp: int = 1, cp: int = 1) -> int:
     """Forward and backward FLOPs of `shape` on one GPU of TP x CP ranks: the language model's
     matmuls over every token (the output layer's included, the embedding lookup not) and causal
-    attention's two s x s products per layer and row, split over TP and CP; the vision tower's
+    attention's two s x s products per layer and row (a hybrid model's DeltaNet layers: their
+    state products, linear in s), split over TP and CP; the vision tower's
     matmuls over the patches with its attention within each frame (Qwen2.5-VL's full-attention
     blocks attend further: a lower bound there), split over TP, and over CP where the family
     splits its frames (batch.VISION_SPLIT_OVER_CP; the others run the whole media on every CP
@@ -23,8 +24,13 @@ def train_flops(spec, shape: MicroBatchShape, tp: int = 1, cp: int = 1) -> int:
     lookup = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
     language = active_params(spec) - full.vision - lookup
     q = spec.num_heads * spec.head_dim
-    # QK^T and AV: 2 x 2 x s^2 x q a layer and row, half of it under the causal mask
-    attention = spec.num_layers * shape.rows * 2 * shape.seq ** 2 * q
+    linear = linear_layers(spec).count(True)
+    # QK^T and AV: 2 x 2 x s^2 x q a softmax-attention layer and row, half of it under the causal mask
+    attention = (spec.num_layers - linear) * shape.rows * 2 * shape.seq ** 2 * q
+    if linear:  # a gated DeltaNet's state products a token and value head (dk x dv each): the
+        # readout q S, the delta's k S and the update k^T v, 2 FLOPs a multiply-add
+        attention += linear * shape.tokens * 3 * 2 * spec.linear_num_value_heads * (
+            spec.linear_key_head_dim * spec.linear_value_head_dim)
     patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
     frames = patches // max(frame, 1)
     vision = 2 * full.vision * patches + spec.vision_depth * frames * 4 * frame ** 2 * spec.vision_embed_dim

@@ -9,7 +9,16 @@ position table's `num_position_embeddings` (0: none) and `num_deepstack` (0: Dee
 each with its LayerNorm over the merged 4 x width vector). A mixture-of-experts spec (Qwen3-VL-MoE,
 models/qwen3vl_moe/config.py) says `num_experts` (0: dense), `moe_intermediate_size` and
 `num_experts_per_tok`: every language MLP is then a router and the experts, which expert
-parallelism splits over `ep` ranks (models/qwen3vl_moe/model.py)."""
+parallelism splits over `ep` ranks (models/qwen3vl_moe/model.py), plus with
+`shared_expert_intermediate_size` a shared expert and its sigmoid gate (Qwen3.5-MoE).
+
+A hybrid spec (Qwen3.5, models/qwen35/config.py) lists `layer_types`: a "linear_attention" layer
+is a gated DeltaNet (Megatron's GatedDeltaNet: the fused input projection of q, k, v, z, b, a, a
+depthwise conv over q, k, v, per-value-head decay `A_log` and `dt_bias`, a per-head output norm,
+the output projection; sizes `linear_num_key_heads` / `linear_num_value_heads` of
+`linear_key_head_dim` / `linear_value_head_dim`, conv kernel `linear_conv_kernel_dim`), a
+"full_attention" layer gated attention (`attention_output_gate`, default on for hybrid specs: a
+second query-sized projection gates the output)."""
 
 from __future__ import annotations
 
@@ -48,18 +57,52 @@ def _row(n_in: int, n_out: int, tp: int, bias: bool) -> list[int]:
     return [n_out * (n_in // tp)] + ([n_out] if bias else [])
 
 
-def _language_layer(spec, tp: int) -> list[int]:
-    """A language layer's tensors but the experts: a MoE layer's MLP is its router here, the
-    experts are `_layer_experts`."""
+def linear_layers(spec) -> tuple[bool, ...]:
+    """Per language layer: whether it is linear attention (a gated DeltaNet, holding a recurrent
+    state instead of a KV cache); all False for a model without `layer_types`."""
+    types = getattr(spec, "layer_types", ()) or ()
+    return tuple(t == "linear_attention" for t in types) or (False,) * spec.num_layers
+
+
+def _attention(spec, tp: int) -> list[int]:
+    """Softmax attention: QKV (with the output gate's queries when gated), q/k norms, output."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     qk_norms = [spec.head_dim, spec.head_dim] if getattr(spec, "qk_norm", False) else []
-    experts = getattr(spec, "num_experts", 0)
-    # Megatron's TopKRouter: one [experts, hidden] weight, whole on every rank (no bias)
-    mlp = ([experts * h] if experts else
-           _column(h, 2 * spec.intermediate_size, tp, bias=False) + _row(spec.intermediate_size, h, tp, bias=False))
+    gate = q if getattr(spec, "attention_output_gate", bool(getattr(spec, "layer_types", ()))) else 0
+    return (_column(h, q + gate + 2 * kv, tp, bias=getattr(spec, "qkv_bias", True)) + qk_norms
+            + _row(q, h, tp, bias=False))
+
+
+def _delta_net(spec, tp: int) -> list[int]:
+    """A gated DeltaNet (Megatron's GatedDeltaNet, no biases): in_proj to q, k (key heads), v, z
+    (value heads) and b, a (one each per value head), split over TP like the conv's channels and
+    the value heads' A_log and dt_bias; the per-head output RMSNorm whole on every rank."""
+    h, nv = spec.hidden_size, spec.linear_num_value_heads
+    qk, v = spec.linear_num_key_heads * spec.linear_key_head_dim, nv * spec.linear_value_head_dim
+    conv = (2 * qk + v) // tp * spec.linear_conv_kernel_dim  # depthwise: one kernel a channel
+    return (_column(h, 2 * qk + 2 * v + 2 * nv, tp, bias=False) + [conv, nv // tp, nv // tp]
+            + [spec.linear_value_head_dim] + _row(v, h, tp, bias=False))
+
+
+def _mlp(spec, tp: int) -> list[int]:
+    """The MLP but the routed experts: a dense SwiGLU, or a MoE layer's router (Megatron's
+    TopKRouter: one [experts, hidden] weight, whole on every rank, no bias) with its shared
+    expert (a SwiGLU split over TP like a dense one, and its [1, hidden] gate, whole)."""
+    h, experts = spec.hidden_size, getattr(spec, "num_experts", 0)
+    if not experts:
+        return _column(h, 2 * spec.intermediate_size, tp, bias=False) + _row(spec.intermediate_size, h, tp, bias=False)
+    shared = getattr(spec, "shared_expert_intermediate_size", 0)
+    return [experts * h] + ((_column(h, 2 * shared, tp, bias=False) + _row(shared, h, tp, bias=False) + [h])
+                            if shared else [])
+
+
+def _language_layer(spec, tp: int, linear: bool = False) -> list[int]:
+    """A language layer's tensors but the experts: a MoE layer's MLP is its router (and shared
+    expert) here, the experts are `_layer_experts`. `linear`: a gated DeltaNet in place of
+    attention."""
+    h = spec.hidden_size
     return ([h, h]  # input and pre-MLP RMSNorm weights, whole on every rank
-            + _column(h, q + 2 * kv, tp, bias=getattr(spec, "qkv_bias", True)) + qk_norms
-            + _row(q, h, tp, bias=False) + mlp)
+            + (_delta_net(spec, tp) if linear else _attention(spec, tp)) + _mlp(spec, tp))
 
 
 def _layer_experts(spec, tp: int, ep: int) -> list[int]:
@@ -106,12 +149,18 @@ def param_counts(spec, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[i
     first, last = stage == 0, stage == pp - 1
     lm_ends = (([vocab // tp * h] if first else []) + ([h] if last else [])
                + ([vocab // tp * h] if last and not (spec.tie_word_embeddings and first) else []))
-    lm_layer, v_layer, v_ends = _language_layer(spec, tp), _vision_layer(spec, tp), _vision_ends(spec)
+    v_layer, v_ends = _vision_layer(spec, tp), _vision_ends(spec)
     vision = spec.vision_depth * sum(v_layer) + sum(v_ends) if first else 0
-    n_layers = stage_layers(spec.num_layers, pp, layers)[stage]
+    counts = stage_layers(spec.num_layers, pp, layers)
+    start = sum(counts[:stage])
+    kinds = linear_layers(spec)[start:start + counts[stage]]  # this stage's layers, linear or not
+    lm_layers = [_language_layer(spec, tp, linear) for linear in sorted(set(kinds))]
+    n_layers = len(kinds)
     experts = _layer_experts(spec, tp, ep)
-    return Params(vision=vision, language=n_layers * (sum(lm_layer) + sum(experts)) + sum(lm_ends),
-                  largest=max(lm_layer + experts + lm_ends + (v_layer + v_ends if first else [])),
+    language = sum(sum(_language_layer(spec, tp, linear)) for linear in kinds)
+    return Params(vision=vision, language=language + n_layers * sum(experts) + sum(lm_ends),
+                  largest=max([t for layer in lm_layers for t in layer] + experts + lm_ends
+                              + (v_layer + v_ends if first else [])),
                   experts=n_layers * sum(experts))
 
 

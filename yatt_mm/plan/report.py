@@ -37,9 +37,11 @@ def format_plan(plan: Plan) -> str:
            f"{gib(t.optimizer)}, activations {gib(t.activations.peak)} at the peak ({gib(t.activations.saved)} saved)"]
     out += _parallel_lines(plan)
     for e in [plan.rollout, *plan.judges.values()]:
+        state = (f" (each with {e.state_bytes / 2**20:.1f} MiB of linear-attention state besides its KV of the "
+                 f"full-attention layers)" if e.state_bytes else "")
         out.append(f"{e.name} (vLLM): share {e.share:g} = {gib(e.total)} GiB: weights {gib(e.weights)}, KV cache "
                    f"{gib(e.kv_cache)} GiB = {e.kv_tokens} tokens = {e.kv_tokens // max(e.max_model_len, 1)} "
-                   f"sequences of {e.max_model_len}")
+                   f"sequences of {e.max_model_len}{state}")
     for gpus in dict.fromkeys(p.gpus for p in plan.phases):
         out += ["", f"GPU memory per phase (GiB): {gpus}"]
         out += _gpu_table([p for p in plan.phases if p.gpus == gpus])
