@@ -1,18 +1,20 @@
-"""Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen3vl / qwen3vlmoe the tiny
-Qwen3-VL / Qwen3-VL-MoE):
+"""Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen3vl / qwen3vlmoe / qwen35
+the tiny Qwen3-VL / Qwen3-VL-MoE / Qwen3.5, whose gated DeltaNet layers run Megatron's pure-torch
+chunked rule on CPU):
 yatt-mm's VLMTrainer (Megatron-Core, DDP, Megatron's optimizer) vs what a user would otherwise
 write: transformers' model class (Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
-Qwen3VLMoeForConditionalGeneration) + torch.optim.AdamW. Same weights, same batch (right-padded
-colour-question images, loss on the answer tokens), same loss, same clipping, one process, same
-cores, measured in the same run in interleaved rounds; the best round of each is reported (other
-processes on a shared machine only ever slow a round down, so the best round is the least
-disturbed), medians beside it.
+Qwen3VLMoeForConditionalGeneration, Qwen3_5ForConditionalGeneration) + torch.optim.AdamW. Same
+weights, same batch (right-padded colour-question images, loss on the answer tokens), same loss,
+same clipping, one process, same cores, measured in the same run in interleaved rounds; the best
+round of each is reported (other processes on a shared machine only ever slow a round down, so
+the best round is the least disturbed), medians beside it.
 
-    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl|qwen3vlmoe] [--rounds 5] [--steps-per-round 3] [--batch 16]
+    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl|qwen3vlmoe|qwen35] [--rounds 5] [--steps-per-round 3] [--batch 16]
 
 The last line is one JSON object: kind, tokens_per_s, transformers_tokens_per_s,
 ratio_to_transformers (best rounds), median_round_ratio (the median over rounds of the two
-back-to-back steps' ratio).
+back-to-back steps' ratio), and first_step_loss_gap: how far apart the two first steps' losses are
+(same weights, same batch: the same function computed twice).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def make_batch(processor, spec, n: int, micro: int):
 # --kind -> (the tiny model's kind, transformers' class for it)
 KINDS = {"qwen2vl": ("policy", "Qwen2VLForConditionalGeneration"),
          "qwen3vl": ("qwen3vl", "Qwen3VLForConditionalGeneration"),
-         "qwen3vlmoe": ("qwen3vlmoe", "Qwen3VLMoeForConditionalGeneration")}
+         "qwen3vlmoe": ("qwen3vlmoe", "Qwen3VLMoeForConditionalGeneration"),
+         "qwen35": ("qwen35", "Qwen3_5ForConditionalGeneration")}
 
 
 def main() -> int:
@@ -76,7 +79,7 @@ def main() -> int:
     target = sum(float(mb.extra["mask"].sum()) for mb in mbs)
 
     def megatron_step():
-        trainer.train_step(mbs, lambda lp, mb: (-(lp * mb.extra["mask"]).sum() / target, {}))
+        return trainer.train_step(mbs, lambda lp, mb: (-(lp * mb.extra["mask"]).sum() / target, {}))["train/loss"]
 
     hf = getattr(transformers, hf_class).from_pretrained(path, dtype=torch.float32)
     hf.train()
@@ -84,15 +87,19 @@ def main() -> int:
 
     def hf_step():
         opt.zero_grad(set_to_none=True)
+        total = 0.0
         for mb in mbs:
             x = mb.inputs
             types = (x.input_ids == trainer.spec.image_token_id).int()  # what the processor returns
             logits = hf(input_ids=x.input_ids, attention_mask=x.attention_mask, pixel_values=x.pixel_values,
                         image_grid_thw=x.image_grid_thw, mm_token_type_ids=types).logits
             lp = torch.log_softmax(logits.float(), -1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
-            (-(lp * mb.extra["mask"]).sum() / target).backward()
+            loss = -(lp * mb.extra["mask"]).sum() / target
+            loss.backward()
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
+        return total
 
     def timed(step) -> float:
         t0 = time.perf_counter()
@@ -100,7 +107,7 @@ def main() -> int:
             step()
         return tokens * args.steps_per_round / (time.perf_counter() - t0)
 
-    megatron_step(), hf_step()  # warm up both
+    loss_gap = abs(megatron_step() - hf_step())  # warm up both, from the same weights on the same batch
     ours, theirs = [], []
     for r in range(args.rounds):  # interleaved, alternating which goes first
         pair = [(ours, megatron_step), (theirs, hf_step)]
@@ -116,7 +123,7 @@ def main() -> int:
                       "median_round_ratio": round(statistics.median(x / y for x, y in zip(ours, theirs)), 3),
                       "median_tokens_per_s": round(statistics.median(ours), 1),
                       "median_transformers_tokens_per_s": round(statistics.median(theirs), 1),
-                      "tokens_per_step": tokens, "batch": args.batch,
+                      "first_step_loss_gap": loss_gap, "tokens_per_step": tokens, "batch": args.batch,
                       "micro_batch": args.micro, "rounds": args.rounds, "steps_per_round": args.steps_per_round,
                       "threads": torch.get_num_threads(), "statistic": "best round"}), flush=True)
     return 0
