@@ -92,7 +92,7 @@ def controller_state(controller) -> tuple[dict, dict[str, torch.Tensor]]:
         t, meta = pack_prompt(group.prompt)  # never empty: a prompt without media has a "none" tensor
         tensors.update({f"{i}.{k}": v.contiguous() for k, v in t.items()})
         return {"index": i, "prompt": meta, "responses": [asdict(r) for r in group.responses],
-                "rewards": group.rewards, "reward_parts": group.reward_parts}
+                "rewards": group.rewards, "reward_parts": group.reward_parts, "version": group.version}
 
     state = {"source": controller.source.state_dict(), "sampler": controller.sampler.state_dict(encode)}
     return state, tensors
@@ -103,7 +103,7 @@ def load_controller_state(controller, state: dict, tensors: dict[str, torch.Tens
         prefix = f"{g['index']}."
         own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         return Group(unpack_prompt(own, g["prompt"]), [Response(**r) for r in g["responses"]], g["rewards"],
-                     g["reward_parts"])
+                     g["reward_parts"], g.get("version", 0))
 
     controller.source.load_state_dict(state["source"])
     controller.sampler.load_state_dict(state["sampler"], decode)
@@ -120,8 +120,10 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_write_seconds = 0.0
 
-    def save(self, step: int, trainer, controller=None, dp_rank: int = 0) -> dict[str, float]:
-        """Snapshot now (the caller's next step may change everything), write later."""
+    def save(self, step: int, trainer, controller=None, dp_rank: int = 0, controller_snapshot=None) -> dict[str, float]:
+        """Snapshot now (the caller's next step may change everything), write later.
+        `controller_snapshot`: the controller's state as `controller_state` took it earlier (a
+        rollout running ahead has moved the live one past what this step trained)."""
         self.wait()
         t0 = time.perf_counter()
         snapshot = {"model": _clone(trainer.module.state_dict()), "optimizer": _clone(trainer.optimizer_state()),
@@ -129,7 +131,7 @@ class Checkpointer:
                     "pipeline_parallel": trainer.cfg.pipeline_parallel,
                     "pipeline_layers": list(getattr(trainer.cfg, "pipeline_layers", [])),
                     "distributed_optimizer": trainer.cfg.distributed_optimizer}
-        ctrl = controller_state(controller) if controller is not None else None
+        ctrl = controller_snapshot or (controller_state(controller) if controller is not None else None)
         seconds = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._write_guarded, args=(step, snapshot, ctrl, dp_rank),
                                         name=f"checkpoint-step{step}", daemon=False)

@@ -26,7 +26,13 @@ class RunConfig:
     run_dir: str = ""  # metrics, timelines, checkpoints, the final policy; default: runs/NAME-TIME
     name: str = "rl"  # names the default run_dir
     controller: Literal["parallel", "single"] = "parallel"  # single: verl-like baseline, for benchmarks
-    placement: Literal["full", "partial"] = "full"  # partial: rollout beside server judges (rl/placement.py)
+    # partial: rollout beside server judges; disaggregated: rollout and judges resident beside the
+    # trainer for the whole run, never released (rl/placement.py); what max_staleness > 0 runs on
+    placement: Literal["full", "partial", "disaggregated"] = "full"
+    # 0: synchronous (each step samples with the weights it trains). k >= 1: each controller generates
+    # step n+1's samples while step n trains (rl/rollout_ahead.py); a sample sampled more than k
+    # policy versions before the weights that train it is dropped (rollout/stale_dropped), never trained
+    max_staleness: int = 0
     micro_batch_tokens: int = 4096  # per micro-batch: rows x longest row, or with packing the real tokens
     packing: bool = False  # samples concatenated into one row per micro-batch, attention per sample (models/packing.py)
     balance: bool = True  # move groups across DP ranks to even out their cost
@@ -39,7 +45,8 @@ class RunConfig:
     check_sync: bool = True  # after each weight sync, score vLLM's greedy answer to a probe prompt with the trainer
 
     RANGES = {"steps": ">= 1", "seed": ">= 0", "micro_batch_tokens": ">= 1", "patch_weight": ">= 0",
-              "checkpoint_every": ">= 0", "keep_checkpoints": ">= 1", "max_logprob_diff": ">= 0"}
+              "checkpoint_every": ">= 0", "keep_checkpoints": ">= 1", "max_logprob_diff": ">= 0",
+              "max_staleness": ">= 0"}
 
 
 @dataclass
@@ -101,12 +108,30 @@ class RLConfig:
             self.algorithm.loss_norm_tokens = self.rollout.sampling.max_tokens
         self._check_gpu_shares()
         self._check_rollout_parallel()
+        self._check_staleness()
         if self.run.placement == "partial":
             local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend != "server"]
             if not self.reward.judges or local:
                 raise ValueError(
                     "run.placement=partial runs the rollout beside GenRM judges served by vLLM servers: "
                     + (f"set backend: server for judge(s) {', '.join(local)}" if local else "configure reward.judges"))
+
+    def _check_staleness(self) -> None:
+        """Generating ahead runs the controller's rollout in a thread of its rank while the trainer
+        trains (rl/rollout_ahead.py): it needs the rollout engine and judges resident beside the
+        trainer, a controller whose reads need no other rank, and an engine no other rank replays."""
+        k = self.run.max_staleness
+        if not k:
+            return
+        if self.run.placement != "disaggregated":
+            raise ValueError(f"run.max_staleness={k} generates the next step while this one trains, beside the "
+                             f"trainer: set run.placement=disaggregated (now {self.run.placement})")
+        if self.run.controller != "parallel":
+            raise ValueError(f"run.max_staleness={k} needs run.controller=parallel: the single controller's reads "
+                             "are collectives, which a rollout running beside training cannot join")
+        if self.rollout.engine.tensor_parallel_size > 1:
+            raise ValueError(f"run.max_staleness={k} needs rollout.engine.tensor_parallel_size=1: an engine over "
+                             "several ranks is replayed by its peers in lockstep, which their training would block")
 
     def _check_gpu_shares(self, limit: float = 0.95) -> None:
         """On GPUs every vLLM engine takes its share of the GPU when it starts, and a rank's

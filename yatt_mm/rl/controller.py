@@ -28,7 +28,8 @@ PROBE_TOKENS = 4  # answer length of the weight-sync probe
 
 class Controller:
     def __init__(self, source, engine: RolloutEngine, rewarder: Rewarder, sampler: DynamicSampler,
-                 sampling: SamplingConfig, builder: SampleBuilder, algorithm: AlgorithmConfig, phases: PhaseRunner):
+                 sampling: SamplingConfig, builder: SampleBuilder, algorithm: AlgorithmConfig, phases: PhaseRunner,
+                 max_staleness: int = 0):
         self.source = source
         self.engine = engine
         self.rewarder = rewarder
@@ -38,6 +39,10 @@ class Controller:
         self.algorithm = algorithm
         self.phases = phases
         self.probe_prompt: Prompt | None = None  # checks each weight sync: an eval prompt, else the first trained
+        # the policy version the engine holds (steps its weights have trained; the loop sets it at
+        # each weight sync), stamped on every group sampled
+        self.policy_version = 0
+        self.max_staleness = max_staleness  # run.max_staleness; 0: dynamic sampling's buffer as ever
         self._waves: list[Wave] = []  # this step's, for the device split
         self._wave_seconds = 0.0
 
@@ -87,7 +92,7 @@ class Controller:
             if self.rewarder.judges:
                 self.phases.timeline.record("judge_batch", step, judged, time.time(), cpu=judge_cpu,
                                             responses=sum(len(r) for r in result.responses))
-        groups = [self._shape_length(Group(p, rs, total, parts))
+        groups = [self._shape_length(Group(p, rs, total, parts, version=self.policy_version))
                   for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds, own, result.prompt_tokens)
         return groups
@@ -128,6 +133,8 @@ class Controller:
         samples with advantages; and what it took (this DP group's counts)."""
         stats = RolloutStats()
         self._waves, self._wave_seconds = [], 0.0
+        if self.max_staleness:  # buffered groups the weights of `step` would train more than k versions off
+            stats.stale_dropped += self.sampler.drop_older(step - self.max_staleness)
         chosen = self.sampler.collect(target, lambda n: self._wave(n, step, stats))
         stats.add_choice(chosen)
         # partial colocation: the next step's device split, from what this one's waves measured
@@ -136,7 +143,7 @@ class Controller:
             self.probe_prompt = chosen.groups[0].prompt
         stats.reward_counts = self.rewarder.take_counts()
         with self.phases.phase("prepare", step):
-            return self.train_samples(chosen), stats
+            return self.train_samples(chosen, step), stats
 
     def evaluate(self, prompts: list[Prompt], rule: RuleFn, max_tokens: int, step: int) -> tuple[float, int]:
         """Greedy answers to held-out prompts, scored by a rule (unfiltered): (score sum, count)."""
@@ -158,7 +165,7 @@ class Controller:
                                                      temperature=0.0))
         return self.builder.build(Group(self.probe_prompt, result.responses[0], [0.0]), [0.0], masked=False)
 
-    def train_samples(self, chosen: StepGroups) -> list[list[TrainSample]]:
+    def train_samples(self, chosen: StepGroups, step: int | None = None) -> list[list[TrainSample]]:
         """Per group, its responses as training samples with their group's advantages (REINFORCE++'s
         are finished over the whole step by the actor). With algorithm.overlong.filter, the
         truncated ones are kept out of the loss (DAPO's overlong filtering)."""
@@ -166,7 +173,9 @@ class Controller:
         for i, (group, masked) in enumerate(zip(chosen.groups, chosen.masked)):
             rewards = torch.tensor(group.rewards, dtype=torch.float32)
             adv = advantages(self.algorithm.advantage, rewards, [0] * len(group.rewards))
-            samples = self.builder.build(group, adv.tolist(), masked, stale=i < chosen.from_buffer)
+            # stale: sampled by older weights than those of `step` (the buffer's; or generated ahead)
+            stale = i < chosen.from_buffer or (step is not None and group.version < step)
+            samples = self.builder.build(group, adv.tolist(), masked, stale=stale)
             if self.algorithm.overlong.filter:
                 for s in samples:
                     s.masked = s.masked or s.truncated

@@ -122,6 +122,14 @@ class DynamicSampler(Generic[G]):
         return StepGroups(chosen + pad, [False] * len(chosen) + [True] * len(pad), waves,
                           generated, valid_generated, from_buffer, exhausted)
 
+    def drop_older(self, min_version: int) -> int:
+        """Bounded staleness: drop the buffered groups sampled by a policy older than
+        `min_version` (they would train too far off-policy); returns how many."""
+        kept = [g for g in self.buffer if g.version >= min_version]
+        dropped = len(self.buffer) - len(kept)
+        self.buffer = kept
+        return dropped
+
     def state_dict(self, encode: Callable[[G], dict]) -> dict:
         return {"valid_rate": self.valid_rate, "buffer": [encode(g) for g in self.buffer]}
 

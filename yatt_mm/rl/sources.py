@@ -53,10 +53,11 @@ class ParallelSource:
         out, self.consumed = self.consumed, []
         return out
 
-    def write_lineage(self, path: Path, step: int) -> None:
-        """Append what this step consumed, a JSON line per sample: the exactly-once record."""
+    def write_lineage(self, path: Path, step: int, consumed: list[tuple[int, str]] | None = None) -> None:
+        """Append what this step consumed (drained now, or `consumed`, drained earlier), a JSON
+        line per sample: the exactly-once record."""
         with open(path, "a") as f:
-            for epoch, key in self.drain_consumed():
+            for epoch, key in self.drain_consumed() if consumed is None else consumed:
                 f.write(json.dumps({"step": step, "epoch": epoch, "key": key}) + "\n")
 
     def state_dict(self) -> dict:

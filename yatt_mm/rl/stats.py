@@ -34,6 +34,7 @@ class RolloutStats:
     padded: float = 0.0
     waves: float = 0.0
     from_buffer: float = 0.0
+    stale_dropped: float = 0.0  # buffered groups dropped as staler than run.max_staleness
     judge_busy: float = 0.0  # partial colocation: seconds some judge request was open
     judge_busy_generating: float = 0.0  # of which while the rollout engine was still generating
     judged: float = 0.0  # partial colocation: responses streamed to the judges
@@ -124,7 +125,9 @@ class RolloutStats:
         }
 
 
-TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "sync", "probe", "eval")
+# wait_rollout: a step's wait for the rollout generated ahead, before its weight sync (run.max_staleness)
+TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "wait_rollout", "sync",
+                "probe", "eval")
 
 
 def time_metrics(timeline: Timeline, step: int, seconds: float, group) -> dict[str, float]:

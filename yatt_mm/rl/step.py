@@ -11,18 +11,28 @@ from __future__ import annotations
 import time
 
 from yatt_mm.rl.distributed import balance_groups, broadcast_samples, sum_across
+from yatt_mm.rl.rollout_ahead import staleness_metrics
 from yatt_mm.rl.stats import time_metrics
 
 
-def rl_step(run, step: int) -> dict[str, float]:
+def rl_step(run, step: int, ahead=None) -> dict[str, float]:
+    """`ahead`: a controller's RolloutAhead (run.max_staleness >= 1; rl/rollout_ahead.py), whose
+    thread generates the next step's samples while this one trains; None: synchronous."""
     cfg, ranks, phases = run.cfg, run.ranks, run.phases
     start = time.time()
     metrics: dict[str, float] = {}
     groups = []
     if ranks.leader:  # each DP group on its own, then only metadata and moved groups cross
-        with run.engine.lead():
-            groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
-        metrics |= rollout.summed(ranks.leaders_cpu).metrics(run.rule_names, run.judges.names)
+        if ahead is None:
+            with run.engine.lead():
+                groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
+        else:
+            groups, rollout = ahead.take(step)
+        rollout = rollout.summed(ranks.leaders_cpu)
+        metrics |= rollout.metrics(run.rule_names, run.judges.names)
+        if ahead is not None:
+            metrics |= staleness_metrics(groups, step, cfg.run.max_staleness, rollout.stale_dropped,
+                                         ranks.leaders_cpu)
         if cfg.run.balance and ranks.dp_size > 1:
             with phases.phase("balance", step):
                 groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders_cpu)
@@ -37,14 +47,23 @@ def rl_step(run, step: int) -> dict[str, float]:
         metrics |= run.actor.batch_advantages(minis)
     with phases.phase("train", step):
         metrics |= run.actor.update(minis)
+    if ahead is not None:
+        with run.timeline.phase("wait_rollout", step):
+            ahead.wait()  # the engine idle before new weights load into it
     with phases.phase("sync", step):
         metrics |= push_weights(run)
+        lineage = run.run_dir / f"consumed_rank{ranks.rank}.jsonl"
         if ranks.leader:
-            run.controller.source.write_lineage(run.run_dir / f"consumed_rank{ranks.rank}.jsonl", step + 1)
+            run.controller.policy_version = step + 1
+            if ahead is not None:
+                ahead.write_lineage(lineage, step + 1)
+            else:
+                run.controller.source.write_lineage(lineage, step + 1)
         if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
             # after the weight sync nothing is in flight and the trainer is still on the device:
-            # snapshot now, write during the next rollout
-            metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank)
+            # snapshot now, write during the next rollout (a rollout ahead: the controller as of this step)
+            metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank,
+                                             ahead.snapshot if ahead is not None else None)
     metrics |= probe_sync(run, step)
     if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
         metrics |= evaluate(run, step)

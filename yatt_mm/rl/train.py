@@ -34,7 +34,8 @@ from yatt_mm.rl.checkpoint import Checkpointer
 from yatt_mm.rl.config import RLConfig
 from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.dynamic_sampling import DynamicSampler
-from yatt_mm.rl.placement import PLANS, PhaseRunner
+from yatt_mm.rl.placement import PLANS, RESIDENT_ROLES, PhaseRunner
+from yatt_mm.rl.rollout_ahead import RolloutAhead
 from yatt_mm.rl.samples import SampleBuilder
 from yatt_mm.rl.split_runner import SplitRunner
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource
@@ -81,9 +82,10 @@ class Run:
             self.engine.join(ranks.tp_cpu, ranks.leader_rank)
         self.judges = build_judges(cfg.reward.judges, ranks)
         self.rule_names = [f.name for f in cfg.reward.functions]
-        self.phases = PhaseRunner(PLANS[cfg.run.placement](), {
-            "rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer]}, self.timeline,
-            released=("train",))
+        resident = RESIDENT_ROLES.get(cfg.run.placement, ())  # never released: not the runner's to move
+        roles = {"rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer]}
+        self.phases = PhaseRunner(PLANS[cfg.run.placement](), {k: v for k, v in roles.items() if k not in resident},
+                                  self.timeline, released=("train",))
         self.phases.split = SplitRunner(cfg.split, cfg.run.placement, self.judges, self.timeline)
         self.controller = self.eval_prompts = None
         self.eval_rule = get_rule(cfg.eval.reward)
@@ -118,7 +120,7 @@ class Run:
         else:
             source = ParallelSource(reader)
         return Controller(source, self.engine, Rewarder(cfg.reward, self.judges), DynamicSampler(cfg.dynamic_sampling),
-                          cfg.rollout.sampling, builder, cfg.algorithm, self.phases)
+                          cfg.rollout.sampling, builder, cfg.algorithm, self.phases, cfg.run.max_staleness)
 
     def _eval_prompts(self):
         cfg = self.cfg
@@ -151,8 +153,12 @@ def train(cfg: RLConfig) -> int:
     start = resume(run) if cfg.run.resume else 0
     if start == 0 and (m := evaluate(run, -1)):
         run.metrics.log(0, m)
+    ahead = None  # run.max_staleness: each controller's rollout runs a step ahead (rl/rollout_ahead.py)
+    if cfg.run.max_staleness and run.ranks.leader:
+        ahead = RolloutAhead(run.controller, run.engine, cfg.rollout.prompts_per_step, cfg.run.steps,
+                             cfg.run.checkpoint_every)
     for step in range(start, cfg.run.steps):
-        m = rl_step(run, step)
+        m = rl_step(run, step, ahead)
         run.metrics.log(step + 1, m)
         if run.ranks.rank == 0:
             print(progress_line(step, cfg.run.steps, m), flush=True)
@@ -165,6 +171,8 @@ def resume(run: Run) -> int:
     if run.ranks.leader:
         logs.append(run.run_dir / f"consumed_rank{run.ranks.rank}.jsonl")
     step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run, -1), logs)
+    if run.controller is not None:
+        run.controller.policy_version = step  # the engine now holds the weights of `step` steps
     dist.barrier(group=run.ranks.world_cpu)
     return step
 

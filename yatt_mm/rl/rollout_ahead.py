@@ -1,0 +1,112 @@
+"""Asynchronous RL with bounded staleness (run.max_staleness = k >= 1): while step n trains, each
+controller generates, scores and builds step n+1's samples, with the weights step n started from.
+
+Where the rollout runs: a thread of the controller's own rank process, on its in-process vLLM
+engine (placement `disaggregated`: engine and judges stay resident beside the trainer all run;
+yatt_mm/rl/placement.py). Chosen over a rollout worker process per controller because the engine
+is then the one the synchronous path uses: the weight push stays the in-process
+`reload_weights` between steps, the media never leave the rank that read them, and the
+controllers stay as parallel as before (each leader runs its own thread; no collective is
+called from it). What it costs: the GIL serialises the Python parts of vLLM's scheduler and of
+Megatron's step, so the overlap is what torch's kernels and the waits (gloo collectives, judge
+servers) leave free; the measured gain on the 2-core demo is in the final report of issue 31
+and benchmarks/bench_async.py. On GPUs the rollout would sit on its own GPUs with an NCCL
+broadcast of the weights: not built (the config refuses nothing there, but nothing of it has
+run on a GPU).
+
+One step's order on a controller (rl/step.py):
+
+    take(n): the samples generated during step n-1 (at the first step, or after a resume:
+             generated now), the data position and lineage as of them, then step n+1's rollout
+             starts in the thread
+    logprobs, train                                  <- the thread generates meanwhile
+    wait():  the thread's rollout ends; the engine is idle
+    sync:    new weights into the engine (the rollout never sees a half-loaded model)
+
+So a sample is trained by weights one version newer than those that sampled it (staleness 1),
+and the rollout pauses only for the weight copy. Larger k lets dynamic sampling's buffer hand
+older groups to later steps; anything more than k versions older is dropped and counted
+(`rollout/stale_dropped`), never trained; `rollout/staleness_mean`/`_max` are logged. The loss
+corrects for the older behaviour policy through vLLM's logprobs (algorithm.rollout_correction):
+the trainer's old logprobs are those of the weights that train, vLLM's those that sampled.
+
+Exactly once: a checkpoint of step n holds the data position and sampler state taken in
+`take(n)`, before step n+1's rollout drew its prompts, and the lineage of step n lists only what
+step n trained. A restart from it generates step n+1's prompts again, from the same position:
+nothing lost, nothing doubled.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed as dist
+
+from yatt_mm.rl.checkpoint import controller_state
+from yatt_mm.rl.distributed import sum_across
+
+
+class RolloutAhead:
+    """One controller's rollout, one step ahead of its training, in a thread of its process."""
+
+    def __init__(self, controller, engine, prompts_per_step: int, steps: int, checkpoint_every: int):
+        self.controller = controller
+        self.engine = engine
+        self.prompts_per_step = prompts_per_step
+        self.steps = steps
+        self.checkpoint_every = checkpoint_every
+        self._thread: threading.Thread | None = None
+        self._ahead: tuple[int, tuple | None, BaseException | None] | None = None  # (step, result, error)
+        self.consumed: list[tuple[int, str]] = []  # the lineage of the step being trained
+        self.snapshot = None  # the controller's state as of that step, when it checkpoints
+
+    def take(self, step: int):
+        """Step `step`'s groups and rollout stats: generated ahead, else now. Then starts the
+        next step's rollout."""
+        self.wait()
+        if self._ahead is not None and self._ahead[0] == step:
+            _, result, error = self._ahead
+            if error is not None:
+                raise RuntimeError(f"the rollout of step {step + 1}, generated ahead, failed: {error}") from error
+        else:  # nothing ahead: the run's first step, or the first after a resume
+            with self.engine.lead():
+                result = self.controller.step(step, self.prompts_per_step)
+        self._ahead = None
+        # what this step trains, taken before the next rollout draws more prompts
+        self.consumed = self.controller.source.drain_consumed()
+        checkpoints = self.checkpoint_every and (step + 1) % self.checkpoint_every == 0
+        self.snapshot = controller_state(self.controller) if checkpoints else None
+        if step + 1 < self.steps:
+            self._thread = threading.Thread(target=self._generate, args=(step + 1,), name=f"rollout-step{step + 1}",
+                                            daemon=True)
+            self._thread.start()
+        return result
+
+    def wait(self) -> None:
+        """Until the rollout running ahead has ended: the engine is idle after this."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _generate(self, step: int) -> None:
+        try:
+            self._ahead = (step, self.controller.step(step, self.prompts_per_step), None)
+        except BaseException as e:  # re-raised in the loop, by take()
+            self._ahead = (step, None, e)
+
+    def write_lineage(self, path, step: int) -> None:
+        self.controller.source.write_lineage(path, step, self.consumed)
+
+
+def staleness_metrics(groups, step: int, max_staleness: int, dropped: float, leaders) -> dict[str, float]:
+    """How many policy versions each sample trained at `step` is behind the weights that train it,
+    over every DP group (collectives over the leaders). The sampler already dropped what is
+    staler than the bound; a sample beyond it here is a bug, and stops the run before training."""
+    ages = [step - s.version for g in groups for s in g]
+    if any(a > max_staleness for a in ages):
+        raise RuntimeError(f"step {step + 1} would train samples {max(ages)} policy versions old, above "
+                           f"run.max_staleness={max_staleness}")
+    sums = sum_across({"ages": float(sum(ages)), "samples": float(len(ages))}, leaders)
+    peak = sum_across({"max": float(max(ages, default=0))}, leaders, op=dist.ReduceOp.MAX)
+    return {"rollout/staleness_mean": sums["ages"] / max(sums["samples"], 1.0), "rollout/staleness_max": peak["max"],
+            "rollout/stale_dropped": dropped}
