@@ -169,7 +169,7 @@ def _staleness(run_dir: str, k: int, profile: DeviceProfile | None, gpus: int, r
     for s, p, c in zip(run.steps, r.predicted, r.critical):
         print(f"{s.step + 1:>4} {s.slowest_generation:>13.2f} {s.training:>11.2f} {s.pause:>8.2f} {s.seconds:>11.2f} "
               f"{p:>13.2f}  {c}")
-    print(f"steady state (steps {r.steady_from + 1}-{r.steady_to}, medians): measured {r.measured_seconds:.2f} s, "
+    print(f"steady state (steps {r.steady_from + 1}-{r.steady_to}, means): measured {r.measured_seconds:.2f} s, "
           f"predicted at staleness {k} {r.predicted_seconds:.2f} s: step_time_ratio {r.ratio:.2f}, {r.bound}-bound")
     return {"run_dir": run_dir, "staleness": k, "units": run.units, "steady_steps": [r.steady_from + 1, r.steady_to],
             "measured_step_seconds": round(r.measured_seconds, 3),

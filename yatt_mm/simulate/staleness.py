@@ -121,16 +121,18 @@ class StalenessResult:
     steady_from: int  # the first step counted (after start-up)
     steady_to: int  # the first step not counted (the last one has nothing to generate beside it)
 
-    def median(self, values: list[float]) -> float:
-        return statistics.median(values[self.steady_from:self.steady_to] or values)
+    def mean(self, values: list[float]) -> float:
+        """Over the steady steps. A mean, not a median: ahead of training, each step's generation
+        moves to the step before, so per-step values shift between steps while their total holds."""
+        return statistics.mean(values[self.steady_from:self.steady_to] or values)
 
     @property
     def measured_seconds(self) -> float:
-        return self.median(self.measured)
+        return self.mean(self.measured)
 
     @property
     def predicted_seconds(self) -> float:
-        return self.median(self.predicted)
+        return self.mean(self.predicted)
 
     @property
     def ratio(self) -> float:
