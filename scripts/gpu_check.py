@@ -605,28 +605,21 @@ def speed_stage(hf_dir: str, actor, samples, device: torch.device, dtype: str, r
     return out
 
 
-def train_flops(spec, mbs) -> float:
+def train_flops(spec, mbs) -> int:
     """Model FLOPs of one training step (forward + backward = 3 x forward, 2 per multiply-add) on
-    the micro-batches' real tokens: the language model's matmuls per text token (the output
-    layer included, the embedding lookup not), causal attention per row; the vision tower's
-    matmuls per patch (each distinct image once, as the trainer encodes it) and full attention
-    within each image. Padding, recompute and transformers' per-occurrence image encoding are
-    work the model's FLOPs do not count."""
-    from yatt_mm.plan import param_counts
+    the micro-batches' real tokens, by the plan's formula (yatt_mm/plan/flops.py) on each row's
+    real length and each distinct image's patches (each image once, as the trainer encodes it,
+    attending within itself). Padding, recompute and transformers' per-occurrence image encoding
+    are work the model's FLOPs do not count."""
+    from yatt_mm.plan.flops import language_forward_flops, vision_forward_flops
 
-    p = param_counts(spec)
-    text_matmul = p.language - (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size)
-    attn_width = spec.num_heads * spec.head_dim
-    flops = 0.0
+    flops = 0
     for mb in mbs:
-        lengths = mb.inputs.attention_mask.sum(-1).tolist()
-        flops += 6 * text_matmul * sum(lengths)
-        flops += sum(6 * spec.num_layers * attn_width * n * n for n in lengths)  # causal: half of 12 s^2 d
+        flops += language_forward_flops(spec, mb.inputs.attention_mask.sum(-1).tolist())
         if mb.inputs.image_grid_thw is not None:
             patches = _distinct_image_patches(mb.inputs)
-            flops += 6 * p.vision * sum(patches)
-            flops += sum(12 * spec.vision_depth * spec.vision_embed_dim * n * n for n in patches)
-    return flops
+            flops += vision_forward_flops(spec, sum(patches), patches)
+    return 3 * flops
 
 
 def _distinct_image_patches(x) -> list[int]:
