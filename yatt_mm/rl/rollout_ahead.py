@@ -9,10 +9,12 @@ is then the one the synchronous path uses: the weight push stays the in-process
 controllers stay as parallel as before (each leader runs its own thread; no collective is
 called from it). What it costs: the GIL serialises the Python parts of vLLM's scheduler and of
 Megatron's step, so the overlap is what torch's kernels and the waits (gloo collectives, judge
-servers) leave free; the measured gain on the 2-core demo is in the final report of issue 31
-and benchmarks/bench_async.py. On GPUs the rollout would sit on its own GPUs with an NCCL
-broadcast of the weights: not built (the config refuses nothing there, but nothing of it has
-run on a GPU).
+servers) leave free. Measured once on the 2-core machine, shared with other jobs (the demo cut
+to the rule reward, 8 prompts x 8 responses, 6 steps): median step 2.1 s synchronous, 1.1 s at
+staleness 1; benchmarks/bench_async.py measures it in paired rounds. On GPUs this runs as is,
+the engine resident beside the trainer on the rank's GPU (its kernels on the same device);
+the rollout on GPUs of its own with an NCCL broadcast of the weights is not built, and nothing
+here has run on a GPU.
 
 One step's order on a controller (rl/step.py):
 
