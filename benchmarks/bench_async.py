@@ -4,15 +4,17 @@ and the held-out reward after the same number of samples.
 The demo's workload as a user runs it (configs/tiny_demo.yaml's defaults: 2 ranks, 8 prompts x 8
 responses per DP group, rule reward + the tiny GenRM judge, dynamic sampling), the demo's data
 and cached warm starts (benchmarks/_rl.py), `--steps` steps each, held-out eval once at the end
-(eval/reward_mean: greedy answers to the demo's 32 held-out prompts), so both have trained on the
-same number of samples. Staleness 1 runs `run.placement=disaggregated run.max_staleness=1`
+(eval/reward_mean: greedy answers to the demo's 32 held-out prompts) half-way and at the end, so
+both have trained on the same number of samples. Staleness 1 runs `run.placement=disaggregated run.max_staleness=1`
 (yatt_mm/rl/rollout_ahead.py: each controller's rollout of step n+1 in a thread beside step n's
 training). Paired rounds: each round runs both, in alternating order, with the round's seed
 (run.seed), and its ratio is async / sync; the figure is the median of the rounds' ratios.
 
 Seconds per step: from one step's training to the next's (the start of rank 0's "train" phase in
 the timeline), the same clock for both modes; the steady state leaves out the first two steps
-(start-up, the first rollout ahead) and the last (its eval). The simulator's prediction
+(start-up, the first rollout ahead), the half-way one and the last (their evals). Each side's
+seconds per step (the controller's generation, the trainer's logprobs and update), overlapped
+against synchronous, says what the overlap cost each. The simulator's prediction
 (`yatt-mm simulate RUN --staleness 1`, yatt_mm/simulate/staleness.py) is made from each
 synchronous run's own timeline and compared with the same round's measured ratio.
 
@@ -37,39 +39,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rl import ROOT, demo_rl_records  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from yatt_mm.simulate.staleness import predict_here, read_phases  # noqa: E402
+from yatt_mm.simulate.staleness import GENERATION, TRAINING, predict_here, read_phases  # noqa: E402
 
 MODES = {"sync": [], "async": ["run.placement=disaggregated", "run.max_staleness=1"]}
 SKIP_FIRST = 2  # start-up, and the first step of a rollout ahead (it generates its own samples)
 KEEP = ROOT / "runs" / "bench-async"  # the runs' timelines and metrics, for `yatt-mm simulate`
 
 
+def read_timeline(run_dir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"timeline_rank{rank}.jsonl").read_text().splitlines()
+            if line.endswith("}")]
+
+
 def train_starts(run_dir: Path) -> list[float]:
     """When each step's training began on rank 0: one step's seconds is the gap to the next."""
-    spans = [json.loads(line) for line in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()
-             if line.endswith("}")]
-    starts = {s["step"]: s["start"] for s in spans if s["phase"] == "train" and s.get("kind") != "request"}
+    starts = {s["step"]: s["start"] for s in read_timeline(run_dir, 0)
+              if s["phase"] == "train" and s.get("kind") != "request"}
     return [starts[n] for n in sorted(starts)]
+
+
+def side_seconds(run_dir: Path, steps: set[int]) -> dict[str, float]:
+    """Median seconds per step and rank of each side (the controller's generation, the trainer's
+    logprobs and update) over `steps`: how much each slowed when the two overlapped."""
+    sums: dict[str, list[float]] = {"generation": [], "training": []}
+    for path in sorted(run_dir.glob("timeline_rank*.jsonl")):
+        spans = read_timeline(run_dir, int(path.stem.removeprefix("timeline_rank")))
+        for side, names in (("generation", GENERATION), ("training", TRAINING)):
+            names = names + tuple(f"switch:{n}" for n in names)
+            for n in steps:
+                sums[side].append(sum(s["end"] - s["start"] for s in spans if s["step"] == n
+                                      and s.get("kind") != "request" and s["phase"] in names))
+    return {side: statistics.median(v) for side, v in sums.items()}
 
 
 def run(mode: str, steps: int, seed: int) -> dict:
     seen: dict = {}
+    every = steps // 2  # held-out eval half-way (the demo nearly saturates by the end) and at the end
+    # gap i: from step i's training to step i+1's; left out: the first ones and the one holding the mid eval
+    counted = [i for i in range(steps - 1) if i >= SKIP_FIRST and i != every - 1]
 
     def inspect(run_dir: Path) -> None:
         shutil.copytree(run_dir, KEEP / f"{mode}-{seed}", ignore=shutil.ignore_patterns("checkpoints", "tb"))
         seen["starts"] = train_starts(run_dir)
+        seen["sides"] = side_seconds(run_dir, set(counted))
         if mode == "sync":
             seen["prediction"] = predict_here(read_phases(run_dir), 1)
 
-    records = demo_rl_records(steps, *MODES[mode], f"eval.every={steps}", f"run.seed={seed}", inspect=inspect)
+    records = demo_rl_records(steps, *MODES[mode], f"eval.every={every}", f"run.seed={seed}", inspect=inspect)
     starts = seen["starts"]
-    gaps = [b - a for a, b in zip(starts, starts[1:])][SKIP_FIRST:]  # steps SKIP_FIRST+1 .. steps-1
-    if not gaps:
-        sys.exit(f"--steps {steps}: too few to measure a steady state; use at least {SKIP_FIRST + 2}")
+    gaps = [starts[i + 1] - starts[i] for i in counted]
     evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
     stale = [r["rollout/staleness_mean"] for r in records if "rollout/staleness_mean" in r]
-    return {"seconds": statistics.median(gaps), "gaps": gaps, "eval": evals[-1],
-            "staleness_mean": statistics.mean(stale) if stale else 0.0,
+    return {"seconds": statistics.median(gaps), "gaps": gaps, "eval_mid": evals[-2], "eval": evals[-1],
+            "sides": seen["sides"], "staleness_mean": statistics.mean(stale) if stale else 0.0,
             "dropped": sum(r.get("rollout/stale_dropped", 0.0) for r in records),
             "prediction": seen.get("prediction")}
 
@@ -79,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="paired rounds (each: one run of each mode)")
     p.add_argument("--steps", type=int, default=8, help="RL steps per run (the held-out eval after the last)")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.steps < SKIP_FIRST + 2:
-        p.error(f"--rounds must be >= 1 and --steps >= {SKIP_FIRST + 2}")
+    if args.rounds < 1 or args.steps < SKIP_FIRST + 4:
+        p.error(f"--rounds must be >= 1 and --steps >= {SKIP_FIRST + 4} (a steady state beside the mid-run eval)")
     rounds = []
     shutil.rmtree(KEEP, ignore_errors=True)
     for r in range(args.rounds):
@@ -93,10 +115,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {r + 1}/{args.rounds} (seed {r}, {' then '.join(order)}): sync {sync['seconds']:.2f} s/step "
               f"({' '.join(f'{g:.2f}' for g in sync['gaps'])}), staleness 1 {ahead['seconds']:.2f} s/step "
               f"({' '.join(f'{g:.2f}' for g in ahead['gaps'])}): ratio {rounds[-1]['ratio']:.3f}, predicted "
-              f"{pred.ratio:.3f} ({pred.bound}-bound); held-out reward {sync['eval']:.3f} vs {ahead['eval']:.3f}, "
+              f"{pred.ratio:.3f} ({pred.bound}-bound); held-out reward {sync['eval_mid']:.3f} vs "
+              f"{ahead['eval_mid']:.3f} half-way, {sync['eval']:.3f} vs {ahead['eval']:.3f} at the end; "
+              f"overlapped, generation took "
+              f"{ahead['sides']['generation'] / sync['sides']['generation']:.2f}x and training "
+              f"{ahead['sides']['training'] / sync['sides']['training']:.2f}x their synchronous seconds, "
               f"staleness mean {ahead['staleness_mean']:.2f}", flush=True)
     ratio = statistics.median(x["ratio"] for x in rounds)
     rewards = {m: [x[m]["eval"] for x in rounds] for m in MODES}
+    mid = {m: [x[m]["eval_mid"] for x in rounds] for m in MODES}
     out = {
         "step_time_ratio": round(ratio, 3), "target": 0.75, "met": ratio <= 0.75,
         "sync_step_seconds": round(statistics.median(x["sync"]["seconds"] for x in rounds), 3),
@@ -108,12 +135,17 @@ def main(argv: list[str] | None = None) -> dict:
         # the noise the difference is read against: the synchronous runs' spread across seeds
         "eval_reward_sync_stdev": round(statistics.stdev(rewards["sync"]), 4) if len(rounds) > 1 else None,
         "eval_rewards": {m: [round(v, 4) for v in vs] for m, vs in rewards.items()},
+        f"eval_reward_step{args.steps // 2}": {m: [round(v, 4) for v in vs] for m, vs in mid.items()},
+        # each side's seconds per step when overlapped, over the synchronous run's (medians of rounds)
+        "overlap_slowdown": {side: round(statistics.median(x["async"]["sides"][side] / x["sync"]["sides"][side]
+                                                           for x in rounds), 3)
+                             for side in ("generation", "training")},
         "predicted_step_time_ratio": round(statistics.median(x["predicted_ratio"] for x in rounds), 3),
         "predicted_round_ratios": [round(x["predicted_ratio"], 3) for x in rounds],
         "predicted_bound": max(sorted({x["bound"] for x in rounds}), key=[x["bound"] for x in rounds].count),
         "staleness_mean": round(statistics.mean(x["async"]["staleness_mean"] for x in rounds), 3),
         "stale_dropped": sum(x["async"]["dropped"] for x in rounds),
-        "rounds": args.rounds, "steps": args.steps, "steady_steps": [SKIP_FIRST + 1, args.steps - 1],
+        "rounds": args.rounds, "steps": args.steps,
         "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": str(KEEP.relative_to(ROOT)),
     }
     print(f"staleness 1 / 0 seconds per step: {ratio:.3f} (median of {args.rounds} rounds; target <= 0.75: "
