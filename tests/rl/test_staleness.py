@@ -136,7 +136,12 @@ def test_simulate_prints_the_prediction_here_and_on_a_gpu_profile(tmp_path, caps
     out = capsys.readouterr().out
     summary = json.loads(out.splitlines()[-1])
     assert summary["bound"] == "rollout" and summary["step_time_ratio"] == pytest.approx(2.2 / 3.23, abs=1e-3)
-    assert "held back by" in out
+    assert "held back by" in out and summary["generation_cpu_share"] == pytest.approx(1.0) and "of a core" not in out
+    # generation at a quarter of a core: the CPU others may have taken looks idle, said so
+    idle = _sync_run(tmp_path / "idle", [[2.0]] * 4, train=1.0, pause=0.2, cpu_share=0.25)
+    assert cli(["simulate", str(idle), "--staleness", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "generation got 0.25 of a core" in out and json.loads(out.splitlines()[-1])["generation_cpu_share"] == 0.25
     gpu = ["--profile", str(H200), "--gpus", "16", "--judge-b", "7"]
     assert cli(["simulate", str(run), "--staleness", "1", *gpu]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])

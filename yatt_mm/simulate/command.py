@@ -19,7 +19,7 @@ from yatt_mm.simulate.cluster import ClusterResult, ClusterWorkload, best_partia
 from yatt_mm.simulate.draw import draw_timelines
 from yatt_mm.simulate.predict import PlacementResult, best_split, predict
 from yatt_mm.simulate.profile import DeviceProfile, load_profile
-from yatt_mm.simulate.staleness import predict_cluster, predict_here, read_phases
+from yatt_mm.simulate.staleness import generation_cpu_share, predict_cluster, predict_here, read_phases
 from yatt_mm.simulate.trace import RunTrace, read_run
 
 
@@ -171,7 +171,12 @@ def _staleness(run_dir: str, k: int, profile: DeviceProfile | None, gpus: int, r
               f"{p:>13.2f}  {c}")
     print(f"steady state (steps {r.steady_from + 1}-{r.steady_to}, means): measured {r.measured_seconds:.2f} s, "
           f"predicted at staleness {k} {r.predicted_seconds:.2f} s: step_time_ratio {r.ratio:.2f}, {r.bound}-bound")
+    share = generation_cpu_share(run)
+    if share is not None and share < 0.8:
+        print(f"generation got {share:.2f} of a core (median): if other jobs shared this machine during the run, "
+              "the CPU they took looks idle here and the prediction is optimistic")
     return {"run_dir": run_dir, "staleness": k, "units": run.units, "steady_steps": [r.steady_from + 1, r.steady_to],
+            "generation_cpu_share": round(share, 3) if share is not None else None,
             "measured_step_seconds": round(r.measured_seconds, 3),
             "predicted_step_seconds": round(r.predicted_seconds, 3), "step_time_ratio": round(r.ratio, 3),
             "bound": r.bound}

@@ -189,6 +189,15 @@ def generation_cpu(step: StepPhases, run: RunPhases) -> float:
     return sum(c if c is not None else step.generation[r] * per_rank for r, c in step.generation_cpu.items())
 
 
+def generation_cpu_share(run: RunPhases) -> float | None:
+    """The median share of a core a DP group's generation got (its CPU seconds over its seconds):
+    well below one, either it waited on something (what overlapping can fill) or other tenants of
+    the machine took the core (which the CPU bound cannot see, so the prediction is optimistic)."""
+    shares = [c / s.generation[r] for s in run.steps for r, c in s.generation_cpu.items()
+              if c is not None and s.generation[r] > 0]
+    return statistics.median(shares) if shares else None
+
+
 def training_cpu(step: StepPhases, run: RunPhases) -> float:
     """CPU seconds of a step's training: every rank's trainer busy at its torch threads (within
     its share of the cores) for the whole training time (compute-bound)."""
