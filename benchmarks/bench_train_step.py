@@ -1,15 +1,16 @@
 """Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen3vl / qwen3vlmoe / qwen35
-the tiny Qwen3-VL / Qwen3-VL-MoE / Qwen3.5, whose gated DeltaNet layers run Megatron's pure-torch
-chunked rule on CPU):
+/ qwen35moe the tiny Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / Qwen3.5-MoE, whose gated DeltaNet layers
+run Megatron's pure-torch chunked rule on CPU):
 yatt-mm's VLMTrainer (Megatron-Core, DDP, Megatron's optimizer) vs what a user would otherwise
 write: transformers' model class (Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
-Qwen3VLMoeForConditionalGeneration, Qwen3_5ForConditionalGeneration) + torch.optim.AdamW. Same
+Qwen3VLMoeForConditionalGeneration, Qwen3_5ForConditionalGeneration,
+Qwen3_5MoeForConditionalGeneration) + torch.optim.AdamW. Same
 weights, same batch (right-padded colour-question images, loss on the answer tokens), same loss,
 same clipping, one process, same cores, measured in the same run in interleaved rounds; the best
 round of each is reported (other processes on a shared machine only ever slow a round down, so
 the best round is the least disturbed), medians beside it.
 
-    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl|qwen3vlmoe|qwen35] [--rounds 5] [--steps-per-round 3] [--batch 16]
+    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl|qwen3vlmoe|qwen35|qwen35moe] [--rounds 5] [--steps-per-round 3] [--batch 16]
 
 The last line is one JSON object: kind, tokens_per_s, transformers_tokens_per_s,
 ratio_to_transformers (best rounds), median_round_ratio (the median over rounds of the two
@@ -48,7 +49,8 @@ def make_batch(processor, spec, n: int, micro: int):
 KINDS = {"qwen2vl": ("policy", "Qwen2VLForConditionalGeneration"),
          "qwen3vl": ("qwen3vl", "Qwen3VLForConditionalGeneration"),
          "qwen3vlmoe": ("qwen3vlmoe", "Qwen3VLMoeForConditionalGeneration"),
-         "qwen35": ("qwen35", "Qwen3_5ForConditionalGeneration")}
+         "qwen35": ("qwen35", "Qwen3_5ForConditionalGeneration"),
+         "qwen35moe": ("qwen35moe", "Qwen3_5MoeForConditionalGeneration")}
 
 
 def main() -> int:
