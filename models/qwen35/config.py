@@ -71,9 +71,14 @@ class Qwen35Spec(Qwen3VLSpec):
         # rope parameters without the factor and the rotary part of a head as its head_dim (so
         # its check that mrope_section sums to head_dim / 2 applies to that part), and no
         # DeepStack (Qwen3.5's vision config has no deepstack_visual_indexes)
+        # transformers' Qwen3.5 defaults where a config leaves a field out: head_dim 256, partial
+        # rotary 0.25, M-RoPE sections [11, 11, 10]; and its text rotary always interleaves the
+        # sections, whatever mrope_interleaved says
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        factor = float(rope.pop("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
-        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        factor = float(rope.pop("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        rope.setdefault("mrope_section", [11, 11, 10])
+        rope["mrope_interleaved"] = True
+        head_dim = text.get("head_dim") or 256
         rotary_dim = int(head_dim * factor)
         if not 0 < factor <= 1 or rotary_dim % 2:
             raise ValueError(f"{where}: partial_rotary_factor {factor} must give an even rotary part of "

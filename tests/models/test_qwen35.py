@@ -48,6 +48,13 @@ def test_spec_reads_the_tiny_model_and_the_family_finds_it(tiny35):
     del cfg["text_config"]["layer_types"]
     cfg["text_config"]["full_attention_interval"] = 2
     assert Qwen35Spec.from_hf_config(cfg).layer_types == spec.layer_types
+    # and transformers' Qwen3.5 defaults for what a config leaves out (Qwen3_5TextConfig: head_dim
+    # 256, partial rotary 0.25; its rotary: sections [11, 11, 10], always interleaved)
+    for key in ("head_dim", "partial_rotary_factor"):
+        cfg["text_config"].pop(key)
+    cfg["text_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7}
+    bare = Qwen35Spec.from_hf_config(cfg)
+    assert (bare.head_dim, bare.rotary_dim, bare.mrope_section) == (256, 64, (11, 11, 10))
 
 
 @pytest.mark.parametrize("change, message", [
