@@ -109,8 +109,7 @@ def rl_steps(trainer, reference, processor, steps: int, **algorithm) -> tuple[li
             first = [mb.extra["old_logprobs"] for mini in minis for mb in mini]
         metrics |= actor.batch_advantages(minis)
         metrics |= actor.update(minis)
-        # each DP rank's loss is normalised by the global count / DP (DDP averages the gradients)
-        metrics["train/loss"] = dp_sum(metrics["train/loss"]) / trainer.dp_size
+        # the actor reports the whole step's loss, every DP group's share summed
         out.append({k: metrics[k] for k in keys})
     return out, first
 

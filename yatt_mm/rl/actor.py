@@ -186,7 +186,7 @@ class Actor:
         """`epochs` passes over the mini-batches, one optimizer step each. The old logprobs stay
         the rollout policy's, so from the second optimizer step on the ratios leave 1 and the
         PPO clip acts. Metrics are means over the optimizer steps (per token: over every
-        optimizer step's loss tokens), plus the weights' checksum before and after (a step that
+        optimizer step's loss tokens), over every DP group, plus the weights' checksum before and after (a step that
         changed nothing shows)."""
         before = self.trainer.checksum()
         if self.expert_load is not None:
@@ -200,9 +200,13 @@ class Actor:
                 for key, value in self._optimizer_step(mbs).items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
+        # every DP group's share: the loss is normalised over the whole step (each rank's part
+        # is its tokens over the step's normaliser / DP), the per-token counts are sums
+        shared = ["train/loss", "train/loss_tokens"] + [f"train/{k}" for k in PER_TOKEN_METRICS if f"train/{k}" in totals]
+        totals |= sum_across({k: totals[k] for k in shared}, self.trainer.dp_cpu)
         tokens = max(totals["train/loss_tokens"], 1.0)
         metrics = {
-            "train/loss": totals["train/loss"] / steps, "train/grad_norm": totals["train/grad_norm"] / steps,
+            "train/loss": totals["train/loss"] / steps / self.trainer.dp_size, "train/grad_norm": totals["train/grad_norm"] / steps,
             "train/update_skipped": totals["train/update_skipped"] / steps, "train/optimizer_steps": float(steps),
             "train/weights_checksum_before": before, "train/weights_checksum_after": self.trainer.checksum()}
         metrics |= {name: totals[f"train/{key}"] / tokens for key, name in PER_TOKEN_METRICS.items()
