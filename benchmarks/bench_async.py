@@ -7,8 +7,8 @@ and cached warm starts (benchmarks/_rl.py), `--steps` steps each, held-out eval 
 (eval/reward_mean: greedy answers to the demo's 32 held-out prompts) half-way and at the end, so
 both have trained on the same number of samples. Staleness 1 runs `run.placement=disaggregated run.max_staleness=1`
 (yatt_mm/rl/rollout_ahead.py: each controller's rollout of step n+1 in a thread beside step n's
-training). Paired rounds: each round runs both, in alternating order, with the round's seed
-(run.seed), and its ratio is async / sync; the figure is the median of the rounds' ratios.
+training). Paired rounds: each round runs both, in alternating order, with the round's seeds
+(sampling, data order), and its ratio is async / sync; the figure is the median of the rounds' ratios.
 
 Seconds per step: from one step's training to the next's (the start of rank 0's "train" phase in
 the timeline), the same clock for both modes; the steady state leaves out the first two steps
@@ -85,7 +85,10 @@ def run(mode: str, steps: int, seed: int) -> dict:
         if mode == "sync":
             seen["prediction"] = predict_here(read_phases(run_dir), 1)
 
-    records = demo_rl_records(steps, *MODES[mode], f"eval.every={every}", f"run.seed={seed}", inspect=inspect)
+    # the round's seed: vLLM's sampling and the data order (run.seed alone seeds Megatron's init, which the
+    # warm start overwrites: two rounds were equal to the bit)
+    seeds = [f"run.seed={seed}", f"rollout.engine.seed={seed}", f"data.seed={seed}"]
+    records = demo_rl_records(steps, *MODES[mode], f"eval.every={every}", *seeds, inspect=inspect)
     starts = seen["starts"]
     gaps = [starts[i + 1] - starts[i] for i in counted]
     evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
