@@ -489,7 +489,7 @@ def test_qwen35_counts_deltanet_gated_attention_shared_expert_and_a_state_instea
 def test_qwen35_recipe_uses_gspo_and_fits_16x141_not_16x80(capsys):
     """The 35B-A3B recipe: GSPO, TP 2 x PP 4 x DP 2 on 2 x 8 H200s; the engine's cache holds whole
     sequences (their KV and their DeltaNet state). On 16 x 80 GB the sync phase (the trainer rank
-    beside half the model in vLLM) does not fit; on 32 it does."""
+    beside half the model in vLLM) does not fit; on 32 it does, and on 16 with EP 4 beside TP 2."""
     from yatt_mm.plan import kv_bytes_per_token, state_bytes_per_sequence
 
     cfg = load(RLConfig, ROOT / QWEN35_RECIPE)
@@ -509,3 +509,9 @@ def test_qwen35_recipe_uses_gspo_and_fits_16x141_not_16x80(capsys):
     assert not small.fits and any(p.startswith("phase sync") for p in small.problems), small.problems
     more = load(RLConfig, ROOT / QWEN35_RECIPE, ["rollout.engine.gpu_memory_utilization=0.6"])
     assert make_plan(more, Cluster(gpus_per_node=8, nodes=4, gpu_memory_gib=80)).fits
+    # expert parallelism beside TP (the header's 80 GB option): the experts' weights and state split over EP 4
+    ep = load(RLConfig, ROOT / QWEN35_RECIPE, ["policy.trainer.pipeline_parallel=2", "policy.trainer.expert_parallel=4",
+                                              "rollout.engine.gpu_memory_utilization=0.55"])
+    ep_plan = make_plan(ep, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=80))
+    assert ep_plan.fits, ep_plan.problems
+    assert ep_plan.trainer.params.experts == param_counts(spec, 2, 2, 0, ep=4).experts == 20 * 64 * 3 * 512 * 2048 // 2
