@@ -41,6 +41,25 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
+class HeadNormAcrossTP(nn.RMSNorm):
+    """The DeltaNet's output norm: one RMSNorm weight over each value head, shared by every head,
+    while each TP rank holds only its heads. So the weight's gradient is the sum of every TP
+    rank's; Megatron sums such gradients only for q/k norms and under sequence parallelism, and
+    without the sum the TP replicas of this weight drift apart (1.3e-3 relative after one step).
+    The weight enters the norm through Megatron's copy-to-TP-region: identity forward, gradient
+    all-reduced over TP backward (nothing at TP 1). Built by Megatron's `build_module(config=,
+    hidden_size=, eps=)`, as torch's RMSNorm (WrappedTorchNorm) was."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        return nn.functional.rms_norm(x, self.normalized_shape, copy_to_tensor_model_parallel_region(self.weight),
+                                      self.eps)
+
+
 def _packable_gated_delta_net():
     """Megatron's GatedDeltaNet whose forward also takes a packed row: the row's samples (the
     packed params' cu_seqlens along the sequence dim of an sbhd row) run one by one, each from a
@@ -94,7 +113,6 @@ class Qwen35Model(Qwen3VLModel):
         from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
         from megatron.core.transformer.spec_utils import ModuleSpec
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         from models.attention import CoreAttention
@@ -104,9 +122,9 @@ class Qwen35Model(Qwen3VLModel):
             sub = spec.submodules
             sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
             if linear:
-                # the DeltaNet's own output norm is a plain RMSNorm over each value head (torch's)
+                # the DeltaNet's own output norm is a plain RMSNorm over each value head
                 sub.self_attention = ModuleSpec(module=_packable_gated_delta_net(), submodules=GatedDeltaNetSubmodules(
-                    in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear))
+                    in_proj=ColumnParallelLinear, out_norm=HeadNormAcrossTP, out_proj=RowParallelLinear))
             else:
                 attention = sub.self_attention.submodules
                 attention.q_layernorm = attention.k_layernorm = ZeroCenteredRMSNorm

@@ -61,6 +61,22 @@ def offload_round_trip(trainer) -> dict:
             "bitwise": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))}
 
 
+def replicated_weights_diff(module, tp_group) -> dict[str, float]:
+    """The weights every TP rank holds whole (not marked `tensor_model_parallel`): each one's
+    largest relative difference between TP ranks after training. They stay equal only if their
+    gradients are the same on every rank: a weight applied to this rank's heads alone (a norm
+    shared by all heads) needs its gradient summed over TP."""
+    out = {}
+    for name, p in module.named_parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            continue
+        mine = p.detach().float()
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(gathered, mine, group=tp_group)
+        out[name] = max(float((g - mine).abs().max()) for g in gathered) / max(float(mine.abs().max()), 1e-12)
+    return {k: v for k, v in out.items() if v > 0}  # the ones that differ
+
+
 def main() -> int:
     from megatron.core import parallel_state as ps
     from transformers import AutoProcessor
@@ -125,12 +141,13 @@ def main() -> int:
     gathered = [torch.empty_like(flat) for _ in range(ps.get_data_parallel_world_size())]
     dist.all_gather(gathered, flat, group=ps.get_data_parallel_group())
     identical = all(torch.equal(g, gathered[0]) for g in gathered)
+    tp_replica_diff = replicated_weights_diff(trainer.module, ps.get_tensor_model_parallel_group())
     exported = trainer.export_hf()
     reference = load_hf_state(path)
     shapes_ok = exported.keys() == reference.keys() and all(exported[k].shape == reference[k].shape for k in reference)
     if dist.get_rank() == 0:
         print(json.dumps({"kind": args.kind, "model_type": trainer.spec.model_type, "tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
-                          "dp_identical": identical, "entropy_tp_consistent": entropy_ok,
+                          "dp_identical": identical, "tp_replica_diff": tp_replica_diff, "entropy_tp_consistent": entropy_ok,
                           "entropy_tp_max_diff": entropy_diff, "logprob_tp_max_diff": logprob_diff,
                           "entropy_grad_max_diff": entropy_grad_diff,
                           "export_shapes_ok": shapes_ok, "offload": offload}), flush=True)
