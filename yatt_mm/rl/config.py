@@ -41,7 +41,7 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between asynchronous checkpoints (0: none); see rl/checkpoint.py
     keep_checkpoints: int = 2  # complete checkpoints kept on disk
     resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one
-    max_logprob_diff: float = 0.0  # stop when the trainer/vLLM logprob gap exceeds it (0: 1e-3 fp32, 0.1 bf16)
+    max_logprob_diff: float = 0.0  # stop when the trainer/vLLM logprob gap exceeds it (0: 0.1 where the trainer or the engine computes in bf16, else 1e-3)
     check_sync: bool = True  # after each weight sync, score vLLM's greedy answer to a probe prompt with the trainer
 
     RANGES = {"steps": ">= 1", "seed": ">= 0", "micro_batch_tokens": ">= 1", "patch_weight": ">= 0",
