@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.qwen3vl.tiny import save_processor
 from models.tiny import FACTORY_VERSION
 
 # Bump when anything below changes: it invalidates cached builds.
@@ -54,9 +55,6 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192, shar
 # no DeepStack in Qwen3.5's vision tower
 VISION = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, patch_size=16, spatial_merge_size=2,
               temporal_patch_size=2, num_position_embeddings=256)  # a 16 x 16 learned grid
-NORM = [0.5, 0.5, 0.5]  # the processors' image_mean and image_std, as released
-MERGED_PX = 32 * 32  # pixels of one merged token (patch 16, merge 2)
-MIN_PIXELS, MAX_PIXELS = MERGED_PX * 4, MERGED_PX * 64
 ROUTER_STD = 0.5
 
 # kind -> (transformers config class, model class, model_type)
@@ -81,7 +79,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None) -> dict:
     import torch
     import transformers as tf
 
-    from models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+    from models.tiny import SPECIAL_TOKENS, build_tokenizer
 
     sizes = text_sizes(kind)
     config_cls, model_cls, model_type = _CLASSES[kind]
@@ -112,15 +110,6 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None) -> dict:
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out, safe_serialization=True)
-    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
-    tf.Qwen3VLProcessor(
-        image_processor=tf.Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2,
-                                                 image_mean=NORM, image_std=NORM),
-        tokenizer=tok,
-        video_processor=tf.Qwen3VLVideoProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2,
-                                                 image_mean=NORM, image_std=NORM,
-                                                 fps=2, cap_pixels_per_frame=True),  # qwen-vl-utils' per-frame cap
-        chat_template=CHAT_TEMPLATE,
-    ).save_pretrained(out)
+    save_processor(out, tok)  # Qwen3-VL's processor, as the released Qwen3.5 checkpoints have
     return {"kind": kind, "seed": seed, "arch": model_type, "qwen35_version": VERSION, "text": sizes,
             "vision": VISION}

@@ -53,7 +53,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None,
     import torch
     import transformers as tf
 
-    from models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+    from models.tiny import SPECIAL_TOKENS, build_tokenizer
 
     seed, lm_head_std = (spec.seed, spec.lm_head_std) if spec is not None else (0, 0.5)
     out = Path(out_dir)
@@ -79,6 +79,18 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None,
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out, safe_serialization=True)
+    save_processor(out, tok)
+    return {"kind": kind, "seed": seed, "arch": "qwen3_vl", "qwen3vl_version": VERSION, "text": text_sizes,
+            "vision": vision_sizes}
+
+
+def save_processor(out, tok) -> None:
+    """The tiny Qwen3-VL-style processor (also Qwen3-VL-MoE's and Qwen3.5's): patch 16, merge 2,
+    temporal patch 2, the pixel bounds above, the project's tokenizer and chat template."""
+    import transformers as tf
+
+    from models.tiny import CHAT_TEMPLATE
+
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     tf.Qwen3VLProcessor(
         # mean = std = 0.5 for images, as the released Qwen3-VL checkpoints and the video processor
@@ -92,5 +104,3 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None,
                                                  fps=2, cap_pixels_per_frame=True),  # qwen-vl-utils' per-frame cap
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(out)
-    return {"kind": kind, "seed": seed, "arch": "qwen3_vl", "qwen3vl_version": VERSION, "text": text_sizes,
-            "vision": vision_sizes}

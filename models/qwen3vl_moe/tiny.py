@@ -31,7 +31,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vlmoe", spec=None) -> dict:
     import torch
     import transformers as tf
 
-    from models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+    from models.tiny import SPECIAL_TOKENS, build_tokenizer
 
     seed, lm_head_std = (spec.seed, spec.lm_head_std) if spec is not None else (0, 0.5)
     out = Path(out_dir)
@@ -59,16 +59,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vlmoe", spec=None) -> dict:
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out, safe_serialization=True)
     _write_released_expert_layout(out)
-    size = {"shortest_edge": dense.MIN_PIXELS, "longest_edge": dense.MAX_PIXELS}
-    tf.Qwen3VLProcessor(
-        image_processor=tf.Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2,
-                                                 image_mean=dense.NORM, image_std=dense.NORM),
-        tokenizer=tok,
-        video_processor=tf.Qwen3VLVideoProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2,
-                                                 image_mean=dense.NORM, image_std=dense.NORM,
-                                                 fps=2, cap_pixels_per_frame=True),
-        chat_template=CHAT_TEMPLATE,
-    ).save_pretrained(out)
+    dense.save_processor(out, tok)
     return {"kind": kind, "seed": seed, "arch": "qwen3_vl_moe", "qwen3vlmoe_version": VERSION,
             "text": {k: v for k, v in text.items() if k not in ("vocab_size",)}, "vision": dense.VISION}
 
