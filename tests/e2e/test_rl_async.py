@@ -1,13 +1,15 @@
 """Asynchronous RL end to end (run.max_staleness=1, placement disaggregated): 2 ranks, the warm
-policy, real vLLM engines, real shards. One launch pair checks everything: the rollout of each
-step ran while the previous one trained, samples trained one policy version behind (never more)
+policy, real vLLM engines (each controller's in an engine worker process), real shards. One
+launch pair checks everything: the rollout of each step ran while the previous one trained, samples trained one policy version behind (never more)
 with the loss corrected by vLLM's behaviour logprobs, and after kill -9 of a rank with a rollout
-in flight, the resumed run regenerates it: the weights continue bit for bit and every sample of
+in flight, the engine workers die with the ranks, and the resumed run regenerates it: the weights continue bit for bit and every sample of
 the epoch is drawn exactly once."""
 
 import json
 import re
 import subprocess
+
+import psutil
 
 from dataio.synth import write_shards
 from test_rl import ROOT, _consumed, _kill_rank_and_wait, _steps, _tiny_rl, _wait_for
@@ -20,6 +22,12 @@ def _overlaps(run_dir) -> int:
     train = [s for s in spans if s["phase"] == "train"]
     return sum(any(g["step"] == t["step"] + 1 and g["start"] < t["end"] and g["end"] > t["start"] for g in generate)
                for t in train)
+
+
+def _engine_workers(launcher: subprocess.Popen) -> list:
+    """The engine workers (yatt_mm/engines/worker.py) the launcher's ranks started."""
+    return [p for p in psutil.Process(launcher.pid).children(recursive=True)
+            if "yatt_mm.engines.worker" in " ".join(p.cmdline())]
 
 
 def _assert_every_epoch_drawn_whole(run_dir, keys: int) -> None:
@@ -51,7 +59,12 @@ def test_staleness_1_trains_one_version_behind_overlapped_and_resumes_exactly_af
     try:
         # written while step 3 trains, its successor's rollout running ahead: kill a rank then
         _wait_for(lambda: all((ckpt / f"done_rank{r}").is_file() for r in range(2)), launcher, "step 2's checkpoint")
+        workers = _engine_workers(launcher)
+        assert len(workers) == 2  # each controller's engine in a process of its own
         _kill_rank_and_wait(launcher, rank=1)
+        # the workers died with their ranks (rank 1 killed, rank 0 stopped by torchrun): no engine left behind
+        psutil.wait_procs(workers, timeout=30)
+        assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     finally:
         launcher.kill()
         out.close()

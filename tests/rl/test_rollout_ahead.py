@@ -21,8 +21,9 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "tiny_demo.yaml"
     (["run.max_staleness=1"], "run.max_staleness=1 generates the next step while this one trains, beside the "
                               "trainer: set run.placement=disaggregated (now full)"),
     (["run.max_staleness=1", "run.placement=disaggregated", "run.controller=single"], "needs run.controller=parallel"),
-    (["run.max_staleness=2", "run.placement=disaggregated", "rollout.engine.tensor_parallel_size=2",
-      "policy.trainer.tensor_parallel=2", "reward.judges=[]"], "needs rollout.engine.tensor_parallel_size=1"),
+    (["run.placement=disaggregated", "rollout.engine.tensor_parallel_size=2", "policy.trainer.tensor_parallel=2",
+      "reward.judges=[]"], "run.placement=disaggregated runs each controller's engine in one worker process: set "
+                           "rollout.engine.tensor_parallel_size=1 (now 2)"),
     (["run.max_staleness=-1"], "run.max_staleness"),
 ])
 def test_bad_staleness_settings_are_refused_by_name(overrides, message):

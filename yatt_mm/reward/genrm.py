@@ -158,12 +158,19 @@ class JudgeStats:
 
 class InProcessJudge:
     def __init__(self, cfg: JudgeConfig, engine=None):
-        from yatt_mm.engines.engine import EngineConfig, RolloutEngine
+        """`engine`: where the judge generates (default: a vLLM engine of its own, in this
+        process; the disaggregated placement gives one in the controller's engine worker)."""
+        from yatt_mm.engines.engine import RolloutEngine
 
         self.cfg = cfg
-        self.engine = engine or RolloutEngine(EngineConfig(model=cfg.model,
-                                                           gpu_memory_utilization=cfg.gpu_memory_utilization))
+        self.engine = engine or RolloutEngine(self.engine_config(cfg))
         self.stats = JudgeStats()
+
+    @staticmethod
+    def engine_config(cfg: JudgeConfig):
+        from yatt_mm.engines.engine import EngineConfig
+
+        return EngineConfig(model=cfg.model, gpu_memory_utilization=cfg.gpu_memory_utilization)
 
     def score(self, items: list[JudgeItem]) -> list[JudgeScore]:
         from yatt_mm.engines.engine import Request, SamplingConfig

@@ -61,14 +61,20 @@ class Judges:
                 judge.close()
 
 
-def build_judges(weighted: list[WeightedJudge], comm=None) -> Judges:
+def build_judges(weighted: list[WeightedJudge], comm=None, engine_of=None) -> Judges:
     """Every rank calls it (in-process judges are vLLM engines, whose creation is collective).
     Inside a job (`comm`, models.comm.Comm), served judges are shared: one server a node (or a
     DP group, `judge.server_per`), started by the first controller there; the other controllers
-    get its address, and TP peers (which never score) hold no judge for it."""
+    get its address, and TP peers (which never score) hold no judge for it. `engine_of(cfg)`:
+    where an in-process judge generates, when not in an engine of its own (the disaggregated
+    placement's engine worker, yatt_mm/engines/worker.py); there too only controllers hold one."""
     entries = []
     for w in weighted:
-        if w.judge.backend == "server" and comm is not None:
+        if w.judge.backend == "inprocess" and engine_of is not None:
+            if comm is not None and not comm.leader:
+                continue
+            judge = InProcessJudge(w.judge, engine=engine_of(w.judge))
+        elif w.judge.backend == "server" and comm is not None:
             judge = shared_server_judge(w.judge, comm)
             if judge is None:
                 continue

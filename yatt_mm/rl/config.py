@@ -26,9 +26,14 @@ class RunConfig:
     run_dir: str = ""  # metrics, timelines, checkpoints, the final policy; default: runs/NAME-TIME
     name: str = "rl"  # names the default run_dir
     controller: Literal["parallel", "single"] = "parallel"  # single: verl-like baseline, for benchmarks
-    # partial: rollout beside server judges; disaggregated: rollout and judges resident beside the
-    # trainer for the whole run, never released (rl/placement.py); what max_staleness > 0 runs on
+    # partial: rollout beside server judges; disaggregated: each controller's rollout engine and
+    # in-process judges in a worker process of their own, resident for the whole run
+    # (rl/placement.py, engines/worker.py); what max_staleness > 0 runs on
     placement: Literal["full", "partial", "disaggregated"] = "full"
+    # GPUs, placement disaggregated: CUDA_VISIBLE_DEVICES of each controller's engine worker, one entry
+    # per controller of a node (DP group d takes entry d mod the count), e.g. ["6", "7"]; the trainer's
+    # ranks use the others. Unused on CPU, where the OS shares the cores.
+    rollout_devices: list[str] = field(default_factory=list)
     # 0: synchronous (each step samples with the weights it trains). k >= 1: each controller generates
     # step n+1's samples while step n trains (rl/rollout_ahead.py); a sample sampled more than k
     # policy versions before the weights that train it is dropped (rollout/stale_dropped), never trained
@@ -118,9 +123,13 @@ class RLConfig:
 
     def _check_staleness(self) -> None:
         """Generating ahead runs the controller's rollout in a thread of its rank while the trainer
-        trains (rl/rollout_ahead.py): it needs the rollout engine and judges resident beside the
-        trainer, a controller whose reads need no other rank, and an engine no other rank replays."""
+        trains (rl/rollout_ahead.py): it needs the rollout engine and judges resident in a worker
+        of their own (one process: one engine rank) and a controller whose reads need no other rank."""
         k = self.run.max_staleness
+        if self.run.placement == "disaggregated" and self.rollout.engine.tensor_parallel_size > 1:
+            raise ValueError(f"run.placement=disaggregated runs each controller's engine in one worker process: "
+                             f"set rollout.engine.tensor_parallel_size=1 (now "
+                             f"{self.rollout.engine.tensor_parallel_size})")
         if not k:
             return
         if self.run.placement != "disaggregated":
@@ -129,9 +138,6 @@ class RLConfig:
         if self.run.controller != "parallel":
             raise ValueError(f"run.max_staleness={k} needs run.controller=parallel: the single controller's reads "
                              "are collectives, which a rollout running beside training cannot join")
-        if self.rollout.engine.tensor_parallel_size > 1:
-            raise ValueError(f"run.max_staleness={k} needs rollout.engine.tensor_parallel_size=1: an engine over "
-                             "several ranks is replayed by its peers in lockstep, which their training would block")
 
     def _check_gpu_shares(self, limit: float = 0.95) -> None:
         """On GPUs every vLLM engine takes its share of the GPU when it starts, and a rank's

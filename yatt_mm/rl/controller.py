@@ -59,11 +59,11 @@ class Controller:
                     done[(i, j)] = time.time()
                     stream.add_sample(i, j, response)
 
-                own, judge_cpu = cpu_pinning.own_cpu_seconds(), cpu_pinning.cpu_seconds(servers)
+                own, judge_cpu = self._engine_cpu(), cpu_pinning.cpu_seconds(servers)
                 start = time.time()
                 result = self.engine.generate(requests, self.sampling, on_finished=stream.add, on_sample=sample_done)
                 end = time.time()
-                own = cpu_pinning.own_cpu_seconds() - own
+                own = self._engine_cpu() - own
                 scored = stream.results()
                 judge_cpu = cpu_pinning.cpu_seconds(servers) - judge_cpu
             self._record_generation(step, start, end, done, result.responses, own)
@@ -78,16 +78,16 @@ class Controller:
             self._wave_seconds += time.time() - start
         else:
             with self.phases.phase("rollout", step):
-                own = cpu_pinning.own_cpu_seconds()
+                own = self._engine_cpu()
                 start = time.time()
                 result = self.engine.generate(requests, self.sampling,
                                               on_sample=lambda i, j, _: done.__setitem__((i, j), time.time()))
                 end = time.time()
-                own = cpu_pinning.own_cpu_seconds() - own
+                own = self._engine_cpu() - own
             with self.phases.phase("reward", step):
-                judged, judge_cpu = time.time(), cpu_pinning.own_cpu_seconds() + cpu_pinning.cpu_seconds(servers)
+                judged, judge_cpu = time.time(), self._engine_cpu() + cpu_pinning.cpu_seconds(servers)
                 scored = self.rewarder.score(prompts, result.responses)
-                judge_cpu = cpu_pinning.own_cpu_seconds() + cpu_pinning.cpu_seconds(servers) - judge_cpu
+                judge_cpu = self._engine_cpu() + cpu_pinning.cpu_seconds(servers) - judge_cpu
             self._record_generation(step, start, end, done, result.responses, own)
             if self.rewarder.judges:
                 self.phases.timeline.record("judge_batch", step, judged, time.time(), cpu=judge_cpu,
@@ -109,6 +109,12 @@ class Controller:
         group.rewards = [r + p for r, p in zip(group.rewards, penalties)]
         group.reward_parts["overlong"] = penalties
         return group
+
+    def _engine_cpu(self) -> float:
+        """CPU seconds the engines have used so far: this process's, or, where the engines are in
+        a worker process of their own (placement disaggregated), the worker's."""
+        worker = getattr(self.engine, "worker", None)
+        return cpu_pinning.cpu_seconds(worker.pids) if worker is not None else cpu_pinning.own_cpu_seconds()
 
     def _judge_server_pids(self) -> list[int]:
         """The processes of the judge servers this controller started (none: clients only)."""

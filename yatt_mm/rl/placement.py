@@ -6,8 +6,8 @@ Full colocation: rollout, reward and train take turns on all devices. Partial co
 phase in which rollout and reward run side by side on split devices, responses streaming to the
 judges as they finish (the controller asks the plan which of the two it runs), then training.
 Disaggregated: the phases of full colocation, but nothing is ever released: the rollout engine
-and the judges stay resident beside the trainer for the whole run, so the next step's rollout
-can run while this one trains (run.max_staleness, yatt_mm/rl/rollout_ahead.py).
+and the judges stay resident in a worker process of their own for the whole run, so the next
+step's rollout can run while this one trains (run.max_staleness, yatt_mm/rl/rollout_ahead.py).
 """
 
 from __future__ import annotations
@@ -78,12 +78,13 @@ def partial_colocation() -> PlacementPlan:
 
 
 def disaggregated() -> PlacementPlan:
-    """Rollout and judges on their own devices, the trainer on the rest, all resident all run: every
-    phase holds the whole trainer, and the rollout and judge roles are left out of the runner's
-    resources (`RESIDENT_ROLES`), so a phase entered by the rollout thread never releases what
-    the training thread uses, nor the other way round. On CPU the roles share the rank's cores
-    (the OS schedules the two threads); on GPUs the rollout would sit on its own GPUs with the
-    weights broadcast over NCCL: not built, nothing here has run on a GPU."""
+    """Rollout and judges on their own devices, the trainer on the rest, all resident all run: each
+    controller's rollout engine and in-process judges sit in an engine worker process of their
+    own (yatt_mm/engines/worker.py; on GPUs on run.rollout_devices, weights broadcast over NCCL;
+    on CPU the OS shares the cores, weights over gloo). Every phase holds the whole trainer, and
+    the rollout and judge roles are left out of the runner's resources (`RESIDENT_ROLES`), so a
+    phase entered by the rollout thread never releases what the training thread uses, nor the
+    other way round. Nothing here has run on a GPU."""
     phases = full_colocation().phases
     return PlacementPlan("disaggregated", tuple(
         Phase(p.name, tuple(r for r in p.roles if not r.startswith("train")) + ("train",), p.devices) for p in phases))

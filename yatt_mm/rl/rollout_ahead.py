@@ -1,20 +1,20 @@
 """Asynchronous RL with bounded staleness (run.max_staleness = k >= 1): while step n trains, each
 controller generates, scores and builds step n+1's samples, with the weights step n started from.
 
-Where the rollout runs: a thread of the controller's own rank process, on its in-process vLLM
-engine (placement `disaggregated`: engine and judges stay resident beside the trainer all run;
-yatt_mm/rl/placement.py). Chosen over a rollout worker process per controller because the engine
-is then the one the synchronous path uses: the weight push stays the in-process
-`reload_weights` between steps, the media never leave the rank that read them, and the
-controllers stay as parallel as before (each leader runs its own thread; no collective is
-called from it). What it costs: the GIL serialises the Python parts of vLLM's scheduler and of
-Megatron's step, so the overlap is what torch's kernels and the waits (gloo collectives, judge
-servers) leave free. Measured once on the 2-core machine, shared with other jobs (the demo cut
-to the rule reward, 8 prompts x 8 responses, 6 steps): median step 2.1 s synchronous, 1.1 s at
-staleness 1; benchmarks/bench_async.py measures it in paired rounds. On GPUs this runs as is,
-the engine resident beside the trainer on the rank's GPU (its kernels on the same device);
-the rollout on GPUs of its own with an NCCL broadcast of the weights is not built, and nothing
-here has run on a GPU.
+Where the rollout runs: a thread of the controller's own rank process drives it (reads the
+data, builds the requests and the training samples, runs dynamic sampling), while the vLLM work,
+the rollout engine and the in-process judges, runs in the controller's engine worker, a process
+of its own (placement `disaggregated`; yatt_mm/engines/worker.py). The thread mostly waits on the
+worker's pipe, so the GIL no longer serialises vLLM's scheduler with Megatron's step; the media
+go only from the rank that read them to its own worker, and the controllers stay as parallel as
+before (each leader runs its own thread; no collective is called from it). New weights go to the
+worker between steps over its weights group (gloo on CPU; NCCL on GPUs, where the worker has
+GPUs of its own: run.rollout_devices; not run on a GPU yet).
+
+What it gains depends on idle devices: on GPUs the rollout's devices idle while the trainer's
+train, and the other way round, which the overlap fills. A CPU machine whose synchronous step
+already keeps every core busy has nothing to fill: there the two sides only share the cores
+(benchmarks/bench_async.py measures the cores' utilisation of the synchronous step, the bound).
 
 One step's order on a controller (rl/step.py):
 
@@ -49,7 +49,7 @@ from yatt_mm.rl.distributed import sum_across
 
 
 class RolloutAhead:
-    """One controller's rollout, one step ahead of its training, in a thread of its process."""
+    """One controller's rollout, one step ahead of its training, driven from a thread of its process."""
 
     def __init__(self, controller, engine, prompts_per_step: int, steps: int, checkpoint_every: int):
         self.controller = controller

@@ -39,7 +39,7 @@ def rl_step(run, step: int, ahead=None) -> dict[str, float]:
             metrics |= moved
     else:  # a TP, CP or PP peer; with an engine over the DP group's ranks, it replays the controller's calls
         with phases.phase(phases.plan.phases[0].name, step):
-            run.engine.follow()
+            follow(run)
     samples = broadcast_samples([s for g in groups for s in g], ranks.leader_rank, ranks.mp_cpu)
     with phases.phase("logprobs", step):
         minis = run.actor.prepare(samples)
@@ -75,6 +75,13 @@ def sync_weights(run, step: int) -> dict[str, float]:
     with run.phases.phase("sync", step):
         metrics = push_weights(run)
     return metrics | probe_sync(run, step)
+
+
+def follow(run) -> None:
+    """A peer of the controller replays its generate calls on a multi-rank engine (it holds none
+    when the controller's engine is in a worker process: placement disaggregated)."""
+    if run.engine is not None:
+        run.engine.follow()
 
 
 def serves_rollout(ranks) -> bool:
@@ -113,7 +120,7 @@ def probe_sync(run, step: int) -> dict[str, float]:
             with run.engine.lead():
                 probe = run.controller.probe()
         else:
-            run.engine.follow()
+            follow(run)
         return run.actor.check_sync(broadcast_samples(probe, run.ranks.leader_rank, run.ranks.mp_cpu))
 
 
@@ -122,7 +129,7 @@ def evaluate(run, step: int) -> dict[str, float]:
     if not (run.cfg.eval.every and run.cfg.eval.shards):
         return {}
     if not run.ranks.leader:
-        run.engine.follow()
+        follow(run)
         return {}
     with run.engine.lead():
         score, n = run.controller.evaluate(run.eval_prompts, run.eval_rule, run.cfg.eval.max_tokens, step)

@@ -20,12 +20,15 @@ import torch.distributed as dist
 from dataio.reader import DataConfig, DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
 from models.comm import comm, init_parallel
+from models.runtime import has_gpu
 from models.trainer import ReferencePolicy, VLMTrainer
 from yatt_mm.config import save
 from yatt_mm.engines.engine import RolloutEngine
+from yatt_mm.engines.worker import EngineWorker
 from yatt_mm.launch import route_logs, run_command
 from yatt_mm.metrics import MetricsWriter, Timeline
 from yatt_mm.plot import plot_run
+from yatt_mm.reward.genrm import InProcessJudge
 from yatt_mm.reward.judges import build_judges
 from yatt_mm.reward.rewarder import Rewarder
 from yatt_mm.reward.rules import get_rule
@@ -77,10 +80,14 @@ class Run:
         self.trainer.release()
         cfg.rollout.engine.model = self.policy_dir
         cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
-        self.engine = RolloutEngine(cfg.rollout.engine)
-        if serves_rollout(ranks):  # the other engines (later stages, CP peers) never generate: nobody leads them
-            self.engine.join(ranks.tp_cpu, ranks.leader_rank)
-        self.judges = build_judges(cfg.reward.judges, ranks)
+        self.worker = None
+        if cfg.run.placement == "disaggregated":
+            self.engine, self.judges = self._engines_in_worker()
+        else:
+            self.engine = RolloutEngine(cfg.rollout.engine)
+            if serves_rollout(ranks):  # the other engines (later stages, CP peers) never generate: nobody leads them
+                self.engine.join(ranks.tp_cpu, ranks.leader_rank)
+            self.judges = build_judges(cfg.reward.judges, ranks)
         self.rule_names = [f.name for f in cfg.reward.functions]
         resident = RESIDENT_ROLES.get(cfg.run.placement, ())  # never released: not the runner's to move
         roles = {"rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer]}
@@ -93,6 +100,25 @@ class Run:
             self.controller = self._controller(SampleBuilder(processor, self.engine.prompt_text, self.engine.processor_media))
             self.eval_prompts = self._eval_prompts()
             self.controller.probe_prompt = self.eval_prompts[0] if self.eval_prompts else None
+
+    def _engines_in_worker(self):
+        """The disaggregated placement: the controller's rollout engine and in-process judges in
+        a worker process of its own (yatt_mm/engines/worker.py); its peers hold no engine."""
+        cfg, ranks = self.cfg, self.ranks
+        if ranks.leader:
+            devices = cfg.run.rollout_devices
+            if has_gpu() and not devices:
+                raise ValueError("run.placement=disaggregated on GPUs: give each controller's engine worker GPUs of "
+                                 "its own with run.rollout_devices (one CUDA_VISIBLE_DEVICES entry per controller "
+                                 "of a node)")
+            engines = {"rollout": cfg.rollout.engine} | {
+                f"judge:{w.judge.name}": InProcessJudge.engine_config(w.judge)
+                for w in cfg.reward.judges if w.judge.backend == "inprocess"}
+            self.worker = EngineWorker(engines, self.run_dir / "logs" / f"engine_worker_rank{ranks.rank}.log",
+                                       devices[ranks.dp_rank % len(devices)] if devices else "")
+        engine = self.worker.engine("rollout") if self.worker else None
+        judges = build_judges(cfg.reward.judges, ranks, engine_of=lambda j: self.worker.engine(f"judge:{j.name}"))
+        return engine, judges
 
     def _reader(self, data: DataConfig) -> DataReader:
         if data.quarantine_log is None:
@@ -148,7 +174,7 @@ def train(cfg: RLConfig) -> int:
     run = Run(cfg)
     if run.ranks.rank == 0:
         print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP {run.ranks.tp_size} x PP "
-              f"{run.ranks.pp_size} x CP {run.ranks.cp_size}, rollout engines of {run.engine.tensor_parallel} "
+              f"{run.ranks.pp_size} x CP {run.ranks.cp_size}, rollout engines of {run.cfg.rollout.engine.tensor_parallel_size} "
               f"rank(s), run dir {run.run_dir}\n{run.phases.plan.describe()}", flush=True)
     start = resume(run) if cfg.run.resume else 0
     if start == 0 and (m := evaluate(run, -1)):
@@ -187,8 +213,10 @@ def finish(run: Run) -> None:
     run.metrics.close()
     run.judges.close()
     dist.barrier(group=run.ranks.world_cpu)
-    # vLLM's shutdown destroys the default process group: only after our last collective
-    run.engine.shutdown()
+    if run.worker is not None:
+        run.worker.close()
+    elif run.engine is not None:  # vLLM's shutdown destroys the default process group: only after our last collective
+        run.engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

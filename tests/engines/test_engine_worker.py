@@ -1,0 +1,73 @@
+"""The disaggregated placement's engine worker (yatt_mm/engines/worker.py): the tiny policy's
+vLLM engine in a process of its own, reached from this one. It must be indistinguishable from the
+in-process engine the other placements use: the same prompts, the same greedy tokens and
+logprobs, the same streaming hand-overs, and after a weight update broadcast over its weights
+group (gloo here), the same outputs as the in-process engine given the same weights."""
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dataio.synth import colour_image, moving_ball_video
+from yatt_mm.engines.engine import EngineConfig, Request, SamplingConfig
+from yatt_mm.engines.worker import EngineWorker, RemoteEngine
+
+
+def _ask(part, question, **media):
+    return Request([{"role": "user", "content": [{"type": part}, {"type": "text", "text": question}]}], **media)
+
+
+def _greedy(engine, requests):
+    result = engine.generate(requests, SamplingConfig(n=1, max_tokens=8, temperature=0.0))
+    return [(g[0].token_ids, g[0].logprobs) for g in result.responses]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_policy, tmp_path_factory):
+    w = EngineWorker({"rollout": EngineConfig(model=str(tiny_policy))}, tmp_path_factory.mktemp("worker") / "w.log")
+    yield w
+    w.close()
+    assert w.proc.returncode == 0  # stopped when asked, not killed
+
+
+def test_worker_engine_equals_the_in_process_one_before_and_after_a_weight_update(worker, rollout_engine, tiny_policy):
+    remote = worker.engine("rollout")
+    rng = random.Random(11)
+    img, vid = colour_image(rng), moving_ball_video(rng)
+    requests = [_ask("image", img.question, images=[img.image]), _ask("video", vid.question, videos=[vid.video])]
+    assert [remote.prompt_text(r) for r in requests] == [rollout_engine.prompt_text(r) for r in requests]
+    before = _greedy(remote, requests)
+    assert before == _greedy(rollout_engine, requests)  # tokens and logprobs, exactly
+
+    seen, finished = [], {}
+    result = remote.generate(requests, SamplingConfig(n=3, max_tokens=6),
+                             on_sample=lambda i, j, r: seen.append((i, j, r.token_ids)),
+                             on_finished=lambda i, rs: finished.setdefault(i, []).append(rs))
+    assert sorted((i, j) for i, j, _ in seen) == [(i, j) for i in range(2) for j in range(3)]
+    assert {i: v[0] for i, v in finished.items()} == dict(enumerate(result.responses))
+    assert all(result.responses[i][j].token_ids == ids for i, j, ids in seen)
+
+    original = {}
+    for path in sorted(tiny_policy.glob("*.safetensors")):
+        original |= load_file(path)
+    gen = torch.Generator().manual_seed(0)
+    moved = {k: v + 0.02 * torch.randn(v.shape, generator=gen).to(v.dtype) if v.is_floating_point() else v
+             for k, v in original.items()}
+    try:
+        info = remote.update_weights(moved.items())
+        assert info["tensors"] == len(moved) and info["bytes"] == sum(v.numel() * v.element_size() for v in moved.values())
+        rollout_engine.update_weights(moved.items())
+        after = _greedy(remote, requests)
+        assert after != before and after == _greedy(rollout_engine, requests)
+    finally:  # the session's engine is shared: give it its weights back
+        rollout_engine.update_weights(original.items())
+        remote.update_weights(original.items())
+    assert _greedy(remote, requests) == before
+
+
+def test_a_failing_call_raises_with_the_workers_traceback_and_the_worker_lives_on(worker):
+    with pytest.raises(RuntimeError, match="failed there:(.|\n)*KeyError: 'judge:nobody'"):
+        RemoteEngine(worker, "judge:nobody", worker.started["rollout"]).prompt_text(_ask("image", "?"))
+    assert worker.pids and worker.engine("rollout").prompt_text(_ask("image", "?"))

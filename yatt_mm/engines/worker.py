@@ -1,0 +1,288 @@
+"""A controller's vLLM engines in a process of their own (placement `disaggregated`).
+
+The rank that controls a DP group starts one worker; the worker holds the group's rollout engine
+and its in-process GenRM judges' engines, and the rank reaches each through a `RemoteEngine`,
+which has the methods of `RolloutEngine` the loop calls. So the next step's rollout
+(run.max_staleness, yatt_mm/rl/rollout_ahead.py) runs its vLLM work in another interpreter than
+the trainer: the rank's rollout thread mostly waits on a pipe, and the GIL no longer serialises
+vLLM's scheduler with Megatron's step. Media still go only from the rank that read them to its
+own worker.
+
+Two channels per worker:
+- a local connection (multiprocessing, an authentication key of the run's rank) carries calls,
+  requests with their media, and results; pickled, as both ends are this run's own processes
+  (nothing read from a shard is unpickled);
+- a two-member process group carries the weights: the trainer's bucket is broadcast from the rank
+  into the worker's engine. gloo on CPU; NCCL on GPUs (the worker on GPUs of its own, set by
+  `rollout.engine.devices`), the same code (the NCCL branch has not run on a GPU yet).
+
+The worker dies with its rank (the kernel's parent-death signal), so a kill -9 of a rank leaves
+no engine behind to hold memory or cores.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import timedelta
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from models import runtime
+from models.comm import free_port
+from yatt_mm.engines.engine import EngineConfig, GenerationResult, Request, Response, SamplingConfig
+
+# torchrun's variables: without them the worker's vLLM runs as a lone process (its "uni" executor)
+JOB_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+           "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+KEY_ENV = "YATT_MM_WORKER_KEY"
+WEIGHTS_TIMEOUT = timedelta(minutes=10)  # a weight copy waiting longer has lost its peer
+
+
+def weights_backend() -> str:
+    return "nccl" if runtime.has_gpu() else "gloo"
+
+
+def weights_group(host: str, port: int, rank: int) -> Any:
+    """The rank (0) and its worker (1), for the weight copy."""
+    store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=WEIGHTS_TIMEOUT)
+    if weights_backend() == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, 2)
+    return dist.ProcessGroupGloo(store, rank, 2, WEIGHTS_TIMEOUT)
+
+
+def broadcast_bucket(group, flat: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([flat], opts).wait()
+
+
+class EngineWorker:
+    """The rank's side: starts the worker process, owns the channels, stops it."""
+
+    def __init__(self, engines: dict[str, EngineConfig], log_path: str | Path, devices: str = "",
+                 startup_timeout_s: float = 600.0):
+        host = "127.0.0.1"
+        key = secrets.token_bytes(32)
+        listener = Listener((host, 0), authkey=key)
+        weights_port = free_port(host)
+        env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
+        env[KEY_ENV] = key.hex()
+        env["VLLM_CONFIGURE_LOGGING"] = "1"  # its own log file, as a judge server's
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(log_path)
+        start = time.perf_counter()
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "yatt_mm.engines.worker", f"{host}:{listener.address[1]}", str(os.getpid()),
+                 f"{host}:{weights_port}"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.conn = self._accept(listener, startup_timeout_s)
+        self.weights = weights_group(host, weights_port, 0)
+        self._lock = threading.Lock()
+        self.started = self.call("start", engines={name: asdict(cfg) for name, cfg in engines.items()})
+        self.startup_seconds = time.perf_counter() - start
+
+    def _accept(self, listener: Listener, timeout: float):
+        accepted: list = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout
+        while thread.is_alive() and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the rollout worker exited with code {self.proc.returncode} at start-up; "
+                                   f"see {self.log_path}")
+            thread.join(0.2)
+        listener.close()
+        if not accepted:
+            self.close()
+            raise TimeoutError(f"the rollout worker did not connect within {timeout:.0f} s; see {self.log_path}")
+        return accepted[0]
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc.poll() is None else []
+
+    def engine(self, name: str) -> "RemoteEngine":
+        return RemoteEngine(self, name, self.started[name])
+
+    def call(self, op: str, on_event: Callable[..., None] | None = None, then: Callable[[], None] | None = None,
+             **kwargs) -> Any:
+        """One call into the worker; `on_event(*event)` sees what it streams back meanwhile;
+        `then()` runs once the call is sent (the weight copy's broadcast)."""
+        with self._lock:
+            try:
+                self.conn.send((op, kwargs))
+                if then is not None:
+                    then()
+                while True:
+                    kind, *payload = self.conn.recv()
+                    if kind == "event":
+                        on_event(*payload)
+                    elif kind == "result":
+                        return payload[0]
+                    else:
+                        raise RuntimeError(f"rollout worker: '{op}' failed there:\n{payload[0]}")
+            except (EOFError, OSError) as e:
+                raise RuntimeError(f"rollout worker (pid {self.proc.pid}) is gone "
+                                   f"(exit code {self.proc.poll()}) during '{op}'; see {self.log_path}") from e
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("stop")
+            except RuntimeError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class RemoteEngine:
+    """One of a worker's engines, as the loop uses a RolloutEngine: generation with the same
+    streaming hand-overs, bucketed weight updates, the chat template. Always resident: the
+    disaggregated placement never releases it."""
+
+    def __init__(self, worker: EngineWorker, name: str, info: dict[str, Any]):
+        self.worker = worker
+        self.name = name
+        self.cfg = EngineConfig(**info["cfg"])
+        self.tensor_parallel = info["tensor_parallel"]
+        self.startup_seconds = info["startup_seconds"]
+        self.level = "all"
+
+    def join(self, group, leader: int) -> None:
+        pass  # one process's engine: nobody to join
+
+    @contextmanager
+    def lead(self):
+        yield
+
+    def follow(self) -> None:
+        pass
+
+    def release(self, keep: str = "none") -> float:
+        return 0.0
+
+    def acquire(self, part: str = "all") -> float:
+        return 0.0
+
+    def shutdown(self) -> None:
+        pass  # the worker's, with all of its engines (EngineWorker.close)
+
+    def prompt_text(self, request: Request) -> str:
+        return self.worker.call("prompt_text", engine=self.name, messages=request.messages)
+
+    def processor_media(self, request: Request) -> dict[str, Any]:
+        from yatt_mm.engines.media import processor_media
+
+        return processor_media(request.images, request.videos, self.worker.started[self.name]["timed_videos"])
+
+    def generate(self, requests: list[Request], sampling: SamplingConfig,
+                 on_finished: Callable[[int, list[Response]], None] | None = None,
+                 on_sample: Callable[[int, int, Response], None] | None = None) -> GenerationResult:
+        def event(kind: str, *args) -> None:
+            (on_sample if kind == "sample" else on_finished)(*args)
+
+        return self.worker.call("generate", on_event=event, engine=self.name, requests=requests,
+                                sampling=asdict(sampling), finished=on_finished is not None,
+                                samples=on_sample is not None)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> dict[str, float]:
+        """The bucket in one flat byte buffer, broadcast into the worker, which loads it."""
+        tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
+        specs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors]
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+        if weights_backend() == "nccl":
+            flat = flat.cuda()
+        start = time.perf_counter()
+        info = self.worker.call("update_weights", then=lambda: broadcast_bucket(self.worker.weights, flat),
+                                engine=self.name, specs=specs, nbytes=flat.numel(), partial=partial)
+        return info | {"seconds": time.perf_counter() - start}
+
+
+# -- the worker process -------------------------------------------------------------------------
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the rank that started it dies (Linux), however it dies."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
+
+
+def _unpack(flat: torch.Tensor, specs: list) -> list[tuple[str, torch.Tensor]]:
+    out, offset = [], 0
+    for name, shape, dtype in specs:
+        dtype = getattr(torch, dtype)
+        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        out.append((name, flat[offset: offset + nbytes].view(dtype).view(shape)))
+        offset += nbytes
+    return out
+
+
+def serve(address: str, parent: int, weights_address: str) -> None:
+    from yatt_mm.engines.engine import RolloutEngine
+
+    _die_with_parent(parent)
+    host, port = address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(KEY_ENV)))
+    w_host, w_port = weights_address.rsplit(":", 1)
+    group = weights_group(w_host, int(w_port), 1)
+    device = "cuda" if weights_backend() == "nccl" else "cpu"
+    engines: dict[str, RolloutEngine] = {}
+    while True:
+        try:
+            op, kw = conn.recv()
+        except EOFError:  # the rank is gone
+            return
+        try:
+            if op == "stop":
+                conn.send(("result", None))
+                return
+            if op == "start":
+                for name, cfg in kw["engines"].items():
+                    engines[name] = RolloutEngine(EngineConfig(**cfg))
+                result = {name: {"cfg": asdict(e.cfg), "tensor_parallel": e.tensor_parallel,
+                                 "startup_seconds": e.startup_seconds, "timed_videos": e.timed_videos}
+                          for name, e in engines.items()}
+            elif op == "prompt_text":
+                result = engines[kw["engine"]].prompt_text(Request(kw["messages"]))
+            elif op == "generate":
+                on_finished = (lambda i, rs: conn.send(("event", "finished", i, rs))) if kw["finished"] else None
+                on_sample = (lambda i, j, r: conn.send(("event", "sample", i, j, r))) if kw["samples"] else None
+                result = engines[kw["engine"]].generate(kw["requests"], SamplingConfig(**kw["sampling"]),
+                                                        on_finished, on_sample)
+            elif op == "update_weights":
+                flat = torch.empty(kw["nbytes"], dtype=torch.uint8, device=device)
+                broadcast_bucket(group, flat)
+                result = engines[kw["engine"]].update_weights(_unpack(flat, kw["specs"]), partial=kw["partial"])
+            else:
+                raise ValueError(f"unknown call {op!r}")
+            conn.send(("result", result))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3])
