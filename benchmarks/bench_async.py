@@ -6,8 +6,8 @@ responses per DP group, rule reward + the tiny GenRM judge, dynamic sampling), t
 and cached warm starts (benchmarks/_rl.py), `--steps` steps each, held-out eval once at the end
 (eval/reward_mean: greedy answers to the demo's 32 held-out prompts) half-way and at the end, so
 both have trained on the same number of samples. Staleness 1 runs `run.placement=disaggregated run.max_staleness=1`
-(yatt_mm/rl/rollout_ahead.py: each controller's rollout of step n+1 in a thread beside step n's
-training). Paired rounds: each round runs both, in alternating order, with the round's seeds
+(yatt_mm/rl/rollout_ahead.py: each controller's rollout of step n+1, its vLLM engines in a worker
+process of their own, beside step n's training). Paired rounds: each round runs both, in alternating order, with the round's seeds
 (sampling, data order), and its ratio is async / sync; the figure is the median of the rounds' ratios.
 
 Seconds per step: from one step's training to the next's (the start of rank 0's "train" phase in
@@ -20,7 +20,13 @@ synchronous run's own timeline and compared with the same round's measured ratio
 
 The runs' directories (timelines, metrics) are kept under runs/bench-async/{sync,async}-ROUND for
 `yatt-mm simulate`; tracked files are left as they were.
-Last line: JSON with step_time_ratio (target <= 0.75), the seconds per step of both, the held-out
+The bound: the cores' busy share during the steady steps (/proc/stat). The same work overlapped
+cannot take less than the busy share of the synchronous seconds, so on a machine whose
+synchronous step keeps its cores busy (this one: 2 cores, 2 ranks) no staleness reaches a ratio
+below `step_time_ratio_bound`; on GPUs the rollout's devices idle while the trainer's train.
+
+Last line: JSON with step_time_ratio (target <= 0.75), step_time_ratio_bound (the cores' busy
+share of the synchronous steps) and cpu_busy_async, the seconds per step of both, the held-out
 rewards and their difference (with the spread of the synchronous runs' rewards across seeds),
 and predicted_step_time_ratio.
 """
@@ -33,6 +39,8 @@ import os
 import shutil
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,6 +80,38 @@ def side_seconds(run_dir: Path, steps: set[int]) -> dict[str, float]:
     return {side: statistics.median(v) for side, v in sums.items()}
 
 
+class CoreLoad:
+    """The machine's cores' busy share over time (/proc/stat, sampled a few times a second in a
+    thread): how much of the cores a run's steps left idle, which is all an overlap can fill."""
+
+    def __init__(self, every: float = 0.25):
+        self.samples: list[tuple[float, int, int]] = []  # (time, busy ticks, all ticks)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every,), daemon=True)
+
+    def _sample(self, every: float) -> None:
+        while not self._stop.is_set():
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:9]]
+            idle = ticks[3] + ticks[4]  # idle, iowait
+            self.samples.append((time.time(), sum(ticks) - idle, sum(ticks)))
+            self._stop.wait(every)
+
+    def __enter__(self) -> "CoreLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, start: float, end: float) -> float:
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return float("nan")
+        return (inside[-1][1] - inside[0][1]) / max(inside[-1][2] - inside[0][2], 1)
+
+
 def run(mode: str, steps: int, seed: int) -> dict:
     seen: dict = {}
     every = steps // 2  # held-out eval half-way (the demo nearly saturates by the end) and at the end
@@ -88,12 +128,14 @@ def run(mode: str, steps: int, seed: int) -> dict:
     # the round's seed: vLLM's sampling and the data order (run.seed alone seeds Megatron's init, which the
     # warm start overwrites: two rounds were equal to the bit)
     seeds = [f"run.seed={seed}", f"rollout.engine.seed={seed}", f"data.seed={seed}"]
-    records = demo_rl_records(steps, *MODES[mode], f"eval.every={every}", *seeds, inspect=inspect)
+    with CoreLoad() as load:
+        records = demo_rl_records(steps, *MODES[mode], f"eval.every={every}", *seeds, inspect=inspect)
     starts = seen["starts"]
     gaps = [starts[i + 1] - starts[i] for i in counted]
+    busy = statistics.median(load.busy(starts[i], starts[i + 1]) for i in counted)
     evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
     stale = [r["rollout/staleness_mean"] for r in records if "rollout/staleness_mean" in r]
-    return {"seconds": statistics.median(gaps), "gaps": gaps, "eval_mid": evals[-2], "eval": evals[-1],
+    return {"seconds": statistics.median(gaps), "gaps": gaps, "busy": busy, "eval_mid": evals[-2], "eval": evals[-1],
             "sides": seen["sides"], "staleness_mean": statistics.mean(stale) if stale else 0.0,
             "dropped": sum(r.get("rollout/stale_dropped", 0.0) for r in records),
             "prediction": seen.get("prediction")}
@@ -123,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"overlapped, generation took "
               f"{ahead['sides']['generation'] / sync['sides']['generation']:.2f}x and training "
               f"{ahead['sides']['training'] / sync['sides']['training']:.2f}x their synchronous seconds, "
-              f"staleness mean {ahead['staleness_mean']:.2f}", flush=True)
+              f"staleness mean {ahead['staleness_mean']:.2f}; the cores were {sync['busy']:.0%} busy in the "
+              f"synchronous steps, {ahead['busy']:.0%} in the overlapped ones", flush=True)
     ratio = statistics.median(x["ratio"] for x in rounds)
     rewards = {m: [x[m]["eval"] for x in rounds] for m in MODES}
     mid = {m: [x[m]["eval_mid"] for x in rounds] for m in MODES}
@@ -143,6 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
         "overlap_slowdown": {side: round(statistics.median(x["async"]["sides"][side] / x["sync"]["sides"][side]
                                                            for x in rounds), 3)
                              for side in ("generation", "training")},
+        # the cores' busy share in the steady steps (median of rounds): what the synchronous steps left
+        # idle is all an overlap can fill, so with the same work no staleness gets a ratio below it here
+        "cpu_busy_sync": round(statistics.median(x["sync"]["busy"] for x in rounds), 3),
+        "cpu_busy_async": round(statistics.median(x["async"]["busy"] for x in rounds), 3),
+        "step_time_ratio_bound": round(statistics.median(x["sync"]["busy"] for x in rounds), 3),
+        # the cores' busy seconds per step, overlapped over synchronous: above 1, the overlap costs the
+        # cores more work than it saves waiting (two sides time-sliced on the same cores)
+        "core_seconds_ratio": round(statistics.median(x["async"]["busy"] * x["async"]["seconds"]
+                                                      / (x["sync"]["busy"] * x["sync"]["seconds"]) for x in rounds), 3),
         "predicted_step_time_ratio": round(statistics.median(x["predicted_ratio"] for x in rounds), 3),
         "predicted_round_ratios": [round(x["predicted_ratio"], 3) for x in rounds],
         "predicted_bound": max(sorted({x["bound"] for x in rounds}), key=[x["bound"] for x in rounds].count),
@@ -152,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": str(KEEP.relative_to(ROOT)),
     }
     print(f"staleness 1 / 0 seconds per step: {ratio:.3f} (median of {args.rounds} rounds; target <= 0.75: "
-          f"{'met' if out['met'] else 'not met'}); simulator predicted {out['predicted_step_time_ratio']:.3f}; "
+          f"{'met' if out['met'] else 'not met'}; no overlap gets below {out['step_time_ratio_bound']:.2f} on this "
+          f"machine, the cores' busy share in the synchronous steps); simulator predicted {out['predicted_step_time_ratio']:.3f}; "
           f"held-out reward {out['eval_reward_sync']:.3f} (sync) vs {out['eval_reward_async']:.3f} (staleness 1)")
     print(json.dumps(out))
     return out

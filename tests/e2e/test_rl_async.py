@@ -12,7 +12,7 @@ import subprocess
 import psutil
 
 from dataio.synth import write_shards
-from test_rl import ROOT, _consumed, _kill_rank_and_wait, _steps, _tiny_rl, _wait_for
+from test_rl import ROOT, _consumed, _kill_rank_and_wait, _steps, _steps_logged, _tiny_rl, _wait_for
 
 
 def _overlaps(run_dir) -> int:
@@ -58,7 +58,9 @@ def test_staleness_1_trains_one_version_behind_overlapped_and_resumes_exactly_af
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         # written while step 3 trains, its successor's rollout running ahead: kill a rank then
-        _wait_for(lambda: all((ckpt / f"done_rank{r}").is_file() for r in range(2)), launcher, "step 2's checkpoint")
+        # (and step 2 logged: the checkpoint's markers can land while step 2's probe still runs)
+        _wait_for(lambda: all((ckpt / f"done_rank{r}").is_file() for r in range(2)) and _steps_logged(run_dir) >= 2,
+                  launcher, "step 2's checkpoint")
         workers = _engine_workers(launcher)
         assert len(workers) == 2  # each controller's engine in a process of its own
         _kill_rank_and_wait(launcher, rank=1)
