@@ -2,9 +2,12 @@
 vLLM engine in a process of its own, reached from this one. It must be indistinguishable from the
 in-process engine the other placements use: the same prompts, the same greedy tokens and
 logprobs, the same streaming hand-overs, and after a weight update broadcast over its weights
-group (gloo here), the same outputs as the in-process engine given the same weights."""
+group (gloo here), the same outputs as the in-process engine given the same weights; and with
+partial rollout, weights that arrive mid-generation are taken between two engine steps."""
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -49,12 +52,7 @@ def test_worker_engine_equals_the_in_process_one_before_and_after_a_weight_updat
     assert {i: v[0] for i, v in finished.items()} == dict(enumerate(result.responses))
     assert all(result.responses[i][j].token_ids == ids for i, j, ids in seen)
 
-    original = {}
-    for path in sorted(tiny_policy.glob("*.safetensors")):
-        original |= load_file(path)
-    gen = torch.Generator().manual_seed(0)
-    moved = {k: v + 0.02 * torch.randn(v.shape, generator=gen).to(v.dtype) if v.is_floating_point() else v
-             for k, v in original.items()}
+    original, moved = _weights(tiny_policy, 0.02)
     try:
         info = remote.update_weights(moved.items())
         assert info["tensors"] == len(moved) and info["bytes"] == sum(v.numel() * v.element_size() for v in moved.values())
@@ -71,3 +69,52 @@ def test_a_failing_call_raises_with_the_workers_traceback_and_the_worker_lives_o
     with pytest.raises(RuntimeError, match="failed there:(.|\n)*KeyError: 'judge:nobody'"):
         RemoteEngine(worker, "judge:nobody", worker.started["rollout"]).prompt_text(_ask("image", "?"))
     assert worker.pids and worker.engine("rollout").prompt_text(_ask("image", "?"))
+
+
+def _weights(tiny_policy, scale: float) -> tuple[dict, dict]:
+    original = {}
+    for path in sorted(tiny_policy.glob("*.safetensors")):
+        original |= load_file(path)
+    gen = torch.Generator().manual_seed(0)
+    moved = {k: v + scale * torch.randn(v.shape, generator=gen).to(v.dtype) if v.is_floating_point() else v
+             for k, v in original.items()}
+    return original, moved
+
+
+def test_partial_rollout_loads_weights_between_engine_steps_and_the_responses_say_so(worker, rollout_engine,
+                                                                                    tiny_policy):
+    """run.partial_rollout: weights pushed while a generation runs are loaded whole between two
+    engine steps; the responses in flight go on with them (their first tokens are the old
+    weights', later ones not) and count the update; the caches of the old weights are dropped
+    once the generation ends."""
+    remote = worker.engine("rollout")
+    rng = random.Random(4)
+    requests = [_ask("image", img.question, images=[img.image]) for img in (colour_image(rng), colour_image(rng))]
+    long_greedy = SamplingConfig(n=1, max_tokens=400, temperature=0.0)
+    old = [g[0] for g in remote.generate(requests, long_greedy).responses]
+    assert all(len(r.token_ids) > 100 and r.weight_updates == 0 for r in old)
+    original, moved = _weights(tiny_policy, 0.02)
+    worker.partial_rollout = True
+    try:
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(r=remote.generate(requests, long_greedy)))
+        thread.start()
+        time.sleep(0.5)  # the generation is under way (400 steps take seconds here)
+        remote.update_weights(moved.items(), partial=True)
+        remote.weights_loaded()
+        thread.join()
+        rollout_engine.update_weights(moved.items())
+        for (response,), before in zip(result["r"].responses, old):
+            assert response.weight_updates == 1
+            same = next((k for k, pair in enumerate(zip(zip(response.token_ids, response.logprobs),
+                                                         zip(before.token_ids, before.logprobs))) if pair[0] != pair[1]),
+                        len(response.token_ids))
+            assert 1 <= same < len(response.token_ids)  # begun on the old weights, gone on with others
+        # the prefix cache holds the old weights' prompt: dropped, the next generation is the new weights' own
+        assert _greedy(remote, requests) == _greedy(rollout_engine, requests)
+    finally:
+        worker.partial_rollout = False
+        rollout_engine.update_weights(original.items())
+        remote.update_weights(original.items())
+        remote.weights_loaded()
+    assert [g[0] for g in remote.generate(requests, long_greedy).responses] == old

@@ -25,6 +25,8 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "tiny_demo.yaml"
       "reward.judges=[]"], "run.placement=disaggregated runs each controller's engine in one worker process: set "
                            "rollout.engine.tensor_parallel_size=1 (now 2)"),
     (["run.max_staleness=-1"], "run.max_staleness"),
+    (["run.partial_rollout=true", "run.placement=disaggregated"], "run.partial_rollout loads new weights into a "
+                                                                  "rollout running ahead: it needs run.max_staleness >= 1"),
 ])
 def test_bad_staleness_settings_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

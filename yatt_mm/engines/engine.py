@@ -74,6 +74,9 @@ class Response:
     text: str
     logprobs: list[float]  # one per generated token, of the sampled token
     finish_reason: str
+    # weight updates that reached the engine while this response generated (partial rollout: its
+    # tokens come from more than one policy version); 0 for a response of one version
+    weight_updates: int = 0
 
 
 @dataclass
@@ -271,11 +274,14 @@ class RolloutEngine:
         self.llm = None
         gc.collect()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], partial: bool = False) -> dict[str, float]:
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], partial: bool = False,
+                       reset_caches: bool = True) -> dict[str, float]:
         """Load (HF name, tensor) pairs into the running engine, in place.
 
         vLLM's CPU path keeps pre-packed weight copies, so only its `reload_weights` RPC takes
-        effect; the encoder and prefix caches hold results of the old weights and are dropped.
+        effect; the encoder and prefix caches hold results of the old weights and are dropped
+        (`reset_caches`; vLLM refuses to drop them under running requests: an update in the middle
+        of a generation passes False and calls `reset_caches()` once the generation has ended).
         `partial`: a bucket of a bucketed sync, whole layers only (vLLM keeps the weights of the
         layers it does not name, and would warn about each of them).
         """
@@ -285,9 +291,18 @@ class RolloutEngine:
         start = time.perf_counter()
         with _quiet_partial_reload() if partial else nullcontext():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        if reset_caches:
+            self.reset_caches()
+        return {"seconds": time.perf_counter() - start, "bytes": float(nbytes), "tensors": float(len(tensors))}
+
+    def weights_loaded(self) -> None:
+        """The end of a bucketed sync: nothing to do in-process (each bucket reset the caches); an
+        engine worker's generation in flight resumes here (yatt_mm/engines/worker.py)."""
+
+    def reset_caches(self) -> None:
+        """Drop what the encoder and prefix caches hold of earlier weights."""
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
-        return {"seconds": time.perf_counter() - start, "bytes": float(nbytes), "tensors": float(len(tensors))}
 
     def prompt_text(self, request: Request) -> str:
         return self.tokenizer.apply_chat_template(
@@ -313,25 +328,28 @@ class RolloutEngine:
 
     def generate(self, requests: list[Request], sampling: SamplingConfig,
                  on_finished: Callable[[int, list[Response]], None] | None = None,
-                 on_sample: Callable[[int, int, Response], None] | None = None) -> GenerationResult:
+                 on_sample: Callable[[int, int, Response], None] | None = None,
+                 between_steps: Callable[[], bool] | None = None) -> GenerationResult:
         """n responses per request. With `on_finished(i, responses)`, each request's responses
         are handed over the moment its last sample finishes, instead of when the whole batch is
         done; with `on_sample(i, j, response)` also each sample the moment it finishes (partial
         colocation streams them to the judge: a request with one long sample does not hold
-        back its short ones)."""
+        back its short ones). `between_steps()` runs before each engine step and says whether it
+        loaded new weights (partial rollout: the responses still generating count the update)."""
         if self._spmd:  # the leader of a multi-rank engine: the others replay this call
             if torch.distributed.get_rank() != self._spmd[1]:
                 raise RuntimeError("only the engine's leading rank calls generate; the others follow()")
             payload = _requests_to(requests, sampling, streaming=on_finished is not None)
             broadcast_packed(payload, self._spmd[1], self._spmd[0])
             requests = _requests_from(payload[0], json.loads(payload[1]["call"]))  # exactly what they got
-        if on_sample is not None and on_finished is None:
+        if (on_sample is not None or between_steps is not None) and on_finished is None:
             on_finished = _ignore
-        return self._generate(requests, sampling, on_finished, on_sample)
+        return self._generate(requests, sampling, on_finished, on_sample, between_steps)
 
     def _generate(self, requests: list[Request], sampling: SamplingConfig,
                   on_finished: Callable[[int, list[Response]], None] | None,
-                  on_sample: Callable[[int, int, Response], None] | None = None) -> GenerationResult:
+                  on_sample: Callable[[int, int, Response], None] | None = None,
+                  between_steps: Callable[[], bool] | None = None) -> GenerationResult:
         from vllm import SamplingParams
 
         self._require("all", "generation")
@@ -351,7 +369,7 @@ class RolloutEngine:
             prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outputs)
         else:
             responses, prompt_tokens = self._generate_streaming(inputs, params, on_finished,
-                                                                on_sample or _ignore_sample)
+                                                                on_sample or _ignore_sample, between_steps)
         seconds = time.perf_counter() - start
         return GenerationResult(
             responses=responses,
@@ -361,7 +379,8 @@ class RolloutEngine:
         )
 
 
-    def _generate_streaming(self, inputs: list[dict], params, on_finished, on_sample) -> tuple[list[list[Response]], int]:
+    def _generate_streaming(self, inputs: list[dict], params, on_finished, on_sample,
+                            between_steps=None) -> tuple[list[list[Response]], int]:
         """`LLM.generate`'s own two halves (add the requests, step the engine), with a hand-over
         per finished sample and per finished request in between. Uses vLLM's private
         `_preprocess_cmpl_one` and `_render_and_add_requests`, which render prompts and media
@@ -389,12 +408,18 @@ class RolloutEngine:
         done = [0] * len(inputs)
         prompt_tokens = 0
         engine = self.llm.llm_engine
+        updates = [[0] * n for _ in inputs]  # weight updates each sample saw while it generated
         while engine.has_unfinished_requests():
+            if between_steps is not None and between_steps():
+                for i, row in enumerate(samples):
+                    for j, sample in enumerate(row):
+                        updates[i][j] += sample is None
             for out in engine.step():
                 if not out.finished:
                     continue
                 i, j = index[out.request_id]
                 samples[i][j] = response = _to_response(out.outputs[0])
+                response.weight_updates = updates[i][j]
                 prompt_tokens += len(out.prompt_token_ids or []) if j == 0 else 0
                 done[i] += 1
                 on_sample(i, j, response)

@@ -90,27 +90,32 @@ class EngineWorker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "yatt_mm.engines.worker", f"{host}:{listener.address[1]}", str(os.getpid()),
                  f"{host}:{weights_port}"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.conn = self._accept(listener, startup_timeout_s)
+        # calls; and the weights' own channel, so that new weights can reach the worker while a
+        # call is in flight (partial rollout)
+        self.conn, self.weights_conn = self._accept(listener, startup_timeout_s)
         self.weights = weights_group(host, weights_port, 0)
-        self._lock = threading.Lock()
+        self._lock, self._weights_lock = threading.Lock(), threading.Lock()
+        # run.partial_rollout: weights that arrive while any of the worker's engines generates are
+        # loaded between two of its steps; a rollout in flight goes on with them
+        self.partial_rollout = False
         self.started = self.call("start", engines={name: asdict(cfg) for name, cfg in engines.items()})
         self.startup_seconds = time.perf_counter() - start
 
     def _accept(self, listener: Listener, timeout: float):
         accepted: list = []
-        thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        thread = threading.Thread(target=lambda: accepted.extend([listener.accept(), listener.accept()]), daemon=True)
         thread.start()
         deadline = time.monotonic() + timeout
         while thread.is_alive() and time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the rollout worker exited with code {self.proc.returncode} at start-up; "
+                raise RuntimeError(f"the engine worker exited with code {self.proc.returncode} at start-up; "
                                    f"see {self.log_path}")
             thread.join(0.2)
         listener.close()
-        if not accepted:
-            self.close()
-            raise TimeoutError(f"the rollout worker did not connect within {timeout:.0f} s; see {self.log_path}")
-        return accepted[0]
+        if len(accepted) < 2:
+            self.proc.kill()
+            raise TimeoutError(f"the engine worker did not connect within {timeout:.0f} s; see {self.log_path}")
+        return accepted
 
     @property
     def pids(self) -> list[int]:
@@ -119,25 +124,30 @@ class EngineWorker:
     def engine(self, name: str) -> "RemoteEngine":
         return RemoteEngine(self, name, self.started[name])
 
-    def call(self, op: str, on_event: Callable[..., None] | None = None, then: Callable[[], None] | None = None,
-             **kwargs) -> Any:
-        """One call into the worker; `on_event(*event)` sees what it streams back meanwhile;
-        `then()` runs once the call is sent (the weight copy's broadcast)."""
-        with self._lock:
+    def call(self, op: str, on_event: Callable[..., None] | None = None, **kwargs) -> Any:
+        """One call into the worker; `on_event(*event)` sees what it streams back meanwhile."""
+        return self._call(self.conn, self._lock, op, on_event, None, kwargs)
+
+    def call_weights(self, op: str, then: Callable[[], None] | None = None, **kwargs) -> Any:
+        """A call on the weights' channel; `then()` runs once it is sent (the bucket's broadcast)."""
+        return self._call(self.weights_conn, self._weights_lock, op, None, then, kwargs)
+
+    def _call(self, conn, lock, op: str, on_event, then, kwargs: dict) -> Any:
+        with lock:
             try:
-                self.conn.send((op, kwargs))
+                conn.send((op, kwargs))
                 if then is not None:
                     then()
                 while True:
-                    kind, *payload = self.conn.recv()
+                    kind, *payload = conn.recv()
                     if kind == "event":
                         on_event(*payload)
                     elif kind == "result":
                         return payload[0]
                     else:
-                        raise RuntimeError(f"rollout worker: '{op}' failed there:\n{payload[0]}")
+                        raise RuntimeError(f"engine worker: '{op}' failed there:\n{payload[0]}")
             except (EOFError, OSError) as e:
-                raise RuntimeError(f"rollout worker (pid {self.proc.pid}) is gone "
+                raise RuntimeError(f"engine worker (pid {self.proc.pid}) is gone "
                                    f"(exit code {self.proc.poll()}) during '{op}'; see {self.log_path}") from e
 
     def close(self, timeout: float = 30.0) -> None:
@@ -201,7 +211,7 @@ class RemoteEngine:
 
         return self.worker.call("generate", on_event=event, engine=self.name, requests=requests,
                                 sampling=asdict(sampling), finished=on_finished is not None,
-                                samples=on_sample is not None)
+                                samples=on_sample is not None, partial=self.worker.partial_rollout)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> dict[str, float]:
         """The bucket in one flat byte buffer, broadcast into the worker, which loads it."""
@@ -211,9 +221,14 @@ class RemoteEngine:
         if weights_backend() == "nccl":
             flat = flat.cuda()
         start = time.perf_counter()
-        info = self.worker.call("update_weights", then=lambda: broadcast_bucket(self.worker.weights, flat),
-                                engine=self.name, specs=specs, nbytes=flat.numel(), partial=partial)
+        info = self.worker.call_weights("update_weights", then=lambda: broadcast_bucket(self.worker.weights, flat),
+                                        engine=self.name, specs=specs, nbytes=flat.numel(), partial=partial)
         return info | {"seconds": time.perf_counter() - start}
+
+    def weights_loaded(self) -> None:
+        """The sync's last bucket has been sent: a generation that took the new weights in the
+        middle goes on from here."""
+        self.worker.call_weights("weights_loaded", engine=self.name)
 
 
 # -- the worker process -------------------------------------------------------------------------
@@ -241,47 +256,95 @@ def _unpack(flat: torch.Tensor, specs: list) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def serve(address: str, parent: int, weights_address: str) -> None:
-    from yatt_mm.engines.engine import RolloutEngine
+class Worker:
+    """The worker process: its engines, and the calls and weight updates it answers."""
 
-    _die_with_parent(parent)
-    host, port = address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(KEY_ENV)))
-    w_host, w_port = weights_address.rsplit(":", 1)
-    group = weights_group(w_host, int(w_port), 1)
-    device = "cuda" if weights_backend() == "nccl" else "cpu"
-    engines: dict[str, RolloutEngine] = {}
-    while True:
+    def __init__(self, conn, weights_conn, group):
+        self.conn, self.weights_conn, self.group = conn, weights_conn, group
+        self.device = "cuda" if weights_backend() == "nccl" else "cpu"
+        self.engines: dict[str, Any] = {}
+        self.generating: str | None = None  # the engine generating now, if any
+        self.stale_caches: set[str] = set()  # engines loaded mid-generation: caches to drop at its end
+
+    def serve(self) -> None:
+        from multiprocessing.connection import wait
+
+        while True:
+            for conn in wait([self.conn, self.weights_conn]):
+                try:
+                    op, kw = conn.recv()
+                except EOFError:  # the rank is gone
+                    return
+                if op == "stop":
+                    self.conn.send(("result", None))
+                    return
+                self.answer(conn, op, kw)
+
+    def answer(self, conn, op: str, kw: dict) -> None:
         try:
-            op, kw = conn.recv()
-        except EOFError:  # the rank is gone
-            return
-        try:
-            if op == "stop":
-                conn.send(("result", None))
-                return
-            if op == "start":
-                for name, cfg in kw["engines"].items():
-                    engines[name] = RolloutEngine(EngineConfig(**cfg))
-                result = {name: {"cfg": asdict(e.cfg), "tensor_parallel": e.tensor_parallel,
-                                 "startup_seconds": e.startup_seconds, "timed_videos": e.timed_videos}
-                          for name, e in engines.items()}
-            elif op == "prompt_text":
-                result = engines[kw["engine"]].prompt_text(Request(kw["messages"]))
-            elif op == "generate":
-                on_finished = (lambda i, rs: conn.send(("event", "finished", i, rs))) if kw["finished"] else None
-                on_sample = (lambda i, j, r: conn.send(("event", "sample", i, j, r))) if kw["samples"] else None
-                result = engines[kw["engine"]].generate(kw["requests"], SamplingConfig(**kw["sampling"]),
-                                                        on_finished, on_sample)
-            elif op == "update_weights":
-                flat = torch.empty(kw["nbytes"], dtype=torch.uint8, device=device)
-                broadcast_bucket(group, flat)
-                result = engines[kw["engine"]].update_weights(_unpack(flat, kw["specs"]), partial=kw["partial"])
-            else:
-                raise ValueError(f"unknown call {op!r}")
-            conn.send(("result", result))
+            conn.send(("result", getattr(self, f"_{op}")(conn, **kw)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+
+    def _start(self, conn, engines: dict) -> dict:
+        from yatt_mm.engines.engine import RolloutEngine
+
+        for name, cfg in engines.items():
+            self.engines[name] = RolloutEngine(EngineConfig(**cfg))
+        return {name: {"cfg": asdict(e.cfg), "tensor_parallel": e.tensor_parallel, "startup_seconds": e.startup_seconds,
+                       "timed_videos": e.timed_videos} for name, e in self.engines.items()}
+
+    def _prompt_text(self, conn, engine: str, messages: list) -> str:
+        return self.engines[engine].prompt_text(Request(messages))
+
+    def _generate(self, conn, engine: str, requests: list, sampling: dict, finished: bool, samples: bool,
+                  partial: bool) -> GenerationResult:
+        on_finished = (lambda i, rs: conn.send(("event", "finished", i, rs))) if finished else None
+        on_sample = (lambda i, j, r: conn.send(("event", "sample", i, j, r))) if samples else None
+        self.generating = engine
+        try:
+            return self.engines[engine].generate(requests, SamplingConfig(**sampling), on_finished, on_sample,
+                                                 self._weights_between_steps if partial else None)
+        finally:
+            self.generating = None
+            for name in self.stale_caches:
+                self.engines[name].reset_caches()
+            self.stale_caches.clear()
+
+    def _weights_between_steps(self) -> bool:
+        """Between two steps of a generation: a sync that has begun is loaded whole (never a step
+        on half the new weights); says whether it changed the generating engine's weights."""
+        if not self.weights_conn.poll():
+            return False
+        changed = False
+        while True:
+            op, kw = self.weights_conn.recv()
+            changed |= op == "update_weights" and kw["engine"] == self.generating
+            self.answer(self.weights_conn, op, kw)
+            if op == "weights_loaded":
+                return changed
+
+    def _update_weights(self, conn, engine: str, specs: list, nbytes: int, partial: bool) -> dict:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        broadcast_bucket(self.group, flat)
+        mid_generation = self.generating == engine
+        if mid_generation:  # vLLM keeps its caches while requests run: dropped when the generation ends
+            self.stale_caches.add(engine)
+        return self.engines[engine].update_weights(_unpack(flat, specs), partial=partial,
+                                                   reset_caches=not mid_generation)
+
+    def _weights_loaded(self, conn, engine: str) -> None:
+        return None
+
+
+def serve(address: str, parent: int, weights_address: str) -> None:
+    _die_with_parent(parent)
+    host, port = address.rsplit(":", 1)
+    key = bytes.fromhex(os.environ.pop(KEY_ENV))
+    conn = Client((host, int(port)), authkey=key)
+    weights_conn = Client((host, int(port)), authkey=key)
+    w_host, w_port = weights_address.rsplit(":", 1)
+    Worker(conn, weights_conn, weights_group(w_host, int(w_port), 1)).serve()
 
 
 if __name__ == "__main__":

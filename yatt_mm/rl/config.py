@@ -38,6 +38,10 @@ class RunConfig:
     # step n+1's samples while step n trains (rl/rollout_ahead.py); a sample sampled more than k
     # policy versions before the weights that train it is dropped (rollout/stale_dropped), never trained
     max_staleness: int = 0
+    # with max_staleness >= 1: the weights of step n reach the engine as soon as step n has trained,
+    # also while step n+1's rollout generates; responses in flight go on with them, and count it
+    # (rollout/partial_responses). Off: the rollout ends before the weights load
+    partial_rollout: bool = False
     micro_batch_tokens: int = 4096  # per micro-batch: rows x longest row, or with packing the real tokens
     packing: bool = False  # samples concatenated into one row per micro-batch, attention per sample (models/packing.py)
     balance: bool = True  # move groups across DP ranks to even out their cost
@@ -131,6 +135,9 @@ class RLConfig:
                              f"set rollout.engine.tensor_parallel_size=1 (now "
                              f"{self.rollout.engine.tensor_parallel_size})")
         if not k:
+            if self.run.partial_rollout:
+                raise ValueError("run.partial_rollout loads new weights into a rollout running ahead: it needs "
+                                 "run.max_staleness >= 1 (now 0)")
             return
         if self.run.placement != "disaggregated":
             raise ValueError(f"run.max_staleness={k} generates the next step while this one trains, beside the "

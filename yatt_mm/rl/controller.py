@@ -47,6 +47,7 @@ class Controller:
         self._wave_seconds = 0.0
 
     def _wave(self, n: int, step: int, stats: RolloutStats) -> list[Group]:
+        version = self.policy_version  # the engine's weights as the wave starts (partial rollout may load newer)
         prompts = self.source.take(n)
         requests = [p.request() for p in prompts]
         done: dict[tuple[int, int], float] = {}  # when each sample finished: the timeline, the split, the replay
@@ -92,7 +93,7 @@ class Controller:
             if self.rewarder.judges:
                 self.phases.timeline.record("judge_batch", step, judged, time.time(), cpu=judge_cpu,
                                             responses=sum(len(r) for r in result.responses))
-        groups = [self._shape_length(Group(p, rs, total, parts, version=self.policy_version))
+        groups = [self._shape_length(Group(p, rs, total, parts, version=version))
                   for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds, own, result.prompt_tokens)
         return groups

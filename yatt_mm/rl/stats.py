@@ -35,6 +35,7 @@ class RolloutStats:
     waves: float = 0.0
     from_buffer: float = 0.0
     stale_dropped: float = 0.0  # buffered groups dropped as staler than run.max_staleness
+    partial: float = 0.0  # responses that took new weights while generating (run.partial_rollout)
     judge_busy: float = 0.0  # partial colocation: seconds some judge request was open
     judge_busy_generating: float = 0.0  # of which while the rollout engine was still generating
     judged: float = 0.0  # partial colocation: responses streamed to the judges
@@ -57,6 +58,7 @@ class RolloutStats:
             self.reward_sq_sum += sum(r * r for r in g.rewards)
             self.response_tokens += sum(len(r.token_ids) for r in g.responses)
             self.truncated += sum(r.finish_reason == "length" for r in g.responses)
+            self.partial += sum(r.weight_updates > 0 for r in g.responses)
             self.overlong_penalty += sum(g.reward_parts.get("overlong", ()))
 
     def add_overlap(self, judge_spans: list[dict], generation_end: float) -> None:

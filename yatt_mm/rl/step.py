@@ -33,6 +33,8 @@ def rl_step(run, step: int, ahead=None) -> dict[str, float]:
         if ahead is not None:
             metrics |= staleness_metrics(groups, step, cfg.run.max_staleness, rollout.stale_dropped,
                                          ranks.leaders_cpu)
+            if cfg.run.partial_rollout:  # generated responses that took new weights mid-generation
+                metrics["rollout/partial_responses"] = rollout.partial / max(rollout.responses, 1.0)
         if cfg.run.balance and ranks.dp_size > 1:
             with phases.phase("balance", step):
                 groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders_cpu)
@@ -47,14 +49,19 @@ def rl_step(run, step: int, ahead=None) -> dict[str, float]:
         metrics |= run.actor.batch_advantages(minis)
     with phases.phase("train", step):
         metrics |= run.actor.update(minis)
-    if ahead is not None:
+    partial = ahead is not None and cfg.run.partial_rollout
+    if ahead is not None and not partial:
         with run.timeline.phase("wait_rollout", step):
             ahead.wait()  # the engine idle before new weights load into it
     with phases.phase("sync", step):
-        metrics |= push_weights(run)
+        metrics |= push_weights(run)  # partial rollout: into the generation in flight, between two engine steps
         lineage = run.run_dir / f"consumed_rank{ranks.rank}.jsonl"
         if ranks.leader:
-            run.controller.policy_version = step + 1
+            run.controller.policy_version = step + 1  # what the waves starting from now sample with
+        if partial:  # the rollout ends before the lineage, the checkpoint, the probe and the eval
+            with run.timeline.phase("wait_rollout", step):
+                ahead.wait()
+        if ranks.leader:
             if ahead is not None:
                 ahead.write_lineage(lineage, step + 1)
             else:
@@ -105,6 +112,8 @@ def push_weights(run) -> dict[str, float]:
             info = run.engine.update_weights(bucket.items(), partial=True)
             seconds, nbytes, buckets = seconds + info["seconds"], nbytes + info["bytes"], buckets + 1
         del bucket
+    if pushes:
+        run.engine.weights_loaded()
     return {"sync/seconds": seconds, "sync/bytes": nbytes, "sync/buckets": buckets} if pushes else {}
 
 

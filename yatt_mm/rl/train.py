@@ -116,6 +116,8 @@ class Run:
                 for w in cfg.reward.judges if w.judge.backend == "inprocess"}
             self.worker = EngineWorker(engines, self.run_dir / "logs" / f"engine_worker_rank{ranks.rank}.log",
                                        devices[ranks.dp_rank % len(devices)] if devices else "")
+        if self.worker is not None:
+            self.worker.partial_rollout = cfg.run.partial_rollout
         engine = self.worker.engine("rollout") if self.worker else None
         judges = build_judges(cfg.reward.judges, ranks, engine_of=lambda j: self.worker.engine(f"judge:{j.name}"))
         return engine, judges
