@@ -67,7 +67,7 @@ def test_worker_engine_equals_the_in_process_one_before_and_after_a_weight_updat
 
 def test_a_failing_call_raises_with_the_workers_traceback_and_the_worker_lives_on(worker):
     with pytest.raises(RuntimeError, match="failed there:(.|\n)*KeyError: 'judge:nobody'"):
-        RemoteEngine(worker, "judge:nobody", worker.started["rollout"]).prompt_text(_ask("image", "?"))
+        RemoteEngine(worker, "judge:nobody").prompt_text(_ask("image", "?"))
     assert worker.pids and worker.engine("rollout").prompt_text(_ask("image", "?"))
 
 

@@ -14,7 +14,11 @@ Two channels per worker:
   (nothing read from a shard is unpickled);
 - a two-member process group carries the weights: the trainer's bucket is broadcast from the rank
   into the worker's engine. gloo on CPU; NCCL on GPUs (the worker on GPUs of its own, set by
-  `rollout.engine.devices`), the same code (the NCCL branch has not run on a GPU yet).
+  `run.rollout_devices`), the same code (the NCCL branch has not run on a GPU yet).
+
+Two channels of calls too: one for generation and the chat template, one for weights, so that
+new weights can reach the worker while a generation is in flight (run.partial_rollout: loaded
+whole between two engine steps).
 
 The worker dies with its rank (the kernel's parent-death signal), so a kill -9 of a rank leaves
 no engine behind to hold memory or cores.
@@ -85,7 +89,6 @@ class EngineWorker:
             env["CUDA_VISIBLE_DEVICES"] = devices
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_path)
-        start = time.perf_counter()
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "yatt_mm.engines.worker", f"{host}:{listener.address[1]}", str(os.getpid()),
@@ -99,7 +102,6 @@ class EngineWorker:
         # loaded between two of its steps; a rollout in flight goes on with them
         self.partial_rollout = False
         self.started = self.call("start", engines={name: asdict(cfg) for name, cfg in engines.items()})
-        self.startup_seconds = time.perf_counter() - start
 
     def _accept(self, listener: Listener, timeout: float):
         accepted: list = []
@@ -122,7 +124,7 @@ class EngineWorker:
         return [self.proc.pid] if self.proc.poll() is None else []
 
     def engine(self, name: str) -> "RemoteEngine":
-        return RemoteEngine(self, name, self.started[name])
+        return RemoteEngine(self, name)
 
     def call(self, op: str, on_event: Callable[..., None] | None = None, **kwargs) -> Any:
         """One call into the worker; `on_event(*event)` sees what it streams back meanwhile."""
@@ -164,36 +166,18 @@ class EngineWorker:
 
 
 class RemoteEngine:
-    """One of a worker's engines, as the loop uses a RolloutEngine: generation with the same
-    streaming hand-overs, bucketed weight updates, the chat template. Always resident: the
-    disaggregated placement never releases it."""
+    """One of a worker's engines, as the loop's controllers use a RolloutEngine: generation with
+    the same streaming hand-overs, bucketed weight updates, the chat template. Always resident:
+    the disaggregated placement never releases it, and the ranks that are not controllers hold
+    none."""
 
-    def __init__(self, worker: EngineWorker, name: str, info: dict[str, Any]):
+    def __init__(self, worker: EngineWorker, name: str):
         self.worker = worker
         self.name = name
-        self.cfg = EngineConfig(**info["cfg"])
-        self.tensor_parallel = info["tensor_parallel"]
-        self.startup_seconds = info["startup_seconds"]
-        self.level = "all"
-
-    def join(self, group, leader: int) -> None:
-        pass  # one process's engine: nobody to join
 
     @contextmanager
     def lead(self):
-        yield
-
-    def follow(self) -> None:
-        pass
-
-    def release(self, keep: str = "none") -> float:
-        return 0.0
-
-    def acquire(self, part: str = "all") -> float:
-        return 0.0
-
-    def shutdown(self) -> None:
-        pass  # the worker's, with all of its engines (EngineWorker.close)
+        yield  # one process's engine: no peer ranks replay its calls
 
     def prompt_text(self, request: Request) -> str:
         return self.worker.call("prompt_text", engine=self.name, messages=request.messages)
@@ -291,8 +275,7 @@ class Worker:
 
         for name, cfg in engines.items():
             self.engines[name] = RolloutEngine(EngineConfig(**cfg))
-        return {name: {"cfg": asdict(e.cfg), "tensor_parallel": e.tensor_parallel, "startup_seconds": e.startup_seconds,
-                       "timed_videos": e.timed_videos} for name, e in self.engines.items()}
+        return {name: {"timed_videos": e.timed_videos} for name, e in self.engines.items()}
 
     def _prompt_text(self, conn, engine: str, messages: list) -> str:
         return self.engines[engine].prompt_text(Request(messages))

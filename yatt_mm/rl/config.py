@@ -130,10 +130,8 @@ class RLConfig:
         trains (rl/rollout_ahead.py): it needs the rollout engine and judges resident in a worker
         of their own (one process: one engine rank) and a controller whose reads need no other rank."""
         k = self.run.max_staleness
-        if self.run.placement == "disaggregated" and self.rollout.engine.tensor_parallel_size > 1:
-            raise ValueError(f"run.placement=disaggregated runs each controller's engine in one worker process: "
-                             f"set rollout.engine.tensor_parallel_size=1 (now "
-                             f"{self.rollout.engine.tensor_parallel_size})")
+        if self.run.placement == "disaggregated":
+            self._check_engine_workers()
         if not k:
             if self.run.partial_rollout:
                 raise ValueError("run.partial_rollout loads new weights into a rollout running ahead: it needs "
@@ -145,6 +143,19 @@ class RLConfig:
         if self.run.controller != "parallel":
             raise ValueError(f"run.max_staleness={k} needs run.controller=parallel: the single controller's reads "
                              "are collectives, which a rollout running beside training cannot join")
+
+    def _check_engine_workers(self) -> None:
+        """Each controller's engines in one worker process (engines/worker.py): one engine rank,
+        and on GPUs GPUs of its own."""
+        from models.runtime import has_gpu
+
+        if self.rollout.engine.tensor_parallel_size > 1:
+            raise ValueError(f"run.placement=disaggregated runs each controller's engine in one worker process: "
+                             f"set rollout.engine.tensor_parallel_size=1 (now "
+                             f"{self.rollout.engine.tensor_parallel_size})")
+        if has_gpu() and not self.run.rollout_devices:
+            raise ValueError("run.placement=disaggregated on GPUs: give each controller's engine worker GPUs of its "
+                             "own with run.rollout_devices (one CUDA_VISIBLE_DEVICES entry per controller of a node)")
 
     def _check_gpu_shares(self, limit: float = 0.95) -> None:
         """On GPUs every vLLM engine takes its share of the GPU when it starts, and a rank's

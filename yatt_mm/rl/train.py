@@ -20,7 +20,6 @@ import torch.distributed as dist
 from dataio.reader import DataConfig, DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
 from models.comm import comm, init_parallel
-from models.runtime import has_gpu
 from models.trainer import ReferencePolicy, VLMTrainer
 from yatt_mm.config import save
 from yatt_mm.engines.engine import RolloutEngine
@@ -107,16 +106,11 @@ class Run:
         cfg, ranks = self.cfg, self.ranks
         if ranks.leader:
             devices = cfg.run.rollout_devices
-            if has_gpu() and not devices:
-                raise ValueError("run.placement=disaggregated on GPUs: give each controller's engine worker GPUs of "
-                                 "its own with run.rollout_devices (one CUDA_VISIBLE_DEVICES entry per controller "
-                                 "of a node)")
             engines = {"rollout": cfg.rollout.engine} | {
                 f"judge:{w.judge.name}": InProcessJudge.engine_config(w.judge)
                 for w in cfg.reward.judges if w.judge.backend == "inprocess"}
             self.worker = EngineWorker(engines, self.run_dir / "logs" / f"engine_worker_rank{ranks.rank}.log",
                                        devices[ranks.dp_rank % len(devices)] if devices else "")
-        if self.worker is not None:
             self.worker.partial_rollout = cfg.run.partial_rollout
         engine = self.worker.engine("rollout") if self.worker else None
         judges = build_judges(cfg.reward.judges, ranks, engine_of=lambda j: self.worker.engine(f"judge:{j.name}"))
@@ -176,8 +170,9 @@ def train(cfg: RLConfig) -> int:
     run = Run(cfg)
     if run.ranks.rank == 0:
         print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP {run.ranks.tp_size} x PP "
-              f"{run.ranks.pp_size} x CP {run.ranks.cp_size}, rollout engines of {run.cfg.rollout.engine.tensor_parallel_size} "
-              f"rank(s), run dir {run.run_dir}\n{run.phases.plan.describe()}", flush=True)
+              f"{run.ranks.pp_size} x CP {run.ranks.cp_size}, rollout engines of "
+              f"{cfg.rollout.engine.tensor_parallel_size} rank(s), run dir {run.run_dir}\n"
+              f"{run.phases.plan.describe()}", flush=True)
     start = resume(run) if cfg.run.resume else 0
     if start == 0 and (m := evaluate(run, -1)):
         run.metrics.log(0, m)
