@@ -46,3 +46,19 @@ def save_hf_dir(tensors: dict[str, torch.Tensor], source_dir: str | Path, out_di
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def save_pretrained_on_any_rank(model, out_dir: str | Path) -> Path:
+    """`model.save_pretrained(out_dir)` (a transformers model) from whichever process calls it.
+
+    transformers 5 writes nothing, silently, from a process whose torch.distributed rank is not
+    0 once a process group exists: a rank > 0 building a cached tiny model inside torchrun left a
+    directory without weights or config, which the other ranks then read (or rebuilt under it).
+    The files checked afterwards turn any other way of writing nothing into an error here."""
+    out = Path(out_dir)
+    model.should_save_on_this_rank = lambda is_main_process: True  # the caller decided to write
+    model.save_pretrained(out, safe_serialization=True)
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    if not (out / "config.json").is_file() or not any((out / f).is_file() for f in weights):
+        raise RuntimeError(f"transformers' save_pretrained wrote no config.json or weights in {out}")
+    return out

@@ -193,6 +193,8 @@ def build_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0, s
 def save_model(out: Path, spec: "TinySpec", model, ids: dict[str, int], perturb_norms: bool) -> None:
     import torch
 
+    from models.hf_io import save_pretrained_on_any_rank
+
     model = model.to(torch.float32)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, spec.lm_head_std)  # a larger init makes sampled outputs vary
@@ -204,7 +206,7 @@ def save_model(out: Path, spec: "TinySpec", model, ids: dict[str, int], perturb_
                     p.add_(torch.randn_like(p) * 0.1)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
+    save_pretrained_on_any_rank(model, out)
 
 
 _ESSENTIAL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json")
@@ -251,6 +253,9 @@ def make_tiny_model(out_dir: str | Path, kind: str = "policy", seed: int = 0,
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
             build_tiny_model(tmp, kind=kind, seed=seed)
+            if not is_built(tmp, kind, seed):  # never rename an incomplete build into the cache
+                raise RuntimeError(f"building the tiny {kind} model left {tmp} incomplete (missing one of "
+                                   f"yatt_tiny.json, {', '.join(_ESSENTIAL_FILES)})")
             if out.exists():
                 out.rmdir()  # empty, checked above
             tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared

@@ -256,6 +256,7 @@ def build_model(out: Path, widths: str = "2b", layers: int = 2) -> Path:
     inside the 2B vocabulary), the given widths, random weights."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
+    from models.hf_io import save_pretrained_on_any_rank
     from models.qwen2vl.tiny import save_processor
     from models.tiny import SPECIAL_TOKENS, TinySpec, build_tokenizer, token_ids
 
@@ -271,7 +272,7 @@ def build_model(out: Path, widths: str = "2b", layers: int = 2) -> Path:
     vision = dict(depth=layers, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, **vision_w)
     config = Qwen2VLConfig(text_config=text, vision_config=vision, **token_ids(ids))
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    save_pretrained_on_any_rank(Qwen2VLForConditionalGeneration(config).to(torch.float32), out)
     # images up to 448x448 (256 merged tokens), as a real 2B run would see
     save_processor(out, TinySpec(max_pixels=448 * 448), tokenizer, Qwen2VLProcessor)
     return out

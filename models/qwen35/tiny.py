@@ -79,6 +79,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None) -> dict:
     import torch
     import transformers as tf
 
+    from models.hf_io import save_pretrained_on_any_rank
     from models.tiny import SPECIAL_TOKENS, build_tokenizer
 
     sizes = text_sizes(kind)
@@ -109,7 +110,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None) -> dict:
                 p.normal_(0.0, ROUTER_STD)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
+    save_pretrained_on_any_rank(model, out)
     save_processor(out, tok)  # Qwen3-VL's processor, as the released Qwen3.5 checkpoints have
     return {"kind": kind, "seed": seed, "arch": model_type, "qwen35_version": VERSION, "text": sizes,
             "vision": VISION}

@@ -53,6 +53,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None,
     import torch
     import transformers as tf
 
+    from models.hf_io import save_pretrained_on_any_rank
     from models.tiny import SPECIAL_TOKENS, build_tokenizer
 
     seed, lm_head_std = (spec.seed, spec.lm_head_std) if spec is not None else (0, 0.5)
@@ -78,7 +79,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vl", spec=None,
                 p.normal_(0.0, 0.5)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
+    save_pretrained_on_any_rank(model, out)
     save_processor(out, tok)
     return {"kind": kind, "seed": seed, "arch": "qwen3_vl", "qwen3vl_version": VERSION, "text": text_sizes,
             "vision": vision_sizes}

@@ -31,6 +31,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vlmoe", spec=None) -> dict:
     import torch
     import transformers as tf
 
+    from models.hf_io import save_pretrained_on_any_rank
     from models.tiny import SPECIAL_TOKENS, build_tokenizer
 
     seed, lm_head_std = (spec.seed, spec.lm_head_std) if spec is not None else (0, 0.5)
@@ -57,7 +58,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen3vlmoe", spec=None) -> dict:
                 p.normal_(0.0, ROUTER_STD)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(out, safe_serialization=True)
+    save_pretrained_on_any_rank(model, out)
     _write_released_expert_layout(out)
     dense.save_processor(out, tok)
     return {"kind": kind, "seed": seed, "arch": "qwen3_vl_moe", "qwen3vlmoe_version": VERSION,

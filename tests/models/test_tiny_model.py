@@ -39,25 +39,43 @@ def test_cached_build_is_reused_and_foreign_dirs_are_refused(tmp_path, tiny_poli
 
 def test_concurrent_first_builds_share_one_and_a_broken_cache_entry_is_rebuilt(tmp_path):
     """Ranks of a fresh machine build the same tiny model at once (a CI run lost the judge's
-    weights that way): all get the same complete model; an entry missing its weights is rebuilt."""
+    weights that way): all get the same complete model, also when a rank other than 0 builds it
+    (transformers' save_pretrained writes nothing on a rank > 0 of a process group: ranks 1 and 2
+    go first here, rank 0 waits for them); an entry missing its weights is rebuilt."""
     import os
     import subprocess
     import sys
 
-    code = "from models.tiny import tiny_model_dir; print(tiny_model_dir('judge'))"
+    ranks = """if True:
+        import sys
+        import torch.distributed as dist
+        from models.tiny import is_built, tiny_model_dir
+        dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=3)
+        if dist.get_rank() == 0:
+            dist.barrier()  # rank 0 comes last: ranks 1 and 2 build
+        path = tiny_model_dir("judge")
+        print(path, is_built(path, "judge", 0), flush=True)  # complete the moment it is returned?
+        if dist.get_rank() > 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    """
     env = {**os.environ, "YATT_MM_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", ranks, str(tmp_path / "rendezvous"), str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(3)]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:  # none left building if one hangs
         for p in procs:
             p.kill()
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    (path,) = {out.strip().splitlines()[-1] for out, _ in outs}
+    got = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(got) == 1, got  # one path, complete in every rank the moment it was returned
+    path, complete = got.pop().rsplit(" ", 1)
+    assert complete == "True"
     assert is_built(path, "judge", 0)
     os.unlink(os.path.join(path, "model.safetensors"))
     assert not is_built(path, "judge", 0)
+    code = "from models.tiny import tiny_model_dir; print(tiny_model_dir('judge'))"
     rebuilt = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert rebuilt.returncode == 0 and is_built(path, "judge", 0), rebuilt.stderr[-2000:]
 
