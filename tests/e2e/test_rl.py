@@ -245,6 +245,17 @@ def test_video_training_samples_keep_qwen25_time_spacing_through_an_exchange():
     (mb,) = micro_batches(moved, 4096, spec, processor.tokenizer.pad_token_id)
     assert mb.inputs.position_ids.shape == (3, 2, mb.inputs.input_ids.shape[1])
     assert mb.extra["loss_mask"].sum() == 3  # two response tokens + one
+    # the positions are spaced by the video's seconds, as vLLM's (tests/models/test_qwen25vl.py):
+    # one position per temporal patch would put every token after the video elsewhere
+    import torch
+
+    from models.qwen2vl.rope_index import rope_index
+
+    args = (mb.inputs.input_ids, None, mb.inputs.video_grid_thw, spec.image_token_id, spec.video_token_id,
+            spec.spatial_merge_size, mb.inputs.attention_mask)
+    seconds = torch.cat([s.second_per_grid_ts for s in moved])
+    assert torch.equal(mb.inputs.position_ids, rope_index(*args, seconds, spec.tokens_per_second))
+    assert not torch.equal(mb.inputs.position_ids, rope_index(*args))
 
 
 def torch_equal_all(a, b) -> bool:
