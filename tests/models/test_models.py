@@ -198,7 +198,9 @@ def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_tr
     # float32 sums in other orders; measured (TP x PP x DP: relative step diff, weights, logprobs):
     # 1x2x1: 1.3e-6, 5.1e-7, 1.1e-5; 2x2x1: 3.3e-6, 1.4e-6, 1.1e-5; 1x2x2: 8.7e-6, 5.0e-7, -
     if tp == 1:
-        _assert_same_steps(got, ref, 1e-5)
+        # DP adds the gradient all-reduce's sum order: 8.7e-6 measured at DP 2, so 3e-5 there (a
+        # wrong DP scale or a stage that did not train is 1e-4 or more off)
+        _assert_same_steps(got, ref, 1e-5 if got["dp"] == 1 else 3e-5)
     else:
         # TP alone moves the RL steps' grad norms from one process (row-parallel all-reduces and
         # the vocab-parallel loss sum in another order; an earlier run measured 1.5e-5 at TP 2 x
