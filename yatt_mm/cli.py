@@ -202,7 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS_WITH_OWN_PARSER[argv[0]])
         return module.main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as e:
+        # a path the user gave that is missing or in the way: our messages name it and the fix,
+        # the OS's name the path; a traceback would only bury that (YATT_MM_TRACEBACK=1 keeps it)
+        if os.environ.get("YATT_MM_TRACEBACK"):
+            raise
+        message = str(e).removeprefix(f"{args.command}: ")
+        print(f"yatt-mm {args.command}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

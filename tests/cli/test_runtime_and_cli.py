@@ -3,6 +3,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 from models import runtime
 from yatt_mm.cli import build_parser
 
@@ -29,6 +31,28 @@ def test_help_lists_commands():
     help_text = build_parser().format_help()
     for command in ("demo", "doctor", "make-tiny-model"):
         assert command in help_text
+
+
+def test_a_missing_or_occupied_path_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """The commands' path errors name the path and the fix; no traceback buries them."""
+    from yatt_mm.cli import main
+
+    monkeypatch.delenv("YATT_MM_TRACEBACK", raising=False)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    cases = {("data", "index", str(tmp_path / "nope")): "yatt-mm data: data shards: ",
+             ("prep", "video", str(tmp_path / "nope"), "--out", str(tmp_path / "out")): "yatt-mm prep: input ",
+             ("plot", str(tmp_path)): "metrics.jsonl is missing or empty",
+             ("make-tiny-model", str(occupied)): "pick an empty or new directory"}
+    for argv, message in cases.items():
+        assert main(list(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert (occupied / "notes.txt").read_text() == "mine"
+    monkeypatch.setenv("YATT_MM_TRACEBACK", "1")
+    with pytest.raises(FileNotFoundError):
+        main(["plot", str(tmp_path)])
 
 
 def test_doctor_static_checks_pass(capsys):
