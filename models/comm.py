@@ -234,6 +234,21 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
     return _comm
 
 
+def destroy_parallel() -> None:
+    """Undo `init_parallel` (Megatron's model-parallel groups and RNG tracker, the gloo groups
+    made here), keeping torch.distributed's default group: the next `init_parallel` may take
+    another layout in the same process, as Megatron's own tests do between cases."""
+    global _comm
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    for group in _cpu_groups:
+        dist.destroy_process_group(group)
+    _cpu_groups.clear()
+    _comm = None
+
+
 def _gloo(ranks: list[int]):
     group = dist.new_group(ranks, backend="gloo")
     if dist.get_rank() in ranks:

@@ -1,7 +1,8 @@
 """The distributed optimizer (ZeRO-1) against the plain one, 2 DP ranks under torchrun (gloo):
 the same tiny Megatron Qwen2-VL, the same batches (different on each DP rank), 4 steps each.
 Rank 0 prints one JSON line: the largest loss and weight differences, each optimizer's state
-bytes on this rank, and whether the distributed optimizer's checkpoint state restores bit for bit.
+bytes on this rank, and whether the distributed optimizer's checkpoint state restores bit for bit
+(`run()` returns it: tests/dist/cases.py runs it beside other cases).
 
     torchrun --nproc-per-node 2 tests/dist/distopt.py
 """
@@ -28,7 +29,7 @@ def state_bytes(trainer) -> int:
                for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
-def main() -> None:
+def run() -> dict:
     from transformers import AutoProcessor
 
     from yatt_mm.rl.checkpoint import _clone, state_digest
@@ -58,13 +59,14 @@ def main() -> None:
     sharded.module.load_state_dict(saved["model"])
     sharded.load_optimizer_state(saved["optimizer"])
     restored = state_digest({"model": sharded.module.state_dict(), "optimizer": sharded.optimizer_state()})
-    if groups.rank == 0:
-        print(json.dumps({"loss_max_diff": max(abs(a - b) for a, b in zip(losses["plain"], losses["sharded"])),
-                          "weight_max_diff": weight_diff, "losses": losses["sharded"],
-                          "state_bytes_plain": state_bytes(plain), "state_bytes_sharded": state_bytes(sharded),
-                          "restore_bitwise": restored == state_digest(saved)}), flush=True)
-    dist.destroy_process_group()
+    return {"loss_max_diff": max(abs(a - b) for a, b in zip(losses["plain"], losses["sharded"])),
+            "weight_max_diff": weight_diff, "losses": losses["sharded"],
+            "state_bytes_plain": state_bytes(plain), "state_bytes_sharded": state_bytes(sharded),
+            "restore_bitwise": restored == state_digest(saved)}
 
 
 if __name__ == "__main__":
-    main()
+    result = run()
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()

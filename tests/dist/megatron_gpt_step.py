@@ -1,13 +1,15 @@
 """One Megatron-Core training step of a tiny GPT on CPU with gloo: checks that the CPU shims in
 `models.runtime` let Megatron's model, DDP, optimizer and schedule run without a GPU.
 
-    torchrun --nproc-per-node 2 tests/dist/megatron_gpt_step.py --tp 1   # DP=2
-    torchrun --nproc-per-node 2 tests/dist/megatron_gpt_step.py --tp 2   # TP=2, DP=1
+    torchrun --nproc-per-node 2 tests/dist/megatron_gpt_step.py --tp 1 2   # DP=2, then TP=2 DP=1
 
-Rank 0 prints one JSON line: {"loss": ..., "params_identical": ..., "params_changed": ..., ...}.
+Rank 0 prints one JSON line, a result per TP size: {"1": {"loss": ..., "params_identical": ...,
+"params_changed": ..., ...}, "2": ...}; the sizes share one launch, Megatron's groups remade
+between them.
 `params_identical`: after the step, every data-parallel replica holds the same parameters bit for
 bit, and so does every tensor-parallel rank for the parameters TP does not split (norms, some
-biases). Exits 1 when the loss is not finite, the step changed nothing, or replicas disagree.
+biases). Exits 1 when, at any size, the loss is not finite, the step changed nothing, or replicas
+disagree.
 """
 
 from __future__ import annotations
@@ -86,13 +88,7 @@ def same_on_all_ranks(tensor: torch.Tensor, group) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=1)
-    args = parser.parse_args()
-
-    dist.init_process_group(backend="gloo")
+def step_case(tp: int, steps: int) -> tuple[dict, bool]:
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -103,10 +99,10 @@ def main() -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(SEED)
 
-    config, model = build_model(args.tp)
+    config, model = build_model(tp)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.finalize_model_grads_func = finalize_model_grads  # else no DP grad all-reduce at all
@@ -118,7 +114,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(SEED + parallel_state.get_data_parallel_rank())
     before = flat(model.parameters())
     loss = math.nan
-    for _ in range(args.steps):
+    for _ in range(steps):
         batch = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -144,19 +140,33 @@ def main() -> int:
     params_changed = not torch.equal(before, after)
     ok = math.isfinite(loss) and params_changed and params_identical
 
-    if dist.get_rank() == 0:
-        result = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "params_identical": params_identical,
-            "params_changed": params_changed,
-            "tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size(),
-        }
-        print(json.dumps(result), flush=True)
+    result = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "params_identical": params_identical,
+        "params_changed": params_changed,
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+    }
     parallel_state.destroy_model_parallel()
+    return result, ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, nargs="+", default=[1])
+    parser.add_argument("--steps", type=int, default=1)
+    args = parser.parse_args()
+
+    dist.init_process_group(backend="gloo")
+    results, all_ok = {}, True
+    for tp in args.tp:
+        results[str(tp)], ok = step_case(tp, args.steps)
+        all_ok = all_ok and ok
+    if dist.get_rank() == 0:
+        print(json.dumps(results), flush=True)
     dist.destroy_process_group()
-    return 0 if ok else 1
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ kind given as the argument; TP as launched):
 a realistic mix (images of three sizes, a video, responses of 2 to 60 tokens) run as one
 right-padded micro-batch and as one packed row. Logprobs and entropy at every real token, the
 gradients of an RL-style loss, and the weights after a train step through the schedule (two
-trainers from the same checkpoint) must match. Prints one JSON line."""
+trainers from the same checkpoint) must match. Prints one JSON line; `run(tp, kind)` returns it
+(tests/dist/cases.py runs it beside other cases)."""
 
 from __future__ import annotations
 
@@ -43,13 +44,11 @@ def mixed_samples(processor, seed: int = 0):
     return samples
 
 
-def main() -> None:
-    from megatron.core import parallel_state
+def run(tp: int, kind: str = "policy") -> dict:
+    """`kind`: a tiny model kind, any family's."""
     from transformers import AutoProcessor
 
-    tp = int(os.environ.get("WORLD_SIZE", "1"))
     init_parallel(tp, 0)
-    kind = sys.argv[1] if len(sys.argv) > 1 else "policy"  # a tiny model kind: any family's
     path = str(tiny_model_dir(kind))
     cfg = TrainerConfig(tensor_parallel=tp, lr=1e-3)
     trainer, twin = VLMTrainer(path, cfg), VLMTrainer(path, cfg)
@@ -80,15 +79,16 @@ def main() -> None:
     loss_b = twin.train_step([packed], loss_fn)["train/loss"]
     weight_diff = max(float((p - q).abs().max()) for p, q in zip(trainer.module.parameters(), twin.module.parameters()))
     lengths = real.sum(1)
-    if parallel_state.get_tensor_model_parallel_rank() == 0 and torch.distributed.get_rank() == 0:
-        print(json.dumps({
-            "tp": tp, "kind": kind, "rows": int(real.shape[0]), "padded_tokens": int(real.numel()), "real_tokens": int(lengths.sum()),
-            "shortest": int(lengths.min()), "longest": int(lengths.max()), "images_and_videos": int(
-                padded.inputs.image_grid_thw.shape[0] + padded.inputs.video_grid_thw.shape[0]),
-            "logprob_max_diff": float((lp_a - lp_b).abs().max()), "entropy_max_diff": float((ent_a - ent_b).abs().max()),
-            "grad_max_diff": grad_diff, "grad_scale": max(float(g.abs().max()) for g in g_a.values()),
-            "loss_padded": loss_a, "loss_packed": loss_b, "weight_max_diff_after_step": weight_diff}))
+    return {
+        "tp": tp, "kind": kind, "rows": int(real.shape[0]), "padded_tokens": int(real.numel()), "real_tokens": int(lengths.sum()),
+        "shortest": int(lengths.min()), "longest": int(lengths.max()), "images_and_videos": int(
+            padded.inputs.image_grid_thw.shape[0] + padded.inputs.video_grid_thw.shape[0]),
+        "logprob_max_diff": float((lp_a - lp_b).abs().max()), "entropy_max_diff": float((ent_a - ent_b).abs().max()),
+        "grad_max_diff": grad_diff, "grad_scale": max(float(g.abs().max()) for g in g_a.values()),
+        "loss_padded": loss_a, "loss_packed": loss_b, "weight_max_diff_after_step": weight_diff}
 
 
 if __name__ == "__main__":
-    main()
+    result = run(int(os.environ.get("WORLD_SIZE", "1")), sys.argv[1] if len(sys.argv) > 1 else "policy")  # TP as launched
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps(result))

@@ -2,7 +2,8 @@
 argument): one long image + text micro-batch, the
 same weights built three times (recompute none, selective, full). Prints one JSON line: the
 largest gradient difference to no recompute, and the bytes autograd keeps for the backward pass
-(tensors saved during the forward, counted once per storage), per setting.
+(tensors saved during the forward, counted once per storage), per setting; `run(kind)` returns
+it (tests/dist/cases.py runs it beside other cases).
 
     python tests/dist/recompute.py
 """
@@ -44,11 +45,11 @@ def saved_bytes_and_grads(path: str, spec, batch, recompute: str) -> tuple[int, 
                   for n, p in module.named_parameters()}
 
 
-def main() -> None:
+def run(kind: str = "policy") -> dict:
+    """`kind`: a tiny model kind, any family's."""
     from transformers import AutoProcessor
 
     init_parallel(1)
-    kind = sys.argv[1] if len(sys.argv) > 1 else "policy"  # a tiny model kind: any family's
     path = str(tiny_model_dir(kind))
     spec = read_spec(path)
     processor = AutoProcessor.from_pretrained(path)
@@ -65,8 +66,8 @@ def main() -> None:
         kept, grads = saved_bytes_and_grads(path, spec, batch, mode)
         result["saved_bytes"][mode] = kept
         result[f"{mode}_grad_max_diff"] = max(float((grads[n] - base[n]).abs().max()) for n in base) / scale
-    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "policy")), flush=True)

@@ -2,12 +2,13 @@
 launched): a group's image encoded once for all its responses (`image_sources`), and logprobs
 and entropy computed only at the response positions (`score_mask`). Logprobs, entropy and the
 gradient of a loss on them must match the plain batch (every row's own pixels, every position).
-Prints one JSON line."""
+Prints one JSON line; `run(tp)` returns it (tests/dist/cases.py runs it beside other cases)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 
 import models  # noqa: F401 - CPU runtime hooks first
@@ -21,11 +22,9 @@ from yatt_mm.engines.engine import Response
 from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, micro_batches
 
 
-def main() -> None:
-    from megatron.core import parallel_state
+def run(tp: int) -> dict:
     from transformers import AutoProcessor
 
-    tp = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     init_parallel(tp, 0)
     path = str(tiny_model_dir("policy"))
     trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp))
@@ -63,13 +62,13 @@ def main() -> None:
     lp_b, ent_b, g_b = run(plain)
     grad_diff = max(float((g_a[n] - g_b[n]).abs().max()) for n in g_b)
     grad_scale = max(float(g.abs().max()) for g in g_b.values())
-    if parallel_state.get_tensor_model_parallel_rank() == 0 and torch.distributed.get_rank() == 0:
-        print(json.dumps({
-            "tp": tp, "distinct_pixel_rows": mb.inputs.pixel_values.shape[0],
+    return {"tp": tp, "distinct_pixel_rows": mb.inputs.pixel_values.shape[0],
             "plain_pixel_rows": plain.inputs.pixel_values.shape[0],
             "logprob_max_diff": float((lp_a - lp_b).abs().max()), "entropy_max_diff": float((ent_a - ent_b).abs().max()),
-            "grad_max_diff": grad_diff, "grad_scale": grad_scale}))
+            "grad_max_diff": grad_diff, "grad_scale": grad_scale}
 
 
 if __name__ == "__main__":
-    main()
+    result = run(int(os.environ.get("WORLD_SIZE", "1")))  # TP as launched
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps(result))

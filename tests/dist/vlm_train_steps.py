@@ -1,6 +1,7 @@
 """A few training steps of the tiny Megatron Qwen2-VL under torchrun (gloo): different image
 samples on each DP rank, a supervised loss on the answer tokens. Rank 0 prints one JSON line:
-losses per step, whether DP replicas agree bit for bit, and the TP-gathered HF export's shapes.
+losses per step, whether DP replicas agree bit for bit, and the TP-gathered HF export's shapes
+(`train_case` returns it: tests/dist/cases.py runs it beside other cases).
 
     torchrun --nproc-per-node 2 tests/dist/vlm_train_steps.py --tp 1   # DP=2
     torchrun --nproc-per-node 2 tests/dist/vlm_train_steps.py --tp 2   # TP=2
@@ -21,7 +22,7 @@ from dataio.synth import colour_image
 from models.qwen2vl.convert import load_hf_state
 from models.inputs import VLMInputs
 from models.tiny import tiny_model_dir
-from models.comm import comm, init_parallel
+from models.comm import comm, destroy_parallel, init_parallel
 from models.offload import optimizer_tensors
 from models.trainer import MicroBatch, TrainerConfig, VLMTrainer
 
@@ -77,19 +78,12 @@ def replicated_weights_diff(module, tp_group) -> dict[str, float]:
     return {k: v for k, v in out.items() if v > 0}  # the ones that differ
 
 
-def main() -> int:
+def train_case(path: str, tp: int, dtype: str, steps: int) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoProcessor
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--kind", default="policy", help="the tiny model (models/tiny.py's kinds)")
-    args = parser.parse_args()
-    path = str(tiny_model_dir(args.kind))
-    init_parallel(args.tp)
-    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, lr=1e-3, dtype=args.dtype, offload="always"))
+    init_parallel(tp)
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, lr=1e-3, dtype=dtype, offload="always"))
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     dp_rank = ps.get_data_parallel_rank()
@@ -103,7 +97,7 @@ def main() -> int:
         return -(lp * mb.extra["mask"]).sum() * trainer.dp_size / tokens, {}
 
     losses = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         m = trainer.train_step(batches, loss_fn)
         losses.append(m["train/loss"])
     offload = offload_round_trip(trainer)
@@ -145,13 +139,24 @@ def main() -> int:
     exported = trainer.export_hf()
     reference = load_hf_state(path)
     shapes_ok = exported.keys() == reference.keys() and all(exported[k].shape == reference[k].shape for k in reference)
+    return {"model_type": trainer.spec.model_type, "tp": tp, "dp": trainer.dp_size, "dtype": dtype,
+            "losses": losses, "dp_identical": identical, "tp_replica_diff": tp_replica_diff,
+            "entropy_tp_consistent": entropy_ok, "entropy_tp_max_diff": entropy_diff,
+            "logprob_tp_max_diff": logprob_diff, "entropy_grad_max_diff": entropy_grad_diff,
+            "export_shapes_ok": shapes_ok, "offload": offload}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--kind", default="policy", help="the tiny model (models/tiny.py's kinds)")
+    args = parser.parse_args()
+    result = {"kind": args.kind, **train_case(str(tiny_model_dir(args.kind)), args.tp, args.dtype, args.steps)}
     if dist.get_rank() == 0:
-        print(json.dumps({"kind": args.kind, "model_type": trainer.spec.model_type, "tp": args.tp, "dp": trainer.dp_size, "dtype": args.dtype, "losses": losses,
-                          "dp_identical": identical, "tp_replica_diff": tp_replica_diff, "entropy_tp_consistent": entropy_ok,
-                          "entropy_tp_max_diff": entropy_diff, "logprob_tp_max_diff": logprob_diff,
-                          "entropy_grad_max_diff": entropy_grad_diff,
-                          "export_shapes_ok": shapes_ok, "offload": offload}), flush=True)
-    ps.destroy_model_parallel()
+        print(json.dumps(result), flush=True)
+    destroy_parallel()
     dist.destroy_process_group()
     return 0
 

@@ -10,16 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "dist" / "megatron_gpt_step.py"
-TIMEOUT_S = 240  # one launch takes ~5-25 s, most of it importing megatron twice
+TIMEOUT_S = 240  # one launch takes ~10-25 s, most of it importing megatron twice
 
 
-def run_worker(tp: int) -> dict:
+@pytest.fixture(scope="module")
+def steps() -> dict:
+    """One step at TP 1 (DP 2) and one at TP 2, in one launch (Megatron's groups remade between)."""
     # --standalone: a c10d rendezvous on localhost:0, so each launch gets its own free port.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(WORKER), "--tp", str(tp)]
+           str(WORKER), "--tp", "1", "2"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{output[-6000:]}"
@@ -28,8 +32,8 @@ def run_worker(tp: int) -> dict:
     return json.loads(lines[0])
 
 
-def test_megatron_step_dp2():
-    result = run_worker(tp=1)
+def test_megatron_step_dp2(steps):
+    result = steps["1"]
     assert (result["tp"], result["dp"]) == (1, 2)
     # one step on uniform random tokens from a fresh model: cross-entropy at chance, ln(64) = 4.159
     # (measured 4.204 at TP 1); a broken forward or loss lands far from it
@@ -38,8 +42,8 @@ def test_megatron_step_dp2():
     assert result["params_identical"] is True  # the DP gradient all-reduce worked
 
 
-def test_megatron_step_tp2():
-    result = run_worker(tp=2)
+def test_megatron_step_tp2(steps):
+    result = steps["2"]
     assert (result["tp"], result["dp"]) == (2, 1)
     # one step on uniform random tokens from a fresh model: cross-entropy at chance, ln(64) = 4.159
     # (measured 4.204 at TP 1); a broken forward or loss lands far from it

@@ -68,38 +68,48 @@ def test_rope_index_matches_transformers_and_follows_vllm_for_long_videos(tiny_p
     assert ref[:, 0, 14].tolist() == [8, 8, 8]
 
 
-@pytest.mark.parametrize("kind", ["policy", "policy25"])  # Qwen2-VL and Qwen2.5-VL
-def test_parity_with_transformers_tp1(kind):
+# tests/dist/cases.py's cases, run in one 2-rank launch for the tests below that read them (a
+# launch is ~10 s of imports on two cores; each case builds its own model and groups)
+CASES = ["parity:policy:1:1", "parity:policy25:1:1", "parity:policy:2:1", "parity:policy25:2:1",
+         "parity:policy:1:2", "train:1:fp32", "train:2:fp32", "train:1:bf16", "shared_media", "distopt",
+         "packing:1", "packing:2", "recompute"]
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_policy) -> dict:
     from models.tiny import tiny_model_dir
 
-    result = _run([sys.executable, "-m", "models.qwen2vl.parity", str(tiny_model_dir(kind))])
+    tiny_model_dir("policy25")  # built here, not by two ranks at once
+    return _torchrun("tests/dist/cases.py", *CASES)
+
+
+@pytest.mark.parametrize("kind", ["policy", "policy25"])  # Qwen2-VL and Qwen2.5-VL
+def test_parity_with_transformers_tp1(kind, cases):
+    result = cases[f"parity:{kind}:1:1"]
     print("TP 1 max |logits diff| vs transformers:", result)
-    assert set(result["max_abs_diff"]) == {"text", "image", "multi_image", "video"}
+    assert set(result) == {"text", "image", "multi_image", "video"}
     # measured: text 0, media 9.5e-6 to 1.9e-5 (both kinds; float32, the vision tower's sums in
     # another order than transformers'): ~5x for other CPUs' kernels
-    assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
+    assert all(d < 1e-4 for d in result.values()), result
 
 
 @pytest.mark.parametrize("kind", ["policy", "policy25"])
-def test_parity_with_transformers_tp2(kind):
-    from models.tiny import tiny_model_dir
-
-    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "models.qwen2vl.parity", str(tiny_model_dir(kind)), "--tp", "2"])
+def test_parity_with_transformers_tp2(kind, cases):
+    result = cases[f"parity:{kind}:2:1"]
     print("TP 2 max |logits diff| vs transformers:", result)
     # measured 9.5e-6 to 1.8e-5 (both kinds, text included: the row-parallel all-reduces)
-    assert result["tp"] == 2 and all(d < 1e-4 for d in result["max_abs_diff"].values()), result
+    assert set(result) == {"text", "image", "multi_image", "video"}
+    assert all(d < 1e-4 for d in result.values()), result
 
 
-def test_parity_with_transformers_pp2(tiny_policy):
+def test_parity_with_transformers_pp2(cases):
     """Two pipeline stages (vision tower and layer 0 on rank 0, layer 1 and the head on rank 1):
     the probes go through Megatron's schedule and the last stage's logits equal transformers'."""
-    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "models.qwen2vl.parity", str(tiny_policy), "--pp", "2"])
+    result = cases["parity:policy:1:2"]
     print("PP 2 max |logits diff| vs transformers:", result)
-    assert result["pp"] == 2 and set(result["max_abs_diff"]) == {"text", "image", "multi_image", "video"}
+    assert set(result) == {"text", "image", "multi_image", "video"}
     # measured as at TP 1: text 0, media 1.8e-5 to 1.9e-5
-    assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
+    assert all(d < 1e-4 for d in result.values()), result
 
 
 @pytest.mark.slow
@@ -266,8 +276,9 @@ def test_trainer_logprobs_match_vllm_before_and_after_weight_sync(tiny_policy):
 
 
 @pytest.mark.parametrize("tp, dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16")])
-def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, tiny_policy):
-    result = _torchrun("tests/dist/vlm_train_steps.py", "--tp", str(tp), "--dtype", dtype)
+def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, cases):
+    result = cases[f"train:{tp}:{dtype}"]
+    assert (result["tp"], result["dp"], result["dtype"]) == (tp, 2 // tp, dtype), result
     print(f"train steps, TP {tp}, {dtype}:", result)
     losses = result["losses"]
     # the seeded tiny policy on its seeded batch: the first loss is the model's, whatever the
@@ -286,10 +297,10 @@ def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, tiny_p
     assert off["resident_bytes"] > off["weights_only_bytes"] > off["released_bytes"] == 0, off
 
 
-def test_shared_group_media_and_response_only_scores_match_the_plain_batch(tiny_policy):
+def test_shared_group_media_and_response_only_scores_match_the_plain_batch(cases):
     """A group's image encoded once for its 4 responses, and logprobs/entropy only at response
     positions: logprobs, entropy and gradients equal the plain batch's (TP=2)."""
-    r = _torchrun("tests/dist/shared_media.py")
+    r = cases["shared_media"]
     print("shared media vs plain batch:", r)
     assert r["tp"] == 2 and r["distinct_pixel_rows"] * 4 == r["plain_pixel_rows"]
     # measured 0 and 0 (bit-equal here); 2e-6 is two float32 steps of a logprob near -12, for
@@ -298,17 +309,14 @@ def test_shared_group_media_and_response_only_scores_match_the_plain_batch(tiny_
     assert r["grad_max_diff"] < 5e-7 * r["grad_scale"], r  # measured 6.5e-8 x the largest gradient
 
 
-# TP 2 runs with the slow tests (a torchrun launch, ~30 s): the TP 2 e2e run in make test trains on
-# packed rows and holds their logprobs to vLLM's
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_packed_row_matches_the_padded_micro_batch(tp, tiny_policy):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_row_matches_the_padded_micro_batch(tp, cases):
     """Sequence packing: 12 samples (images of three sizes, a video; responses of 2 to 60 tokens)
     as one packed row vs one right-padded micro-batch: the same logprobs and entropy at every
     real token, the same gradients, and the same weights after a train step; a third less
     compute here (the issue asked logprobs within 1e-5: measured 1.1e-5 at TP 1, 7.6e-6 at TP 2,
     an earlier run 9.5e-6 and 1.1e-5; asserted at 5e-5 for other CPUs' kernels)."""
-    cmd = [sys.executable, str(ROOT / "tests" / "dist" / "packing.py")]
-    r = _run(cmd) if tp == 1 else _torchrun("tests/dist/packing.py")
+    r = cases[f"packing:{tp}"]
     print(f"packed vs padded, TP {tp}:", r)
     assert r["tp"] == tp and r["images_and_videos"] == 12 and r["longest"] - r["shortest"] > 40, r
     assert r["real_tokens"] < 0.7 * r["padded_tokens"], r
@@ -336,11 +344,14 @@ def test_packed_rows_match_padded_ones_for_qwen3vl():
 # Qwen3-VL's full recompute hands the DeepStack features' gradients over outside the
 # checkpoints (models/qwen3vl/model.py): without that, its mergers get no gradient and this fails
 @pytest.mark.parametrize("kind", ["policy", pytest.param("qwen3vl", marks=pytest.mark.slow)])
-def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(kind, tiny_policy):
+def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(kind, request):
     """policy.trainer.recompute on a 1442-token image + text micro-batch: the gradients equal the
     run without recompute, and the bytes autograd keeps for the backward (the activation memory)
     shrink: selective recomputes core attention, full keeps only each layer's input."""
-    r = _run([sys.executable, str(ROOT / "tests" / "dist" / "recompute.py"), kind])
+    if kind == "policy":  # the Qwen2-VL case shares make test's launch; Qwen3-VL's runs alone (slow)
+        r = request.getfixturevalue("cases")["recompute"]
+    else:
+        r = _run([sys.executable, str(ROOT / "tests" / "dist" / "recompute.py"), kind])
     print("recompute vs none:", r)
     assert r["tokens"] > 1000
     # measured 0 and 0: the recompute reruns the same kernels on the same shapes, bit for bit
@@ -350,12 +361,12 @@ def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(kind, t
     assert kept["full"] < kept["selective"] < kept["none"] and kept["full"] < 0.2 * kept["none"], kept
 
 
-def test_distributed_optimizer_matches_the_plain_one_with_half_the_state(tiny_policy):
+def test_distributed_optimizer_matches_the_plain_one_with_half_the_state(cases):
     """policy.trainer.distributed_optimizer on 2 DP ranks: the same losses and weights as the
     plain optimizer over 4 steps (float32 sums in another order: measured 1.0e-7 of the largest loss,
     6.2e-7 in the weights), half the Adam state on each rank, and its checkpoint state (with the
     rank's shard) restored bit for bit."""
-    r = _torchrun("tests/dist/distopt.py")
+    r = cases["distopt"]
     print("distributed vs plain optimizer:", r)
     assert r["loss_max_diff"] < 1e-6 * max(abs(x) for x in r["losses"]) and r["weight_max_diff"] < 1e-6, r
     assert r["state_bytes_sharded"] * 2 == r["state_bytes_plain"], r
