@@ -4,6 +4,10 @@ multimodal samples, and HF export.
 
 The trainer knows nothing of RL: it takes micro-batches and a loss function of per-token
 logprobs. Call it from every rank after `models.comm.init_parallel()`.
+
+Megatron is imported where it is first used, never at this module's import: the configs import
+`TrainerConfig` from here, and `yatt-mm` loading a config (the launcher, `--help-config`, a
+config error) would otherwise spend seconds importing megatron.core.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ from models.family import family_of, read_spec
 from models.inputs import VLMInputs
 from models.offload import HostOffload, optimizer_tensors
 from models.optimizer import build_optimizer, inner_optimizers
-from models.context import padded_length, plan as context_plan
-from models.packing import pack
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 
 
@@ -217,6 +219,8 @@ class VLMTrainer:
         where the logits are (the last pipeline stage) and returned on every rank."""
         self.model.eval()
         device = self.device
+
+        from models.context import plan as context_plan
 
         def compute(model, mb):
             cp = context_plan(mb.inputs.input_ids.shape[1])
@@ -433,6 +437,9 @@ def _stage_forward(model, mb: MicroBatch, device: torch.device, packed=None, cp=
 def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: bool, entropy_grad: bool = False):
     """The forward pass and its per-token scores [b, s], padded or packed (then scattered back);
     before the last pipeline stage, the hidden states."""
+    from models.context import plan as context_plan
+    from models.packing import pack
+
     labels, where = mb.labels, mb.score_mask
     row = pack(mb.inputs) if mb.packed else None
     cp = context_plan((row or mb).inputs.input_ids.shape[1], row.params.cu_seqlens_q if row else None)
@@ -476,6 +483,8 @@ def _token_scores(logits: torch.Tensor, labels: torch.Tensor, where: torch.Tenso
 def _tokens(mb: MicroBatch) -> int:
     """The sequence length the model sees: the padded width, or a packed row's real tokens (with
     context parallelism, padded to a multiple of 2 x CP; Megatron's schedule divides it by CP)."""
+    from models.context import padded_length
+
     length = int(mb.inputs.attention_mask.sum()) if mb.packed and mb.inputs.attention_mask is not None \
         else mb.inputs.input_ids.shape[1]
     return padded_length(length, comm().cp_size)

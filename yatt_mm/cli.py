@@ -97,7 +97,12 @@ def ClusterWorkloadDefaults():  # noqa: N802 - the dataclass's defaults, without
     return ClusterWorkload()
 
 
-COMMANDS_WITH_OWN_PARSER = {"rl": "yatt_mm.rl.train", "sft": "yatt_mm.sft.train"}
+# `yatt-mm rl` and `sft` parse their own options (and key=value overrides, in any order): the
+# config's module and class, and the module and function every rank runs. The launcher imports
+# only the config's module: loading, checking or listing a config imports no Megatron or vLLM
+# (seconds on two cores); the ranks import them, or this process when the job runs in it.
+COMMANDS_WITH_OWN_PARSER = {"rl": ("yatt_mm.rl.config", "RLConfig", "yatt_mm.rl.train", "train"),
+                            "sft": ("yatt_mm.sft.config", "SFTConfig", "yatt_mm.sft.train", "run_and_report")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,9 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown our progress
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in COMMANDS_WITH_OWN_PARSER:  # options and overrides in any order
-        module = importlib.import_module(COMMANDS_WITH_OWN_PARSER[argv[0]])
-        return module.main(argv[1:])
+    if argv and argv[0] in COMMANDS_WITH_OWN_PARSER:
+        from yatt_mm.launch import run_command
+
+        config_module, config_name, module, function = COMMANDS_WITH_OWN_PARSER[argv[0]]
+        config_cls = getattr(importlib.import_module(config_module), config_name)
+        run = lambda cfg: getattr(importlib.import_module(module), function)(cfg)  # noqa: E731
+        return run_command(f"yatt-mm {argv[0]}", config_cls, module, run, argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

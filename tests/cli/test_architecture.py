@@ -191,9 +191,14 @@ def test_every_setting_has_a_doc(root):
 
 
 def test_help_config_lists_every_setting_with_its_doc():
-    out = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--help-config"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=120)
+    # the launcher imports the config alone: listing, loading or refusing a config imports neither
+    # Megatron nor vLLM (each takes seconds on two cores; the ranks import them)
+    script = ("import sys; from yatt_mm.cli import main; rc = main(['rl', '--help-config']); "
+              "heavy = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm')}); "
+              "print('heavy imports:', heavy, file=sys.stderr); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert "heavy imports: []" in out.stderr, out.stderr[-2000:]
     assert "run.micro_batch_tokens (int, default 4096): per micro-batch: rows x longest row" in out.stdout
     assert "dynamic_sampling.filter (str, default 'reward_spread'):" in out.stdout
     assert "reward.judges[].judge.backend (str, default 'inprocess'):" in out.stdout

@@ -32,8 +32,8 @@ def make_data() -> None:
 
 def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | None = None,
              verbose: bool = False) -> int:
+    from yatt_mm.cli import main as cli_main
     from yatt_mm.plot import plot_run
-    from yatt_mm.rl.train import main as rl_main
 
     start = time.time()
     run = Path(run_dir or f"runs/tiny-demo-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -41,8 +41,8 @@ def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | 
     make_data()
     # the launcher builds the warm starts before the ranks start (they find them cached): the
     # policy's about 10-30 s the first time, the judge's about 4-7 min
-    rc = rl_main(["--config", CONFIG, "--nproc", str(nproc), f"run.run_dir={run}", *(["--verbose"] if verbose else []),
-                  *(overrides or [])])
+    rc = cli_main(["rl", "--config", CONFIG, "--nproc", str(nproc), f"run.run_dir={run}",
+                   *(["--verbose"] if verbose else []), *(overrides or [])])
     if rc != 0:
         print(f"[demo] the RL run failed (exit code {rc}); see the output above and the library logs in "
               f"{run / 'logs'}", flush=True)

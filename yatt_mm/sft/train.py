@@ -182,7 +182,7 @@ def finish(run: SFTRun, summary: dict) -> dict:
     return summary
 
 
-def _run_and_report(cfg: SFTConfig) -> int:
+def run_and_report(cfg: SFTConfig) -> int:
     route_logs(cfg.fix_run_dir(), int(os.environ.get("RANK", 0)))
     summary = train(cfg)
     if dist.get_rank() == 0:
@@ -192,7 +192,7 @@ def _run_and_report(cfg: SFTConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command("yatt-mm sft", SFTConfig, "yatt_mm.sft.train", _run_and_report, argv)
+    return run_command("yatt-mm sft", SFTConfig, "yatt_mm.sft.train", run_and_report, argv)
 
 
 if __name__ == "__main__":
