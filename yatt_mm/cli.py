@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -97,12 +96,7 @@ def ClusterWorkloadDefaults():  # noqa: N802 - the dataclass's defaults, without
     return ClusterWorkload()
 
 
-# `yatt-mm rl` and `sft` parse their own options (and key=value overrides, in any order): the
-# config's module and class, and the module and function every rank runs. The launcher imports
-# only the config's module: loading, checking or listing a config imports no Megatron or vLLM
-# (seconds on two cores); the ranks import them, or this process when the job runs in it.
-COMMANDS_WITH_OWN_PARSER = {"rl": ("yatt_mm.rl.config", "RLConfig", "yatt_mm.rl.train", "train"),
-                            "sft": ("yatt_mm.sft.config", "SFTConfig", "yatt_mm.sft.train", "run_and_report")}
+COMMANDS_WITH_OWN_PARSER = ("rl", "sft")  # options and key=value overrides in any order: yatt_mm.launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,12 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown our progress
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in COMMANDS_WITH_OWN_PARSER:
-        from yatt_mm.launch import run_command
+        from yatt_mm.launch import launch_command
 
-        config_module, config_name, module, function = COMMANDS_WITH_OWN_PARSER[argv[0]]
-        config_cls = getattr(importlib.import_module(config_module), config_name)
-        run = lambda cfg: getattr(importlib.import_module(module), function)(cfg)  # noqa: E731
-        return run_command(f"yatt-mm {argv[0]}", config_cls, module, run, argv[1:])
+        return launch_command(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -15,6 +15,7 @@ shows the command's own progress; `--verbose` shows the libraries' lines there t
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -276,3 +277,19 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
     with lock:  # held while the ranks run
         # run_dir must be storage every node sees; each node's launcher writes the same file, atomically
         return relaunch(module, args.nproc, ["--config", str(save(cfg, run_dir / "config.yaml"))], nodes)
+
+
+# `yatt-mm rl` and `sft`: the config's module and class, and the module and function every rank
+# runs. The launcher imports only the config's module: loading, checking or listing a config
+# imports no Megatron or vLLM (seconds on two cores); the ranks import them, or this process when
+# the job runs in it.
+COMMANDS = {"rl": ("yatt_mm.rl.config", "RLConfig", "yatt_mm.rl.train", "train"),
+            "sft": ("yatt_mm.sft.config", "SFTConfig", "yatt_mm.sft.train", "run_and_report")}
+
+
+def launch_command(command: str, argv: list[str]) -> int:
+    """`yatt-mm COMMAND ARGV` for COMMAND in COMMANDS (run_command's options)."""
+    config_module, config_name, module, function = COMMANDS[command]
+    config_cls = getattr(importlib.import_module(config_module), config_name)
+    run = lambda cfg: getattr(importlib.import_module(module), function)(cfg)  # noqa: E731
+    return run_command(f"yatt-mm {command}", config_cls, module, run, argv)

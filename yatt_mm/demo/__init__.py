@@ -32,7 +32,7 @@ def make_data() -> None:
 
 def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | None = None,
              verbose: bool = False) -> int:
-    from yatt_mm.cli import main as cli_main
+    from yatt_mm.launch import launch_command
     from yatt_mm.plot import plot_run
 
     start = time.time()
@@ -41,8 +41,8 @@ def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | 
     make_data()
     # the launcher builds the warm starts before the ranks start (they find them cached): the
     # policy's about 10-30 s the first time, the judge's about 4-7 min
-    rc = cli_main(["rl", "--config", CONFIG, "--nproc", str(nproc), f"run.run_dir={run}",
-                   *(["--verbose"] if verbose else []), *(overrides or [])])
+    rc = launch_command("rl", ["--config", CONFIG, "--nproc", str(nproc), f"run.run_dir={run}",
+                               *(["--verbose"] if verbose else []), *(overrides or [])])
     if rc != 0:
         print(f"[demo] the RL run failed (exit code {rc}); see the output above and the library logs in "
               f"{run / 'logs'}", flush=True)
