@@ -224,15 +224,20 @@ def test_saved_activations_match_autograd(tiny_measured, kind):
     assert abs(planned - measured) <= (1e-3 if kind == "qwen3vlmoe" else 5e-4) * measured, (planned, measured)
 
 
+@pytest.fixture(scope="module")
+def qwen3vl_stage_params():
+    """Each rank's parameters as Megatron builds the tiny Qwen3-VL at TP 2 and at PP 2 (one launch)."""
+    return run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                     str(ROOT / "tests/dist/stage_params.py"), "tiny:qwen3vl", "2,1", "1,2"], timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_qwen3vl_stage_param_counts_equal_megatrons(tp, pp):
+def test_qwen3vl_stage_param_counts_equal_megatrons(tp, pp, qwen3vl_stage_params):
     """Each rank's parameters as Megatron builds the tiny Qwen3-VL at TP 2 (column/row shards;
     norms, q/k norms, the position table and the DeepStack mergers whole on each rank) and PP 2
     (the vision tower and both DeepStack layers on stage 0): the plan's count for that rank."""
-    got = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(ROOT / "tests/dist/stage_params.py"), "tiny:qwen3vl", "--tp", str(tp), "--pp", str(pp)],
-                   timeout=300)
+    got = qwen3vl_stage_params[f"{tp},{pp}"]
     spec = load_spec("tiny:qwen3vl")
     assert len(got["ranks"]) == 2
     for r in got["ranks"]:

@@ -12,6 +12,8 @@ writes OUT/result.json (losses, grad norms, logprobs, the sync's coverage) and O
     torchrun --nproc-per-node 2 tests/dist/pipeline.py --cp 2 --out DIR      # context parallel 2
     torchrun --nproc-per-node 2 tests/dist/pipeline.py --kind judge --pp 2 --pipeline-layers 1,2 --out DIR
                                       # the 3-layer tiny model on uneven stages (its reference: --kind judge)
+    torchrun --nproc-per-node 4 tests/dist/pipeline.py --layouts 2,2,1 1,2,2 --out DIR
+                                      # several layouts in one launch: OUT/2,2,1 and OUT/1,2,2
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vlm_train_steps import sft_batch  # noqa: E402
 
 from dataio.synth import colour_image  # noqa: E402
-from models.comm import comm, init_parallel  # noqa: E402
+from models.comm import comm, destroy_parallel, init_parallel  # noqa: E402
 from models.tiny import tiny_model_dir  # noqa: E402
 from models.trainer import ReferencePolicy, TrainerConfig, VLMTrainer  # noqa: E402
 from yatt_mm.engines.engine import Response  # noqa: E402
@@ -120,30 +122,21 @@ def dp_sum(value: float) -> float:
     return float(t)
 
 
-def main() -> int:
+def run_layout(tp: int, pp: int, cp: int, kind: str, layers: list[int], steps: int, out: Path) -> None:
+    """One layout's run; rank 0 writes its results to `out`."""
     from transformers import AutoProcessor
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1, help="context parallel (models/context.py)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--kind", default="policy", help="the tiny model: policy (2 layers), judge (3 layers)")
-    parser.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,2")
-    args = parser.parse_args()
-    groups = init_parallel(args.tp, 0, args.pp, context_parallel=args.cp)
-    path = str(tiny_model_dir(args.kind))
-    layers = [int(n) for n in args.pipeline_layers.split(",") if n.strip()]
-    cfg = TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, pipeline_layers=layers, lr=1e-4,
-                        context_parallel=args.cp)
+    groups = init_parallel(tp, 0, pp, context_parallel=cp)
+    path = str(tiny_model_dir(kind))
+    cfg = TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, pipeline_layers=layers, lr=1e-4,
+                        context_parallel=cp)
     cfg.check_model(path, "trainer")
     trainer = VLMTrainer(path, cfg)
     reference = ReferencePolicy(path, cfg)
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
-    sft = sft_steps(trainer, processor, args.steps)
-    rl, old_logprobs = rl_steps(trainer, reference, processor, args.steps)
+    sft = sft_steps(trainer, processor, steps)
+    rl, old_logprobs = rl_steps(trainer, reference, processor, steps)
     rl += rl_steps(trainer, reference, processor, 2, **NEWER)[0]
     exported = trainer.export_hf()  # every rank: gathered over TP, handed over between the stages
     bucketed, buckets = {}, 0
@@ -158,7 +151,6 @@ def main() -> int:
     everyone = [torch.zeros_like(mine) for _ in range(groups.world)]
     dist.all_gather(everyone, mine, group=groups.world_cpu)  # what `yatt-mm plan` must count per stage
     if groups.rank == 0:
-        out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in exported.items()}, str(out / "export.safetensors"))
         torch.save(old_logprobs, out / "old_logprobs.pt")
@@ -169,6 +161,28 @@ def main() -> int:
             "stage_params": [t.tolist() for t in everyone]}))
         print(json.dumps({"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "sft_losses": sft}))
     dist.barrier(group=groups.world_cpu)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1, help="context parallel (models/context.py)")
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="TP,PP,CP",
+                        help="several layouts in one launch (instead of --tp/--pp/--cp), each written to "
+                             "OUT/TP,PP,CP: a launch costs ~10 s of imports on two cores")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kind", default="policy", help="the tiny model: policy (2 layers), judge (3 layers)")
+    parser.add_argument("--pipeline-layers", default="", help="language layers per stage, e.g. 1,2")
+    args = parser.parse_args()
+    layers = [int(n) for n in args.pipeline_layers.split(",") if n.strip()]
+    if args.layouts is None:
+        run_layout(args.tp, args.pp, args.cp, args.kind, layers, args.steps, Path(args.out))
+    for layout in args.layouts or []:
+        tp, pp, cp = (int(n) for n in layout.split(","))
+        run_layout(tp, pp, cp, args.kind, layers, args.steps, Path(args.out) / layout)
+        destroy_parallel()  # the next layout makes its own groups
     dist.destroy_process_group()
     return 0
 

@@ -116,16 +116,9 @@ def _rel(a, b):
     return abs(a - b) / max(abs(b), 0.1)  # a loss near 0 (whitened advantages) on the scale of 0.1
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory, tiny_policy):
-    out = tmp_path_factory.mktemp("cp-reference")
-    run_json([sys.executable, str(ROOT / "tests" / "dist" / "pipeline.py"), "--out", str(out)], timeout=900)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, nproc", [(1, 1, 2), (1, 2, 4), (2, 1, 4), (1, 1, 4)])  # the last: DP 2 x CP 2
-def test_context_parallel_2_trains_sft_and_the_rl_actor_like_one_process(tp, pp, nproc, one_process_run, tmp_path):
+def test_context_parallel_2_trains_sft_and_the_rl_actor_like_one_process(tp, pp, nproc, one_process_training, request):
     """tests/dist/pipeline.py at CP 2 (one DP replica; with PP 2, the stages hand [s / CP, b, h]
     over; with TP 2, the K/V gather is of each TP rank's heads; with DP 2, gradients average
     over Megatron's dp_cp group of 4) against one process: 3 SFT steps,
@@ -136,21 +129,19 @@ def test_context_parallel_2_trains_sft_and_the_rl_actor_like_one_process(tp, pp,
     1.1e-5; DP 2 x CP 2: steps 2.8e-6, weights 7.0e-7; the bucketed sync covers the export."""
     from safetensors.torch import load_file
 
-    run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-              str(ROOT / "tests" / "dist" / "pipeline.py"), "--cp", "2", "--pp", str(pp), "--tp", str(tp),
-              "--out", str(tmp_path)],
-             timeout=900)
-    ref, got = (json.loads((d / "result.json").read_text()) for d in (one_process_run, tmp_path))
+    # the layouts share a launch per rank count with test_models.py's (tests/models/conftest.py)
+    out = request.getfixturevalue("four_rank_layouts" if nproc == 4 else "two_rank_layouts")[(tp, pp, 2)]
+    ref, got = (json.loads((d / "result.json").read_text()) for d in (one_process_training, out))
     dp = nproc // (2 * tp * pp)
     assert (got["cp"], got["dp"], got["tp"], got["pp"]) == (2, dp, tp, pp)
     pairs = list(zip(got["sft_losses"], ref["sft_losses"]))
     pairs += [(step[k], ref_step[k]) for step, ref_step in zip(got["rl"], ref["rl"]) for k in ref_step]
     assert len(pairs) == len(ref["sft_losses"]) + sum(len(s) for s in ref["rl"])
     steps_diff = max(_rel(a, b) for a, b in pairs)
-    w_ref, w_got = (load_file(str(d / "export.safetensors")) for d in (one_process_run, tmp_path))
+    w_ref, w_got = (load_file(str(d / "export.safetensors")) for d in (one_process_training, out))
     assert w_got.keys() == w_ref.keys()
     weight_diff = max(float((w_got[k] - w_ref[k]).abs().max()) for k in w_ref)
-    lp_ref, lp_got = (torch.load(d / "old_logprobs.pt") for d in (one_process_run, tmp_path))
+    lp_ref, lp_got = (torch.load(d / "old_logprobs.pt") for d in (one_process_training, out))
     # with DP, rank 0 scored only its share of the batch
     lp_diff = max(float((a - b).abs().max()) for a, b in zip(lp_got, lp_ref)) if dp == 1 else 0.0
     print(f"TP {tp} x PP {pp} x CP 2 vs one process: steps {steps_diff:.2e}, weights {weight_diff:.2e}, "

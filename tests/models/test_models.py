@@ -140,22 +140,6 @@ def test_parity_with_transformers_uneven_pp2():
     assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
 
 
-@pytest.fixture(scope="module")
-def one_process_training(tmp_path_factory, tiny_policy):
-    """tests/dist/pipeline.py in one process (TP 1, PP 1, DP 1): what every layout must equal."""
-    out = tmp_path_factory.mktemp("pp-reference")
-    _run([sys.executable, str(ROOT / "tests/dist/pipeline.py"), "--out", str(out)])
-    return out
-
-
-@pytest.fixture(scope="module")
-def tp2_without_pipeline(tmp_path_factory, tiny_policy):
-    """The same run at TP 2, PP 1: what TP 2 x PP 2 must equal step for step."""
-    out = tmp_path_factory.mktemp("tp2-reference")
-    _torchrun("tests/dist/pipeline.py", "--tp", "2", "--pp", "1", "--out", str(out))
-    return out
-
-
 def _training_results(out):
     from safetensors.torch import load_file
 
@@ -187,6 +171,7 @@ def _assert_same_steps(got, ref, tol):
     pytest.param(1, 2, 4, marks=pytest.mark.slow),  # PP 2 x DP 2
 ])
 def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_training, request, tmp_path):
+    # (one_process_training, four_rank_layouts and two_rank_layouts: tests/models/conftest.py)
     """3 SFT steps, then 3 RL steps (the Actor: old and reference logprobs through the pipeline's
     forward-only schedule, a KL-penalised PPO update), then 2 of GSPO-token on REINFORCE++
     advantages with an entropy bonus, on the same global batch: losses, grad
@@ -195,9 +180,13 @@ def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_tr
     Adam step moves a weight 1e-4, so a stage that did not train would be 1e-4 to 6e-4 off), and
     the bucketed weight sync's buckets, handed from stage to stage, are exactly the export on
     every rank."""
-    _torchrun("tests/dist/pipeline.py", "--tp", str(tp), "--pp", str(pp), "--out", str(tmp_path), nproc=nproc)
+    if nproc == 4:  # the 4-rank layouts share one launch
+        out = request.getfixturevalue("four_rank_layouts")[(tp, pp, 1)]
+    else:
+        out = tmp_path
+        _torchrun("tests/dist/pipeline.py", "--tp", str(tp), "--pp", str(pp), "--out", str(out), nproc=nproc)
     ref, ref_weights, ref_lp = _training_results(one_process_training)
-    got, weights, lp = _training_results(tmp_path)
+    got, weights, lp = _training_results(out)
     assert (got["tp"], got["pp"], got["dp"]) == (tp, pp, nproc // (tp * pp))
     assert weights.keys() == ref_weights.keys()
     weight_diff = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
@@ -216,7 +205,7 @@ def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_tr
         # the vocab-parallel loss sum in another order; an earlier run measured 1.5e-5 at TP 2 x
         # PP 1, this one 3.3e-6 at TP 2 x PP 2), so the pipeline is held to its own TP's run, and
         # TP to a looser bound
-        tp_run = _training_results(request.getfixturevalue("tp2_without_pipeline"))[0]
+        tp_run = _training_results(request.getfixturevalue("two_rank_layouts")[(2, 1, 1)])[0]  # TP 2 alone
         print(f"TP 2 x PP 2 vs TP 2 x PP 1: steps' max relative diff {_steps_rel_diff(got, tp_run):.2e}")
         _assert_same_steps(got, tp_run, 1e-5)
         _assert_same_steps(got, ref, 3e-5)
