@@ -12,6 +12,7 @@ with the step's loss (the token mean over every DP rank's samples) and grad norm
 
     torchrun --nproc-per-node 2 tests/dist/moe_ep.py --ep 2 --out DIR
     torchrun --nproc-per-node 4 tests/dist/moe_ep.py --ep 2 --tp 2 --out DIR
+    torchrun --nproc-per-node 2 tests/dist/moe_ep.py --layouts 1,1,1 2,1,1 --out DIR   # EP 1, then EP 2
 
 `--kind qwen35moe` runs the tiny Qwen3.5-MoE instead (its files named qwen35moe_...), and
 `--parity` then compares a fresh model's logits with transformers' at the same layout (the
@@ -35,29 +36,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vlm_train_steps import sft_batch  # noqa: E402
 
 from dataio.synth import colour_image  # noqa: E402
-from models.comm import comm, init_parallel  # noqa: E402
+from models.comm import comm, destroy_parallel, init_parallel  # noqa: E402
 from models.tiny import tiny_model_dir  # noqa: E402
 from models.trainer import TrainerConfig, VLMTrainer  # noqa: E402
 
 
-def main() -> int:
-    from megatron.core import parallel_state as ps
+def step_layout(kind: str, ep: int, tp: int, pp: int, out: Path, parity: bool) -> dict:
+    """One step at EP x TP x PP (its files written to `out`); the JSON line's figures, with the
+    parity diffs under "parity" when asked."""
     from safetensors.torch import save_file
     from transformers import AutoProcessor
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--kind", default="qwen3vlmoe", help="the tiny MoE model: qwen3vlmoe or qwen35moe")
-    parser.add_argument("--parity", action="store_true",
-                        help="after the step, also the model family's logits vs transformers at this layout")
-    args = parser.parse_args()
-    path = str(tiny_model_dir(args.kind))
-    groups = init_parallel(args.tp, 0, args.pp, args.ep)
-    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                                             expert_parallel=args.ep, lr=1e-3, distributed_optimizer=True))
+    path = str(tiny_model_dir(kind))
+    groups = init_parallel(tp, 0, pp, ep)
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp,
+                                             expert_parallel=ep, lr=1e-3, distributed_optimizer=True))
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     share = 2 // trainer.dp_size  # the data ranks (of 2) this DP rank trains on
@@ -71,7 +64,7 @@ def main() -> int:
     def loss_fn(lp, mb):
         return -(lp * mb.extra["mask"]).sum() * trainer.dp_size / tokens, {}
 
-    logits = first_logits(trainer, batches[0], args.tp) if args.pp == 1 else None
+    logits = first_logits(trainer, batches[0], tp) if pp == 1 else None
     local = sorted({n.split("local_experts.")[1].split(".")[0] for n, _ in trainer.module.named_parameters()
                     if "local_experts." in n})
     metrics = trainer.train_step(batches, loss_fn)
@@ -80,25 +73,52 @@ def main() -> int:
     loss = torch.tensor(metrics["train/loss"] / trainer.dp_size, dtype=torch.float64)
     dist.all_reduce(loss, group=comm().dp_cpu)
     exported = trainer.export_hf()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kind = "" if args.kind == "qwen3vlmoe" else f"{args.kind}_"  # the Qwen3-VL-MoE test's names unchanged
-    name = kind + f"ep{args.ep}" + (f"_tp{args.tp}" if args.tp > 1 else "") + (f"_pp{args.pp}" if args.pp > 1 else "")
+    prefix = "" if kind == "qwen3vlmoe" else f"{kind}_"  # the Qwen3-VL-MoE test's names unchanged
+    name = prefix + f"ep{ep}" + (f"_tp{tp}" if tp > 1 else "") + (f"_pp{pp}" if pp > 1 else "")
     if logits is not None:
         save_file({"logits": logits}, str(out / f"{name}_logits_rank{groups.rank}.safetensors"))
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in exported.items()}, str(out / f"{name}.safetensors"))
-        print(json.dumps({"ep": args.ep, "tp": args.tp, "pp": args.pp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
-                          "local_experts_rank0": local, "loss": float(loss),
-                          "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}), flush=True)
-    if args.parity:  # a fresh model from the checkpoint, the same process groups
+    result = {"ep": ep, "tp": tp, "pp": pp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
+              "local_experts_rank0": local, "loss": float(loss),
+              "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}
+    if parity:  # a fresh model from the checkpoint, the same process groups
         from models.family import family_for_dir
 
         run_parity = importlib.import_module(family_for_dir(path).parity_module).run_parity
-        diffs = run_parity(path, args.tp, args.pp, args.ep)
+        result["parity"] = run_parity(path, tp, pp, ep)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="EP,TP,PP",
+                        help="several layouts in one launch (instead of --ep/--tp/--pp): one JSON line "
+                             "{layout: its figures}; a launch costs ~10 s of imports on two cores")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kind", default="qwen3vlmoe", help="the tiny MoE model: qwen3vlmoe or qwen35moe")
+    parser.add_argument("--parity", action="store_true",
+                        help="after the step, also the model family's logits vs transformers at this layout")
+    args = parser.parse_args()
+    if args.layouts is None:
+        result = step_layout(args.kind, args.ep, args.tp, args.pp, Path(args.out), args.parity)
         if dist.get_rank() == 0:
-            print(json.dumps({"parity": diffs}), flush=True)
-    ps.destroy_model_parallel()
+            parity = result.pop("parity", None)
+            print(json.dumps(result), flush=True)
+            if parity is not None:
+                print(json.dumps({"parity": parity}), flush=True)
+    else:
+        results = {}
+        for layout in args.layouts:
+            ep, tp, pp = (int(n) for n in layout.split(","))
+            results[layout] = step_layout(args.kind, ep, tp, pp, Path(args.out), args.parity)
+            destroy_parallel()  # the next layout makes its own groups
+        if dist.get_rank() == 0:
+            print(json.dumps(results), flush=True)
     dist.destroy_process_group()
     return 0
 

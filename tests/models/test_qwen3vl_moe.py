@@ -149,15 +149,14 @@ def test_expert_parallel_trains_like_experts_on_every_rank(tiny_moe, tmp_path):
     with that gather's rows cut from the wrong end of its blocks, loss 20.58 and grad norm 876."""
     from safetensors.torch import load_file
 
-    runs = {}
-    for layout in (("--ep", "1"), ("--ep", "2"), ("--tp", "2"), ("--pp", "2"), ("--ep", "2", "--tp", "2")):
-        ranks = "4" if len(layout) == 4 else "2"
-        runs[layout] = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                 ranks, str(ROOT / "tests/dist/moe_ep.py"), *layout, "--out", str(tmp_path)],
-                                timeout=600)
-    print(runs)
-    tp, pp, eptp = runs.pop(("--tp", "2")), runs.pop(("--pp", "2")), runs.pop(("--ep", "2", "--tp", "2"))
-    runs = {int(ep): run for (_, ep), run in runs.items()}
+    script = str(ROOT / "tests/dist/moe_ep.py")
+    # the 2-rank layouts (EP,TP,PP) in one launch, then EP 2 x TP 2 on 4 ranks
+    two = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+                    "--layouts", "1,1,1", "2,1,1", "1,2,1", "1,1,2", "--out", str(tmp_path)], timeout=900)
+    eptp = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", script,
+                     "--ep", "2", "--tp", "2", "--out", str(tmp_path)], timeout=600)
+    print(two, eptp)
+    runs, tp, pp = {1: two["1,1,1"], 2: two["2,1,1"]}, two["1,2,1"], two["1,1,2"]
     assert runs[2]["ep_size"] == 2 and runs[2]["local_experts_rank0"] == ["0", "1"]
     assert runs[1]["local_experts_rank0"] == ["0", "1", "2", "3"]
     assert runs[1]["loss"] == pytest.approx(runs[2]["loss"], rel=1e-6)
