@@ -5,11 +5,12 @@ groups are remade between cases (`models.comm.destroy_parallel`), as Megatron's 
     torchrun --nproc-per-node 2 tests/dist/cases.py parity:policy:1:1 train:2:fp32 shared_media distopt
 
 Cases:
-- parity:KIND:TP:PP  `yatt-mm model parity` of a tiny model (models/tiny.py's KIND): the max
-  |logits diff| against transformers per probe (TP 1 on two ranks is DP 2: a replica each)
+- parity:KIND:TP:PP[:LAYERS]  `yatt-mm model parity` of a Qwen2-VL-family tiny model (models/tiny.py's
+  KIND; LAYERS: language layers per pipeline stage, e.g. 1,2): the max |logits diff| against
+  transformers per probe (TP 1 on two ranks is DP 2: a replica each)
 - train:TP:DTYPE     tests/dist/vlm_train_steps.py's training steps (DTYPE fp32 or bf16)
-- packing:TP         tests/dist/packing.py (packed rows against the padded micro-batch)
-- recompute          tests/dist/recompute.py (activation recompute: gradients and saved bytes)
+- packing:TP[:KIND]  tests/dist/packing.py (packed rows against the padded micro-batch)
+- recompute[:KIND]   tests/dist/recompute.py (activation recompute: gradients and saved bytes)
 - shared_media       tests/dist/shared_media.py at TP 2
 - distopt            tests/dist/distopt.py at DP 2
 Rank 0 prints a line per case as it starts (a failure's traceback follows the last one) and, at
@@ -34,8 +35,9 @@ def run_case(case: str) -> dict:
     if name == "parity":
         from models.qwen2vl.parity import run_parity
 
-        kind, tp, pp = args
-        return run_parity(str(tiny_model_dir(kind)), int(tp), int(pp))
+        kind, tp, pp, *layers = args
+        return run_parity(str(tiny_model_dir(kind)), int(tp), int(pp),
+                          tuple(int(n) for n in layers[0].split(",")) if layers else ())
     if name == "train":
         from vlm_train_steps import train_case
 
@@ -44,12 +46,12 @@ def run_case(case: str) -> dict:
     if name == "packing":
         from packing import run
 
-        (tp,) = args
-        return run(int(tp))
+        tp, *kind = args
+        return run(int(tp), *kind)
     if name == "recompute":
         from recompute import run
 
-        return run()
+        return run(*args)
     if name == "shared_media":
         from shared_media import run
 

@@ -75,12 +75,26 @@ CASES = ["parity:policy:1:1", "parity:policy25:1:1", "parity:policy:2:1", "parit
          "packing:1", "packing:2", "recompute"]
 
 
+# and the slow tests' cases, in a launch of their own: the 3-layer model at PP 2 on uneven stages
+# [1, 2], the tiny Qwen3-VL's packing and recompute
+SLOW_CASES = ["parity:judge:1:2:1,2", "packing:1:qwen3vl", "recompute:qwen3vl"]
+
+
 @pytest.fixture(scope="module")
 def cases(tiny_policy) -> dict:
     from models.tiny import tiny_model_dir
 
     tiny_model_dir("policy25")  # built here, not by two ranks at once
     return _torchrun("tests/dist/cases.py", *CASES)
+
+
+@pytest.fixture(scope="module")
+def slow_cases(tiny_policy) -> dict:
+    from models.tiny import tiny_model_dir
+
+    for kind in ("judge", "qwen3vl"):
+        tiny_model_dir(kind)
+    return _torchrun("tests/dist/cases.py", *SLOW_CASES)
 
 
 @pytest.mark.parametrize("kind", ["policy", "policy25"])  # Qwen2-VL and Qwen2.5-VL
@@ -126,18 +140,15 @@ def test_parity_with_transformers_tp2_pp2_qwen25():
 
 
 @pytest.mark.slow
-def test_parity_with_transformers_uneven_pp2():
+def test_parity_with_transformers_uneven_pp2(slow_cases):
     """The 3-layer tiny model (kind judge) on two uneven stages, pipeline_layers [1, 2]: the
     vision tower and layer 0 on rank 0, layers 1-2 and the head on rank 1 (loaded from the HF
     checkpoint under their whole-model numbers); logits equal transformers'."""
-    from models.tiny import tiny_model_dir
-
-    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "models.qwen2vl.parity", str(tiny_model_dir("judge")), "--pp", "2", "--pipeline-layers", "1,2"])
+    result = slow_cases["parity:judge:1:2:1,2"]
     print("PP 2 [1, 2] max |logits diff| vs transformers:", result)
-    assert result["pipeline_layers"] == [1, 2] and set(result["max_abs_diff"]) == {"text", "image", "multi_image", "video"}
+    assert set(result) == {"text", "image", "multi_image", "video"}
     # measured: text 0.0, media 1.5e-5 to 1.7e-5 (as the even PP 2 and TP 1)
-    assert all(d < 1e-4 for d in result["max_abs_diff"].values()), result
+    assert all(d < 1e-4 for d in result.values()), result
 
 
 def _training_results(out):
@@ -317,11 +328,11 @@ def test_packed_row_matches_the_padded_micro_batch(tp, cases):
     assert r["weight_max_diff_after_step"] < 1e-4, r
 
 
-@pytest.mark.slow  # a second model family's packing (one process, ~30 s)
-def test_packed_rows_match_padded_ones_for_qwen3vl():
+@pytest.mark.slow  # a second model family's packing
+def test_packed_rows_match_padded_ones_for_qwen3vl(slow_cases):
     """The same packed-vs-padded check on the tiny Qwen3-VL: its interleaved M-RoPE positions,
     per-frame video groups and DeepStack features at the visual positions of a packed row."""
-    r = _run([sys.executable, str(ROOT / "tests" / "dist" / "packing.py"), "qwen3vl"])
+    r = slow_cases["packing:1:qwen3vl"]
     print("packed vs padded, Qwen3-VL:", r)
     assert r["kind"] == "qwen3vl" and r["images_and_videos"] == 12 and r["real_tokens"] < 0.7 * r["padded_tokens"], r
     assert r["logprob_max_diff"] < 5e-5 and r["entropy_max_diff"] < 5e-5, r
@@ -337,10 +348,9 @@ def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(kind, r
     """policy.trainer.recompute on a 1442-token image + text micro-batch: the gradients equal the
     run without recompute, and the bytes autograd keeps for the backward (the activation memory)
     shrink: selective recomputes core attention, full keeps only each layer's input."""
-    if kind == "policy":  # the Qwen2-VL case shares make test's launch; Qwen3-VL's runs alone (slow)
-        r = request.getfixturevalue("cases")["recompute"]
-    else:
-        r = _run([sys.executable, str(ROOT / "tests" / "dist" / "recompute.py"), kind])
+    # Qwen2-VL's case shares make test's launch, Qwen3-VL's the slow tests'
+    r = request.getfixturevalue("cases")["recompute"] if kind == "policy" else \
+        request.getfixturevalue("slow_cases")["recompute:qwen3vl"]
     print("recompute vs none:", r)
     assert r["tokens"] > 1000
     # measured 0 and 0: the recompute reruns the same kernels on the same shapes, bit for bit
