@@ -96,9 +96,6 @@ def ClusterWorkloadDefaults():  # noqa: N802 - the dataclass's defaults, without
     return ClusterWorkload()
 
 
-COMMANDS_WITH_OWN_PARSER = ("rl", "sft")  # options and key=value overrides in any order: yatt_mm.launch
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="yatt-mm",
@@ -197,9 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines drown our progress
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in COMMANDS_WITH_OWN_PARSER:
-        from yatt_mm.launch import launch_command
+    from yatt_mm.launch import COMMANDS, launch_command  # light: the config loader, no trainer
 
+    if argv and argv[0] in COMMANDS:  # rl, sft: options and key=value overrides in any order
         return launch_command(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
