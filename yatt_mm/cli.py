@@ -115,8 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-live", action="store_true", help="skip the live vLLM and Megatron checks")
     p.set_defaults(func=_doctor)
 
+    from models.family import families  # the registered families; importing them is cheap
+
+    family_names = ", ".join(f.name for f in families())
     # rl and sft parse their own arguments (yatt_mm/launch.py): listed here for --help only
-    sub.add_parser("rl", help="RL (GRPO family) of a Qwen2-VL policy: one controller per DP group "
+    sub.add_parser("rl", help=f"RL (GRPO family) of a vision-language policy ({family_names}): one controller "
+                   "per DP group "
                    "(--config C [--nproc N] [--help-config] [key=value ...])")
 
     p = sub.add_parser("plan", help="memory plan of an RL config per phase and GPU: does it fit, and if not, "
@@ -160,10 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.set_defaults(func=_plot)
 
-    sub.add_parser("sft", help="supervised fine-tuning of the Megatron Qwen2-VL on WebDataset shards "
+    sub.add_parser("sft", help="supervised fine-tuning of a Megatron vision-language model on WebDataset shards "
                    "(--config C [--nproc N] [--help-config] [key=value ...])")
 
-    p = sub.add_parser("model", help="model tools: parity of the Megatron Qwen2-VL with transformers")
+    p = sub.add_parser("model", help="model tools: parity of the Megatron model with transformers "
+                       f"({family_names})")
     msub = p.add_subparsers(dest="model_command", metavar="MODEL_COMMAND", required=True)
     p = msub.add_parser("parity", help="max |logit diff| Megatron vs transformers on text/image/video probes")
     p.add_argument("hf_dir", help="HF model directory (a supported model family's)")
@@ -177,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="build a tiny random model offline (cached)")
     p.add_argument("dir", help="output directory")
     p.add_argument("--seed", type=int, default=0)
-    from models.family import tiny_kinds  # the families' kinds; importing them is cheap
+    from models.family import tiny_kinds
 
     p.add_argument("--kind", choices=tiny_kinds(), default="policy")
     p.set_defaults(func=_make_tiny_model)

@@ -27,10 +27,14 @@ def test_fresh_process_gets_the_fix_without_importing_yatt_mm():
     assert Path(sysconfig.get_paths()["purelib"], "yatt_mm_runtime.pth").is_file()
 
 
-def test_help_lists_commands():
-    help_text = build_parser().format_help()
-    for command in ("demo", "doctor", "make-tiny-model"):
-        assert command in help_text
+def test_help_lists_commands_and_every_model_family():
+    from models.family import families
+
+    help_text = " ".join(build_parser().format_help().split())  # argparse wraps lines
+    for command in ("demo", "doctor", "rl", "sft", "make-tiny-model", "prep"):
+        assert f" {command} " in help_text
+    for family in families():  # the help must not go stale as families are added
+        assert family.name in help_text, family.name
 
 
 def test_a_missing_or_occupied_path_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""`yatt-mm sft`: supervised fine-tuning of the Megatron Qwen2-VL on WebDataset shards.
+"""`yatt-mm sft`: supervised fine-tuning of a Megatron vision-language model on WebDataset shards.
 
     yatt-mm sft --config configs/tiny_sft.yaml [--nproc N] [key=value ...]
 
