@@ -1,7 +1,7 @@
 """Typed configs from YAML plus `key=value` overrides, with errors that name the fix.
 
 A config is a tree of dataclasses, each sitting with the code it configures. `load(Root,
-"configs/x.yaml", ["rollout.n=8"])` reads the YAML, applies the overrides, builds the
+"configs/x.yaml", ["rollout.sampling.n=8"])` reads the YAML, applies the overrides, builds the
 dataclasses (an unknown or mistyped key fails at once with its dotted path and the nearest valid
 name), then calls every node's `validate()`, leaves first, so a bad value is reported with the
 setting's full name. A field's documentation is the comment at the end of its line, which
@@ -126,7 +126,7 @@ def to_dict(obj: Any) -> Any:
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, bools)."""
     if "=" not in override:
-        raise ConfigError(f"override {override!r} must look like key=value (for example rollout.n=8)")
+        raise ConfigError(f"override {override!r} must look like key=value (for example rollout.sampling.n=8)")
     key, raw = override.split("=", 1)
     node = data
     parts = key.strip().split(".")
