@@ -8,9 +8,9 @@ long video sample's activations are shared out along the sequence.
 - The embeddings run on every CP rank over the full tokens (every CP rank of a DP group holds
   the same samples), then they and the M-RoPE position ids [3, b, s] are sliced to this rank's
   chunks (Qwen3-VL: its DeepStack features too, so they land on the same visual tokens). The
-  vision tower: Qwen2-VL's runs whole on every CP rank; Qwen3-VL's frames are split over the
-  ranks (`media_bounds`) and the features all-gathered (`gather_media`): run whole, the tower
-  was a quarter of a CP 2 rank's activations on an 8k-token video (bench_long_context.py).
+  vision tower's frames are split over the ranks (`vision`: `media_bounds`, then the features
+  all-gathered by `gather_media`): run whole on every rank, the tower was a quarter of a CP 2
+  rank's activations on an 8k-token video (bench_long_context.py).
 - Core attention (models/attention.py) all-gathers K and V over the CP group (differentiable:
   the backward sums the K/V gradients of all ranks' queries) and masks by the chunks' global
   positions: causal, and within each sample for a packed row. Each chunk attends only the keys
@@ -146,6 +146,24 @@ class ContextParallel(PackedSeqParams):
             first = next(i for i in range(1, n + 1) if cum[i] * self.size >= k * cum[-1])
             bounds.append(min(max(first, bounds[-1] + 1), n - (self.size - k)))  # none empty
         return bounds + [n]
+
+    def vision(self, tower, pixels: torch.Tensor, grid: torch.Tensor, merge: int) -> torch.Tensor:
+        """A vision tower `tower(pixels, grid) -> [merged tokens, h]` on media of `grid` ([n, 3]
+        t, h, w patches), its frames split over the CP ranks: this rank runs its run of frames
+        (`media_bounds`) as (1, h, w) grids and the features are all-gathered (`gather_media`).
+        Exact for towers that attend within a frame (Qwen2-VL, Qwen2.5-VL's windows and full
+        layers, Qwen3-VL), whose rotary and position tables are per frame too. With fewer frames
+        than ranks every rank runs the whole media."""
+        frames = torch.repeat_interleave(grid, grid[:, 0], dim=0)  # one (1, h, w) row per temporal patch
+        frames[:, 0] = 1
+        patches = frames.prod(-1).tolist()
+        bounds = self.media_bounds(patches)
+        if bounds is None:
+            return tower(pixels, grid)
+        a, b = bounds[self.rank], bounds[self.rank + 1]
+        local = tower(pixels[sum(patches[:a]):sum(patches[:b])], frames[a:b])
+        counts = [sum(patches[bounds[r]:bounds[r + 1]]) // merge ** 2 for r in range(self.size)]
+        return self.gather_media(local, counts)
 
     def gather_media(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's media features [counts[rank], h] -> every rank's, in rank order [sum, h].

@@ -59,8 +59,10 @@ class Qwen2VLModel(nn.Module):
         # this stage's first language layer in the whole model (Megatron numbers layers from 1)
         self.layer_offset = self.language.decoder.layers[0].layer_number - 1
 
-    def embed(self, inputs: VLMInputs) -> torch.Tensor:
-        """Token embeddings with the vision features in place of the media pad tokens: [s, b, h]."""
+    def embed(self, inputs: VLMInputs, cp=None) -> torch.Tensor:
+        """Token embeddings with the vision features in place of the media pad tokens: [s, b, h].
+        With a context-parallel plan `cp` the vision tower's frames are split over the CP ranks
+        (models/context.py); the embeddings are still the whole sequence's."""
         emb = self.language.embedding.word_embeddings(inputs.input_ids)  # [b, s, h]
         for pixels, grid, sources, token in (
             (inputs.pixel_values, inputs.image_grid_thw, inputs.image_sources, self.spec.image_token_id),
@@ -71,24 +73,32 @@ class Qwen2VLModel(nn.Module):
                 if bool(where.any()):
                     raise ValueError("input_ids hold media tokens but no pixel values were given")
                 continue
-            features = self._media_features(pixels, grid, sources).to(emb.dtype)
+            features = self._media_features(pixels, grid, sources, cp).to(emb.dtype)
             if features.shape[0] != int(where.sum()):
                 raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} vision features")
             emb = emb.masked_scatter(where[..., None], features)
         return emb.transpose(0, 1).contiguous()
 
-    def _media_features(self, pixels: torch.Tensor, grid: torch.Tensor, sources: torch.Tensor | None) -> torch.Tensor:
+    def _media_features(self, pixels: torch.Tensor, grid: torch.Tensor, sources: torch.Tensor | None,
+                        cp=None) -> torch.Tensor:
         """Vision features of every media occurrence, in order: [tokens, hidden]."""
         if sources is None:
-            return self.vision(pixels, grid)
+            return self._vision(pixels, grid, cp)
         sources = sources.tolist()
         first = {}
         for i, u in enumerate(sources):
             first.setdefault(u, i)
         distinct = grid[[first[u] for u in range(len(first))]]
         merge = self.spec.spatial_merge_size ** 2
-        per_item = self.vision(pixels, distinct).split((distinct.prod(-1) // merge).tolist())
+        per_item = self._vision(pixels, distinct, cp).split((distinct.prod(-1) // merge).tolist())
         return torch.cat([per_item[u] for u in sources])
+
+    def _vision(self, pixels: torch.Tensor, grid: torch.Tensor, cp=None) -> torch.Tensor:
+        """The vision tower; under context parallelism its frames split over the CP ranks (each
+        frame is attended on its own, windows included, with per-frame rotary angles)."""
+        if cp is None:
+            return self.vision(pixels, grid)
+        return cp.vision(self.vision, pixels, grid, self.spec.spatial_merge_size)
 
     # Megatron finds the module with `pre_process` and treats it as its language model: with tied
     # embeddings under pipeline parallelism it all-reduces this weight's gradient between the
@@ -113,9 +123,10 @@ class Qwen2VLModel(nn.Module):
         from models.rotary import angles_computed_once
 
         with angles_computed_once():  # every layer's rotary cos/sin from one computation
-            decoder_input = self.embed(inputs) if self.pre_process else None  # else: set_input_tensor's
+            cp = packed_seq_params if isinstance(packed_seq_params, ContextParallel) else None
+            decoder_input = self.embed(inputs, cp) if self.pre_process else None  # else: set_input_tensor's
             position_ids = inputs.position_ids
-            if isinstance(packed_seq_params, ContextParallel):  # this CP rank's chunks of the sequence
+            if cp is not None:  # this CP rank's chunks of the sequence
                 decoder_input, position_ids = packed_seq_params.localise(decoder_input, position_ids)
             logits = self.language(input_ids=None, position_ids=position_ids, attention_mask=None,
                                    decoder_input=decoder_input, packed_seq_params=packed_seq_params)

@@ -194,23 +194,18 @@ class Qwen3VLModel(nn.Module):
         return pick(merged), [pick(s) for s in stack]
 
     def _vision(self, pixels: torch.Tensor, grid: torch.Tensor, cp=None):
-        """The vision tower on media of `grid` -> (merged, DeepStack features). Under context
-        parallelism its frames are split over the CP ranks (each frame is independent: attention
-        within it, its own position table and rotary angles), each rank runs its share and the
-        features are all-gathered: run whole on every rank, the tower's activations would not
-        shrink with CP (bench_long_context.py: a quarter of a rank's at CP 2 on a long video)."""
-        from models.qwen3vl.rope_index import per_frame_grids
-
-        frames = per_frame_grids(grid)  # one (1, h, w) row per temporal patch, in the pixels' order
-        patches = frames.prod(-1).tolist()
-        bounds = None if cp is None else cp.media_bounds(patches)
-        if bounds is None:
+        """The vision tower on media of `grid` -> (merged, DeepStack features); under context
+        parallelism its frames split over the CP ranks (models/context.py)."""
+        if cp is None:
             return self.vision(pixels, grid)
-        a, b = bounds[cp.rank], bounds[cp.rank + 1]
-        merged, stack = self.vision(pixels[sum(patches[:a]):sum(patches[:b])], frames[a:b])
-        per_token = self.spec.spatial_merge_size ** 2
-        counts = [sum(patches[bounds[r]:bounds[r + 1]]) // per_token for r in range(cp.size)]
-        merged, *stack = cp.gather_media(torch.cat([merged, *stack], -1), counts).split(merged.shape[-1], -1)
+        width = []
+
+        def tower(p, g):  # merged and DeepStack features side by side: one all-gather
+            merged, stack = self.vision(p, g)
+            width.append(merged.shape[-1])
+            return torch.cat([merged, *stack], -1)
+
+        merged, *stack = cp.vision(tower, pixels, grid, self.spec.spatial_merge_size).split(width[0], -1)
         return merged, stack
 
     # Megatron finds the module with `pre_process` and treats it as its language model (tied

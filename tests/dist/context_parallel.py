@@ -3,10 +3,11 @@ three sizes, a short video, responses of 2 to 60 tokens) plus a longer video (16
 112 x 112: 128 video tokens) as one right-padded micro-batch and as one packed row (neither
 length a multiple of 2 x CP: both are padded). Logprobs and entropy at every real token, the
 gradients of an RL-style loss (summed over the CP ranks) and the weights after one train step
-over both micro-batches must match CP 1's. Then the tiny Qwen3-VL (interleaved M-RoPE, DeepStack
-features added after its first two layers) on one packed row of an image group, a video group and
-the longer video: logprobs and gradients, with and without full recompute (DeepStack's gradient
-hand-over) at CP 2 against CP 1 without it.
+over both micro-batches must match CP 1's, and each rank's vision tower must run only its share
+of the frames. Then the tiny Qwen3-VL (interleaved M-RoPE, DeepStack features added after its
+first two layers) and the tiny Qwen2.5-VL (window attention in its vision tower) on one packed
+row of an image group, a video group and the longer video: logprobs and gradients (Qwen3-VL with
+and without full recompute, DeepStack's gradient hand-over) at CP 2 against CP 1 without it.
 
 Run twice with the same OUT: `python tests/dist/context_parallel.py OUT` (one rank, CP 1: writes
 the reference), then `torchrun --nproc-per-node 2 tests/dist/context_parallel.py OUT` (CP 2:
@@ -64,26 +65,37 @@ def scores_and_grads(trainer, batch, real: torch.Tensor, cp: int):
     return lp.detach() * real, ent.detach() * real, grads
 
 
-def qwen3vl_runs(cp: int) -> dict:
-    """The tiny Qwen3-VL on one packed row (image group, video group, longer video): at CP 1
-    without recompute (the reference), at CP 2 also with full recompute."""
+def vision_patches(trainer) -> list[int]:
+    """Counts the patches this rank's vision tower runs on, one entry per forward (appended to
+    the returned list): under CP each rank runs its share of the frames."""
+    seen = []
+    trainer.module.vision.register_forward_pre_hook(lambda module, args: seen.append(int(args[0].shape[0])))
+    return seen
+
+
+def family_runs(kind: str, cp: int, recomputes: tuple[str, ...]) -> dict:
+    """A tiny model of another family (`kind`) on one packed row (image group, video group,
+    longer video): at CP 1 without recompute (the reference), at CP 2 with each of `recomputes`.
+    Also the patches its vision tower ran on this rank and in all."""
     from transformers import AutoProcessor
 
-    path = str(tiny_model_dir("qwen3vl"))
+    path = str(tiny_model_dir(kind))
     processor = AutoProcessor.from_pretrained(path)
     got = {}
-    for recompute in ("none", "full") if cp > 1 else ("none",):
+    for recompute in recomputes if cp > 1 else ("none",):
         trainer = VLMTrainer(path, TrainerConfig(lr=1e-3, context_parallel=cp, recompute=recompute))
+        seen = vision_patches(trainer)
         samples = mixed_samples(processor)[6:] + long_video_group(processor)
         pad_id = processor.tokenizer.pad_token_id
         (padded,) = micro_batches(samples, 10**6, trainer.spec, pad_id)
         (packed,) = micro_batches(samples, 10**6, trainer.spec, pad_id, packed=True)
         real = padded.inputs.attention_mask.bool()
         lp, _, grads = scores_and_grads(trainer, packed, real, cp)
-        got.update({f"q3-{recompute}/lp": lp, **{f"q3-{recompute}/grad/{n}": g for n, g in grads.items()}})
-        got["q3/tokens"] = torch.tensor(int(real.sum()))
-        got["q3/media"] = torch.tensor([int((padded.inputs.input_ids == t).sum())
-                                        for t in (trainer.spec.image_token_id, trainer.spec.video_token_id)])
+        got.update({f"{kind}-{recompute}/lp": lp, **{f"{kind}-{recompute}/grad/{n}": g for n, g in grads.items()}})
+        got[f"{kind}/tokens"] = torch.tensor(int(real.sum()))
+        got[f"{kind}/media"] = torch.tensor([int((padded.inputs.input_ids == t).sum())
+                                             for t in (trainer.spec.image_token_id, trainer.spec.video_token_id)])
+        got[f"{kind}-{recompute}/vision_patches"] = torch.tensor(sum(seen))
         del trainer
     return got
 
@@ -105,9 +117,12 @@ def main() -> None:
     total = padded.extra["loss_mask"].sum()
 
     got = {}
+    seen = vision_patches(trainer)
     for name, batch in (("padded", padded), ("packed", packed)):
+        first = len(seen)  # the tower runs once for the images, once for the videos
         got[f"{name}/lp"], got[f"{name}/entropy"], grads = scores_and_grads(trainer, batch, real, cp)
         got.update({f"{name}/grad/{n}": g for n, g in grads.items()})
+        got[f"{name}/vision_patches"] = torch.tensor(sum(seen[first:]))
 
     def loss_fn(lp, mb):
         return -(lp * mb.extra["loss_mask"] * mb.extra["advantages"][:, None]).sum() / total, {}
@@ -117,7 +132,8 @@ def main() -> None:
     got.update({f"weight/{n}": p.detach().clone() for n, p in trainer.module.named_parameters()})
     got.update({f"step/{n}": p.detach() - before[n] for n, p in trainer.module.named_parameters()})
     got["loss"] = torch.tensor(step["train/loss"])
-    got.update(qwen3vl_runs(cp))
+    got.update(family_runs("qwen3vl", cp, ("none", "full")))
+    got.update(family_runs("policy25", cp, ("none",)))
     if cp == 1:
         torch.save(got, out)
         print(json.dumps({"cp": 1, "reference": str(out), "loss": float(got["loss"])}), flush=True)
@@ -132,14 +148,23 @@ def main() -> None:
                    "weight/"):
         result[f"{prefix.rstrip('/')}_max_diff"] = diff(prefix)
     result["grad_scale"] = scale("padded/grad/")
-    result["q3_tokens"], result["q3_image_tokens"], result["q3_video_tokens"] = \
-        int(ref["q3/tokens"]), *ref["q3/media"].tolist()
-    result["q3_grad_scale"], result["q3_lp_scale"] = scale("q3-none/grad/"), scale("q3-none/lp")
-    for recompute in ("none", "full"):  # both against CP 1 without recompute
-        result[f"q3_{recompute}/lp_max_diff"] = float((got[f"q3-{recompute}/lp"] - ref["q3-none/lp"]).abs().max())
-        result[f"q3_{recompute}/grad_max_diff"] = max(
-            float((got[k.replace("q3-none", f"q3-{recompute}")] - ref[k]).abs().max())
-            for k in ref if k.startswith("q3-none/grad/"))
+    shares = {}  # this rank's share of the vision tower's patches, and the CP ranks' together
+    for key in (k for k in got if k.endswith("/vision_patches")):
+        total = got[key].clone()
+        dist.all_reduce(total, group=comm().cp)
+        name = key.removesuffix("/vision_patches")
+        shares[f"{name}/vision_share"] = int(got[key]) / int(ref[key.replace("-full/", "-none/")])
+        shares[f"{name}/vision_share_all_ranks"] = int(total) / int(ref[key.replace("-full/", "-none/")])
+    result.update(shares)
+    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",))):
+        result[f"{kind}/tokens"], result[f"{kind}/image_tokens"], result[f"{kind}/video_tokens"] = \
+            int(ref[f"{kind}/tokens"]), *ref[f"{kind}/media"].tolist()
+        result[f"{kind}/grad_scale"], result[f"{kind}/lp_scale"] = scale(f"{kind}-none/grad/"), scale(f"{kind}-none/lp")
+        for recompute in recomputes:  # each against CP 1 without recompute
+            run = f"{kind}-{recompute}"
+            result[f"{run}/lp_max_diff"] = float((got[f"{run}/lp"] - ref[f"{kind}-none/lp"]).abs().max())
+            result[f"{run}/grad_max_diff"] = max(float((got[k.replace(f"{kind}-none", run)] - ref[k]).abs().max())
+                                                 for k in ref if k.startswith(f"{kind}-none/grad/"))
     result["step_scale"] = scale("step/")  # how far the step moved the weights
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)

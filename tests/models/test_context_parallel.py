@@ -87,12 +87,15 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     gradients and the weights after one train step at CP 2 against CP 1 (fp32). Measured: logprobs
     1.1e-5 (the packing test's own packed-vs-padded figure at TP 1), entropy 7.6e-6, gradients
     1.8e-4 / 2.1e-4 of 669 at most (3e-7 relative), weights 1.2e-5 after a lr 1e-3 step, loss
-    equal to 3e-7 relative.
+    equal to 3e-7 relative; each rank's vision tower ran 5/9 and 4/9 of the patches.
     Then the tiny Qwen3-VL on one packed row (an image group, a video group and the longer video:
     983 tokens, 48 image and 120 video tokens; the videos' 4 frames split 3 + 1 over the ranks'
     vision towers), without recompute and with full recompute (the DeepStack features' gradient
     hand-over) against CP 1: logprobs 9.5e-6 (3 ulps of the largest, 33.6), gradients 4.7e-4 of
-    819 at most (6e-7 relative), the same with full recompute."""
+    819 at most (6e-7 relative), the same with full recompute. The tiny Qwen2.5-VL on the same row
+    (1151 tokens, 432 video tokens): logprobs 9.5e-6 of 37.2, gradients 1.1e-4 of 207 (6e-7
+    relative), rank 0's tower 0.6 of the patches (one image runs on both ranks: fewer frames than
+    ranks)."""
     script = str(ROOT / "tests" / "dist" / "context_parallel.py")
     ref = run_json([sys.executable, script, str(tmp_path / "cp1.pt")], timeout=600)
     assert ref["cp"] == 1
@@ -105,11 +108,18 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
         assert r[f"{kind}/grad_max_diff"] < 3e-6 * r["grad_scale"], r
     assert abs(r["loss_cp"] - r["loss_cp1"]) < 1e-6 * abs(r["loss_cp1"]), r
     assert r["weight_max_diff"] < 1e-4 and r["step_scale"] > 5e-4, r  # a hundredth of an lr 1e-3 Adam step
-    # Qwen3-VL: its DeepStack features split over CP like the embeddings (a packed row with both media)
-    assert r["q3_image_tokens"] > 0 and r["q3_video_tokens"] > 0 and r["q3_tokens"] % 4, r
-    for recompute in ("none", "full"):
-        assert r[f"q3_{recompute}/lp_max_diff"] < 1e-6 * r["q3_lp_scale"], r
-        assert r[f"q3_{recompute}/grad_max_diff"] < 3e-6 * r["q3_grad_scale"], r
+    # each rank's vision tower ran its share of the frames (whole on every rank: 1.0), each frame once
+    for kind in ("padded", "packed"):
+        assert r[f"{kind}/vision_share"] < 0.75 and r[f"{kind}/vision_share_all_ranks"] == 1.0, r
+    # Qwen3-VL (its DeepStack features split over CP like the embeddings) and Qwen2.5-VL (window
+    # attention in the tower) on a packed row with both media
+    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",))):
+        assert r[f"{kind}/image_tokens"] > 0 and r[f"{kind}/video_tokens"] > 0 and r[f"{kind}/tokens"] % 4, r
+        for recompute in recomputes:
+            run = f"{kind}-{recompute}"
+            assert r[f"{run}/lp_max_diff"] < 1e-6 * r[f"{kind}/lp_scale"], r
+            assert r[f"{run}/grad_max_diff"] < 3e-6 * r[f"{kind}/grad_scale"], r
+            assert r[f"{run}/vision_share"] < 0.75, r
 
 
 def _rel(a, b):

@@ -13,8 +13,8 @@ router's input, logits and scores, and the dispatcher's indices.
 
 Context parallelism (models/context.py): a rank's language layers see padded / cp positions of
 each row, but core attention all-gathers K and V (kept whole for the backward pass), and the
-micro-batch's additive masks of the local chunks are kept once; the token ids stay whole, and
-the vision tower too but in Qwen3-VL, which splits its frames over the CP ranks."""
+micro-batch's additive masks of the local chunks are kept once; the token ids stay whole; the
+vision tower runs this rank's share of the frames."""
 
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: s
     weight's and the input's gradients alive), and a layer's recompute. Under 1F1B, stage s runs
     pp - s micro-batches' forwards before their first backward, so it keeps that many. With
     context parallelism (`cp`), all of it for the fullest CP rank's share of the rows."""
-    shape = context_share(shape, cp, spec)
+    shape = context_share(shape, cp)
     n, vocab, h = shape.tokens, spec.vocab_size // tp, spec.hidden_size
     body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers, cp)
     lm = language_block(spec, shape, tp, cp)

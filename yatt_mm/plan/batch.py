@@ -23,20 +23,14 @@ class MicroBatchShape:
         return self.rows * self.seq
 
 
-# Families whose vision tower splits its frames over the CP ranks (models/qwen3vl/model.py
-# `_vision`: contiguous runs of frames balanced by patches, the features all-gathered); the
-# others run the whole media on every CP rank (models/context.py)
-VISION_SPLIT_OVER_CP = ("qwen3_vl",)
-
-
-def context_share(shape: MicroBatchShape, cp: int, spec=None) -> MicroBatchShape:
+def context_share(shape: MicroBatchShape, cp: int) -> MicroBatchShape:
     """The fullest context-parallel rank's share of `shape` (models/context.py): each row padded
     to a multiple of 2 x cp and cut into 2 x cp chunks, rank r holding chunks r and 2cp-1-r, so
     every rank's rows are padded / cp long. The responses end the rows, in the last chunk (rank
     0's) and, when longer than a chunk, the ones before it (other ranks'): the fullest rank scores
-    at most one chunk of each row. Media: every CP rank runs the whole media, but where the
-    family splits the vision tower's frames over the CP ranks (`VISION_SPLIT_OVER_CP`) the
-    fullest rank runs ceil(frames / cp) of them (all of them when there are fewer than cp)."""
+    at most one chunk of each row. Media: the vision tower's frames are split over the CP ranks
+    (models/context.py `ContextParallel.vision`), the fullest rank running ceil(frames / cp) of
+    them (all of them when there are fewer than cp)."""
     if cp == 1:
         return shape
     from models.context import padded_length
@@ -46,7 +40,7 @@ def context_share(shape: MicroBatchShape, cp: int, spec=None) -> MicroBatchShape
     scored = shape.rows * min(shape.scored // shape.rows, chunk)
     media = shape.media_tokens
     frames = media // max(shape.frame_tokens, 1)
-    if spec is not None and spec.model_type in VISION_SPLIT_OVER_CP and frames >= cp:
+    if frames >= cp:
         media = -(-frames // cp) * shape.frame_tokens
     return MicroBatchShape(rows=shape.rows, seq=padded // cp, scored=scored, media_tokens=media,
                            frame_tokens=shape.frame_tokens)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from yatt_mm.plan.batch import VISION_SPLIT_OVER_CP, MicroBatchShape
+from yatt_mm.plan.batch import MicroBatchShape
 from yatt_mm.plan.params import active_params, linear_layers, param_counts
 
 
@@ -16,15 +16,14 @@ def train_flops(spec, shape: MicroBatchShape, tp: int = 1, cp: int = 1) -> int:
     matmuls over every token (the output layer's included, the embedding lookup not) and causal
     attention's two s x s products per layer and row (a hybrid model's DeltaNet layers: their
     state products, linear in s), split over TP and CP; the vision tower's
-    matmuls over the patches with its attention within each frame (Qwen2.5-VL's full-attention
-    blocks attend further: a lower bound there), split over TP, and over CP where the family
-    splits its frames (batch.VISION_SPLIT_OVER_CP; the others run the whole media on every CP
-    rank). An estimate from the architecture, not a measurement."""
+    matmuls over the patches with its attention within each frame (Qwen2.5-VL's windows attend
+    less: an upper bound there), split over TP, and over CP when there are at least CP frames
+    (models/context.py splits them). An estimate from the architecture, not a measurement."""
     merge = spec.spatial_merge_size ** 2
     patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
     language = language_forward_flops(spec, [shape.seq] * shape.rows)
     vision = vision_forward_flops(spec, patches, [frame] * (patches // max(frame, 1)))
-    vision_cp = cp if spec.model_type in VISION_SPLIT_OVER_CP else 1
+    vision_cp = cp if patches // max(frame, 1) >= cp else 1
     return 3 * (language // (tp * cp) + vision // (tp * vision_cp))
 
 

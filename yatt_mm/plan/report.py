@@ -4,7 +4,6 @@ phase, host memory, notes."""
 from __future__ import annotations
 
 from yatt_mm.plan.architectures import resolve_model
-from yatt_mm.plan.batch import VISION_SPLIT_OVER_CP
 from yatt_mm.plan.constants import GIB
 from yatt_mm.plan.flops import train_flops
 from yatt_mm.plan.params import active_params, param_counts
@@ -75,8 +74,7 @@ def _parallel_lines(plan: Plan) -> list[str]:
         out.append(f"context parallel {tcfg.context_parallel}: each row's {s.seq} tokens split into "
                    f"{2 * tcfg.context_parallel} zig-zag chunks; per rank the language layers' activations are "
                    f"1/{tcfg.context_parallel}, the gathered K/V and the attention masks whole; the vision tower "
-                   + ("runs its share of the frames" if spec.model_type in VISION_SPLIT_OVER_CP
-                      else "runs the whole media on every CP rank"))
+                   "runs its share of the frames")
     flops = train_flops(spec, s, tcfg.tensor_parallel, tcfg.context_parallel)
     out.append(f"training FLOPs of the largest micro-batch: {flops / 1e12:.1f} TFLOP per GPU (6 x active parameters "
                f"x tokens + attention; an estimate)")
