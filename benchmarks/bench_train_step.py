@@ -1,5 +1,5 @@
-"""Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen3vl / qwen3vlmoe / qwen35
-/ qwen35moe the tiny Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / Qwen3.5-MoE, whose gated DeltaNet layers
+"""Training tokens/s of a tiny VLM (the tiny Qwen2-VL, or with --kind qwen25vl / qwen3vl / qwen3vlmoe / qwen35
+/ qwen35moe the tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3.5 / Qwen3.5-MoE, whose gated DeltaNet layers
 run Megatron's pure-torch chunked rule on CPU):
 yatt-mm's VLMTrainer (Megatron-Core, DDP, Megatron's optimizer) vs what a user would otherwise
 write: transformers' model class (Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
@@ -10,7 +10,7 @@ same clipping, one process, same cores, measured in the same run in interleaved 
 round of each is reported (other processes on a shared machine only ever slow a round down, so
 the best round is the least disturbed), medians beside it.
 
-    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen3vl|qwen3vlmoe|qwen35|qwen35moe] [--rounds 5] [--steps-per-round 3] [--batch 16]
+    python benchmarks/bench_train_step.py [--kind qwen2vl|qwen25vl|qwen3vl|qwen3vlmoe|qwen35|qwen35moe] [--rounds 5] [--steps-per-round 3] [--batch 16]
 
 The last line is one JSON object: kind, tokens_per_s, transformers_tokens_per_s,
 ratio_to_transformers (best rounds), median_round_ratio (the median over rounds of the two
@@ -47,6 +47,7 @@ def make_batch(processor, spec, n: int, micro: int):
 
 # --kind -> (the tiny model's kind, transformers' class for it)
 KINDS = {"qwen2vl": ("policy", "Qwen2VLForConditionalGeneration"),
+         "qwen25vl": ("policy25", "Qwen2_5_VLForConditionalGeneration"),
          "qwen3vl": ("qwen3vl", "Qwen3VLForConditionalGeneration"),
          "qwen3vlmoe": ("qwen3vlmoe", "Qwen3VLMoeForConditionalGeneration"),
          "qwen35": ("qwen35", "Qwen3_5ForConditionalGeneration"),

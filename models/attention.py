@@ -8,15 +8,14 @@ the same attention in one call and keeps only its inputs, its output and one log
 query: on a long video micro-batch the scores are most of the activation memory, and on this
 CPU the kernel is about twice as fast as the local path (tests compare it with transformers).
 
-Three cases, by what the caller passes:
+Four cases, by what the caller passes:
 - packed rows (`packed_seq_params`, models/packing.py): causal attention within each sample;
 - context parallelism (`packed_seq_params` a models/context.py plan): this rank's chunks of the
   sequence against all ranks' keys and values, masked by global position (and sample);
 - no mask: causal for the language model (right padding: real tokens never see pads), full
-  attention for the vision tower (Qwen2-VL runs each frame as a batch row);
-- a mask: Qwen2.5-VL's window and frame masks, boolean (True = masked, Megatron's convention) or
-  additive (0 / -inf, made once per forward: from a boolean mask the kernel would make and keep
-  its own float copy in every layer).
+  attention for the vision towers (each batch row one frame, or one of Qwen2.5-VL's windows);
+- a mask, boolean (True = masked, Megatron's convention) or additive (0 / -inf): no model passes
+  one now (benchmarks/bench_vision_tower.py's masked baseline does).
 """
 
 from __future__ import annotations

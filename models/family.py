@@ -11,8 +11,8 @@ Shared code reads these fields of it: `model_type`; the language model's `vocab_
 `hidden_size`, `intermediate_size`, `num_layers`, `num_heads`, `num_kv_heads`, `head_dim`,
 `tie_word_embeddings`; the media tokens `image_token_id`, `video_token_id`; and for the memory
 plan the vision tower's `vision_depth`, `vision_embed_dim`, `vision_heads`, `vision_ffn`,
-`vision_gated`, `vision_rms_norm`, `vision_masked` (all patches of a micro-batch in one
-sequence under per-block masks, layers run one by one; else frames as a batch), `patch_size`,
+`vision_gated`, `vision_rms_norm`, `vision_windowed` (window attention: units of one size as
+a batch, each patch with its own rotary angles; else frames as a batch), `patch_size`,
 `temporal_patch_size`, `spatial_merge_size`, `in_channels`.
 
 Importing this module is cheap: family modules are imported on the first lookup, and they

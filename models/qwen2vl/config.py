@@ -71,10 +71,10 @@ class Qwen2VLSpec:
         return self.is_qwen25
 
     @property
-    def vision_masked(self) -> bool:
-        """Qwen2.5-VL runs all of a micro-batch's patches as one sequence under a window or
-        frame mask per block, layer by layer (models/qwen2vl/vision.py); Qwen2-VL runs the
-        frames as a batch through Megatron's block."""
+    def vision_windowed(self) -> bool:
+        """Qwen2.5-VL attends within windows or frames per block, layer by layer, each unit
+        with its own patches' rotary angles (models/qwen2vl/vision.py); Qwen2-VL runs the frames
+        as a batch through Megatron's block, one frame's angles for all."""
         return self.is_qwen25
 
     @classmethod

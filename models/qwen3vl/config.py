@@ -72,7 +72,7 @@ class Qwen3VLSpec:
 
     vision_gated = False
     vision_rms_norm = False
-    vision_masked = False
+    vision_windowed = False
     # ... and of the rest (yatt_mm/plan/params.py, activations.py): Qwen3 blocks' q/k norms
     # without QKV bias, a biased patch embedding, the vision MLP's one-op GELU (it keeps only its
     # input); num_position_embeddings and num_deepstack are read as they are
@@ -215,5 +215,5 @@ def vision_config(spec: Qwen3VLSpec, dtype: torch.dtype = torch.float32, tp: int
         activation_func=partial(F.gelu, approximate="tanh"),
         add_bias_linear=True,
         add_qkv_bias=True,
-        **_common(dtype, tp, "none" if recompute == "full" else recompute),
+        **_common(dtype, tp, recompute),  # full: each block checkpointed (models/vision_blocks.py)
     )

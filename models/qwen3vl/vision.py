@@ -16,12 +16,15 @@ The layers run one by one so the DeepStack blocks' outputs can be taken.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.qwen2vl.vision import vision_layer_spec, vision_position_ids
 from models.qwen3vl.config import Qwen3VLSpec
+from models.vision_blocks import run_block
 
 
 class PatchMerger(nn.Module):
@@ -75,6 +78,11 @@ class _ConvForwardLinearBackward(torch.autograd.Function):
         grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
+
+
+def _block(layer, hidden: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """One vision block over frames as a batch: attention within each, no mask."""
+    return layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)[0]
 
 
 class Qwen3VisionModel(nn.Module):
@@ -164,7 +172,7 @@ class Qwen3VisionModel(nn.Module):
             rotary = self.rotary(torch.tensor([[1, *hw]])).to(x.device)  # the same for every frame of this size
             taken = []
             for i, layer in enumerate(self.decoder.layers):
-                h, _ = layer(hidden_states=h, attention_mask=None, rotary_pos_emb=rotary)
+                h = run_block(self.config, functools.partial(_block, layer, rotary=rotary), h)
                 if i in keep:
                     taken.append(h)
             taken.append(h)

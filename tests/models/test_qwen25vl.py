@@ -12,7 +12,7 @@ import torch
 from models.qwen2vl.config import Qwen2VLSpec
 from models.qwen2vl.convert import hf_to_megatron, load_hf_state, megatron_to_hf, shard
 from models.qwen2vl.rope_index import rope_index
-from models.qwen2vl.vision import window_attention_mask
+from models.qwen2vl.vision import window_ids
 
 from subproc import run_json
 
@@ -58,20 +58,20 @@ def test_hf_megatron_hf_roundtrip_is_bitwise(tiny25):
         assert torch.equal(part, torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
 
 
-def test_window_mask_matches_transformers_window_index():
+def test_windows_match_transformers_window_index():
     from transformers.vision_utils import get_vision_window_index
 
     grid = torch.tensor([[1, 6, 8], [2, 4, 6], [1, 10, 4]])  # images and a 2-frame video
     for window_px in (56, 112):
         window_merged = window_px // 2 // 14
-        ours = window_attention_mask(grid, 2, window_merged)[0, 0]
+        ours = window_ids(grid, 2, window_merged)
         index, cu = get_vision_window_index(grid, spatial_merge_size=2, window_size=window_px, patch_size=14)
         # transformers: merged token index[j] sits at permuted place j; windows are cu slices
         patch_order = (index[:, None] * 4 + torch.arange(4)).flatten()
         window_of = torch.empty(len(patch_order), dtype=torch.long)
         for w, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
             window_of[patch_order[a:b]] = w
-        assert torch.equal(ours, window_of[:, None] != window_of[None, :]), window_px
+        assert torch.equal(ours[:, None] != ours[None, :], window_of[:, None] != window_of[None, :]), window_px
 
 
 def _vllm_positions(spec, ids, image_grid, video_grid, seconds):

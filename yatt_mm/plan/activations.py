@@ -167,15 +167,15 @@ def language_block(spec, shape: MicroBatchShape, tp: int, cp: int = 1) -> Block:
 
 
 def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
-    """Qwen2-VL and Qwen3-VL attend within each frame (frames of one size run as a batch);
-    Qwen2.5-VL runs all of a micro-batch's patches as one sequence under a mask
-    (`spec.vision_masked`, models/qwen2vl/vision.py)."""
+    """Qwen2-VL and Qwen3-VL attend within each frame (frames of one size run as a batch, one
+    frame's rotary angles); Qwen2.5-VL within windows or frames, units of one size as a batch,
+    with every patch's angles (`spec.vision_windowed`, models/qwen2vl/vision.py)."""
     merge = spec.spatial_merge_size**2
     patches, frame = shape.media_tokens * merge, shape.frame_tokens * merge
     hv, heads = spec.vision_embed_dim, spec.vision_heads // tp
     hd = hv // spec.vision_heads
     return Block(tokens=patches, hidden=hv, q=heads * hd, kv=heads * hd, ffn=spec.vision_ffn // tp, head_dim=hd,
-                 gated=spec.vision_gated, rms=spec.vision_rms_norm, rope_rows=patches if spec.vision_masked else frame,
+                 gated=spec.vision_gated, rms=spec.vision_rms_norm, rope_rows=patches if spec.vision_windowed else frame,
                  # a one-op GELU (Qwen3-VL) keeps its input, fc1's output: 2 with fc2's input
                  mlp_kept=2 if getattr(spec, "vision_act", "") == "gelu_pytorch_tanh" else 0)
 
@@ -210,12 +210,12 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
         saved += n * spec.head_dim * 4  # the rotary angles, kept once as an input of every checkpoint
     if shape.media_tokens and first:
         patches = vis.tokens
-        vision_recompute = _vision_recompute(spec, recompute)
-        saved += spec.vision_depth * layer_bytes(vis, e, kernels, vision_recompute) + _rotary_bytes(vis, e,
-                                                                                                  vision_recompute)
+        # Qwen2.5-VL: the angles in window order and in frame order, each kept once
+        rotary = _rotary_bytes(vis, e, recompute) * (2 if spec.vision_windowed else 1)
+        saved += spec.vision_depth * layer_bytes(vis, e, kernels, recompute) + rotary
         saved += patches * spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * e  # pixel values
         saved += _norm_bytes(patches, vis.hidden, e, spec.vision_rms_norm, kernels) + 2 * patches * vis.hidden * e  # merger
-        saved += 8 * patches**2 if spec.vision_masked else 8 * patches  # fp32 window and full masks / frame order
+        saved += 8 * patches * (2 if spec.vision_windowed else 1)  # int64 patch order by frame (and by window)
         saved += _vision_extras_bytes(spec, patches, vis.hidden, e, kernels)
     return saved
 
@@ -229,11 +229,6 @@ def _vision_extras_bytes(spec, patches: int, hv: int, e: int, kernels: Kernels) 
     merged = patches // spec.spatial_merge_size**2
     merger = _norm_bytes(merged, hv * spec.spatial_merge_size**2, e, False, kernels) + 2 * patches * hv * e
     return out + getattr(spec, "num_deepstack", 0) * merger
-
-
-def _vision_recompute(spec, recompute: str) -> str:
-    """Masked vision layers (Qwen2.5-VL's) run one by one outside Megatron's block: "full" recomputes none."""
-    return "none" if recompute == "full" and spec.vision_masked else recompute
 
 
 def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
