@@ -28,15 +28,17 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
 calls: list[dict] = []
 
 
-def _caller() -> str | None:
-    """The first frame outside torch, as a path relative to the repo (None: someone else's)."""
+def _caller() -> tuple[str | None, str]:
+    """The first frame outside torch, as a path relative to the repo (None: someone else's), and
+    its function's name."""
     frame = sys._getframe(2)
     while frame is not None and "/torch/" in frame.f_code.co_filename:
         frame = frame.f_back
     if frame is None:
-        return None
+        return None, ""
     path = Path(frame.f_code.co_filename).resolve()
-    return str(path.relative_to(ROOT)) + f":{frame.f_lineno}" if path.is_relative_to(ROOT) else None
+    where = str(path.relative_to(ROOT)) + f":{frame.f_lineno}" if path.is_relative_to(ROOT) else None
+    return where, frame.f_code.co_name
 
 
 def _groups(name: str, bound: inspect.BoundArguments) -> list:
@@ -51,7 +53,7 @@ def _wrap(name: str):
 
     @functools.wraps(original)
     def audited(*args, **kwargs):
-        where = _caller()
+        where, function = _caller()
         if where and where.split("/")[0] in ("yatt_mm", "models"):
             from models.comm import is_cpu_group
 
@@ -61,7 +63,7 @@ def _wrap(name: str):
             for group in _groups(name, bound):
                 kind = "implicit" if group is None or group is dist.group.WORLD else (
                     "cpu" if is_cpu_group(group) else "accelerator")
-                calls.append({"op": name, "where": where, "group": kind, "shape": shape})
+                calls.append({"op": name, "where": where, "function": function, "group": kind, "shape": shape})
         return original(*args, **kwargs)
 
     setattr(dist, name, audited)

@@ -746,12 +746,17 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     _assert_epoch_drawn_exactly_once(run_dir, keys=3)
     # both ranks computed half of each sequence: the logprob gathers over the CP group carry each
     # rank's chunks [rows, local length], as long on both, half the row padded to 2 x CP
-    chunks = {}
+    chunks, media = {}, {}
     for rank in (0, 1):
         calls = json.loads((run_dir / f"collectives_rank{rank}.json").read_text())
         chunks[rank] = sorted({c["shape"][1] for c in calls if c["where"].startswith("models/context.py")
-                               and c["op"] == "all_gather" and len(c["shape"] or ()) == 2})
-    print("CP chunk lengths per rank:", chunks)
+                               and c["op"] == "all_gather" and c["function"] == "_all_gather"
+                               and len(c["shape"] or ()) == 2})  # not the vision features' gather
+        # the video's frames split over the CP ranks' vision towers, the features all-gathered
+        media[rank] = [c["shape"] for c in calls if c["where"].startswith("models/context.py")
+                       and c["op"] == "all_gather" and c["function"] == "forward"]
+    print("CP chunk lengths per rank:", chunks, "vision feature gathers:", media[0][:2])
+    assert media[0] and media[0] == media[1], media  # padded to the longer share: the same shape
     (chunk,) = chunks[0]  # step 3's one micro-batch: its rows are the prompt and 1-4 response tokens
     prompt = steps[2]["rollout/prompt_length"]
     assert chunks[1] == [chunk] and prompt + 1 <= 2 * chunk <= prompt + 4 + 3, (chunks, prompt)
