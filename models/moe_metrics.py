@@ -68,9 +68,12 @@ class ExpertLoad:
         for h in self._handles:
             h.remove()
 
-    def metrics(self, dp_group=None, pp_group=None) -> dict[str, float]:
-        """The step's load metrics (see the module's docstring); a collective over `dp_group` and
-        `pp_group` (CPU groups; None: this rank alone)."""
+    def metrics(self, dp_group=None, pp_group=None, cp_group=None) -> dict[str, float]:
+        """The step's load metrics (see the module's docstring); a collective over `dp_group`,
+        `pp_group` and `cp_group` (CPU groups; None: this rank alone). The CP ranks route their
+        own chunks of the same micro-batches: their counts and load-balancing losses (each a
+        share of the micro-batch's, Megatron counting tokens over the CP group) add up, their
+        micro-batches are the same ones."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         index = [n - 1 for n in self.numbers]
@@ -86,6 +89,11 @@ class ExpertLoad:
                 if group is not None:
                     dist.all_reduce(counts, group=group)
                     dist.all_reduce(aux, group=group)
+            if cp_group is not None:
+                dist.all_reduce(counts, group=cp_group)
+                losses = aux[:, 0].contiguous()
+                dist.all_reduce(losses, group=cp_group)
+                aux[:, 0] = losses
         moe = counts.sum(1) > 0  # layers that routed tokens this step
         if not bool(moe.any()):
             return {}

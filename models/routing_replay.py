@@ -176,12 +176,12 @@ class RoutingReplay:
     def reset(self) -> None:
         self.counts.zero_()
 
-    def metrics(self, dp_group=None, pp_group=None) -> dict[str, float]:
-        """moe/route_mismatch over this step's compared forwards, every DP rank and pipeline
-        stage (a collective over both CPU groups); {} when nothing was compared."""
+    def metrics(self, dp_group=None, pp_group=None, cp_group=None) -> dict[str, float]:
+        """moe/route_mismatch over this step's compared forwards, every DP rank, pipeline stage
+        and CP rank's chunks (a collective over the CPU groups); {} when nothing was compared."""
         counts = self.counts.clone()
         if dist.is_initialized():
-            for group in (dp_group, pp_group):
+            for group in (dp_group, pp_group, cp_group):
                 if group is not None:
                     dist.all_reduce(counts, group=group)
         if counts[1] == 0:

@@ -119,8 +119,7 @@ class TrainerConfig:
 
 
 # model types whose forward takes a context-parallel plan (models/context.py)
-# (not Qwen3-VL-MoE yet: its routers take a padding mask of the whole sequence)
-CONTEXT_PARALLEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+CONTEXT_PARALLEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @dataclass

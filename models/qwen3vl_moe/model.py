@@ -69,8 +69,17 @@ class Qwen3VLMoeModel(Qwen3VLModel):
 
     def forward(self, inputs, packed_seq_params=None) -> torch.Tensor:
         """Qwen3VLModel's forward; right-padded rows tell the routers where the padding is (a
-        packed row has none)."""
+        packed row has none). Under context parallelism the routers see this rank's chunks, the
+        CP padding at the rows' ends included, and always get a mask: Megatron then counts the
+        load-balancing loss's tokens over the CP group (with a mask on one rank and none on
+        another the ranks would count differently)."""
+        from models.context import ContextParallel
+
         mask = inputs.attention_mask
-        self._padding = None if mask is None or packed_seq_params is not None or bool(mask.all()) \
-            else ~mask.bool().transpose(0, 1).contiguous()
+        if isinstance(packed_seq_params, ContextParallel):
+            real = torch.ones_like(inputs.input_ids, dtype=torch.bool) if mask is None else mask.bool()
+            self._padding = ~packed_seq_params.local(real, 1, pad_value=False).transpose(0, 1).contiguous()
+        else:
+            self._padding = None if mask is None or packed_seq_params is not None or bool(mask.all()) \
+                else ~mask.bool().transpose(0, 1).contiguous()
         return super().forward(inputs, packed_seq_params)

@@ -452,9 +452,13 @@ def test_long_video_recipe_fits_at_cp4_and_a_cp_that_does_not_divide_is_refused(
     assert "TP 2 x CP 4 x PP 1 x DP 1" in capsys.readouterr().out
     assert main(["plan", "--config", recipe, "policy.trainer.context_parallel=3"]) == 2
     assert "policy.trainer.context_parallel = 2 x 1 x 3" in capsys.readouterr().err
-    # the trainer's refusals, before any GPU: CP where the family has no CP path, EP without experts
-    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2"]) == 2
-    assert "policy.trainer.context_parallel=2: not supported for qwen3_vl_moe" in capsys.readouterr().err
+    # the MoE recipe at CP 2 (TP 4 x PP 2 x CP 2 on 16 GPUs) plans; the trainer's refusals, before
+    # any GPU: CP with EP, EP without experts
+    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2"]) == 0
+    assert "TP 4 x CP 2 x PP 2 x DP 1" in capsys.readouterr().out
+    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2",
+                 "policy.trainer.expert_parallel=2"]) == 2
+    assert "context_parallel and policy.trainer.expert_parallel together are not supported" in capsys.readouterr().err
     assert main(["plan", "--config", recipe, "policy.trainer.expert_parallel=2",
                  "policy.trainer.context_parallel=1", "policy.trainer.tensor_parallel=1",
                  "rollout.engine.tensor_parallel_size=1"]) == 2

@@ -6,7 +6,8 @@ gradients of an RL-style loss (summed over the CP ranks) and the weights after o
 over both micro-batches must match CP 1's, and each rank's vision tower must run only its share
 of the frames. Then the tiny Qwen3-VL (interleaved M-RoPE, DeepStack features added after its
 first two layers) and the tiny Qwen2.5-VL (window attention in its vision tower) on one packed
-row of an image group, a video group and the longer video: logprobs and gradients (Qwen3-VL with
+row of an image group, a video group and the longer video, and the tiny Qwen3-VL-MoE on the same
+samples as right-padded rows (its routers' padding mask): logprobs and gradients (Qwen3-VL with
 and without full recompute, DeepStack's gradient hand-over) at CP 2 against CP 1 without it.
 
 Run twice with the same OUT: `python tests/dist/context_parallel.py OUT` (one rank, CP 1: writes
@@ -31,6 +32,7 @@ from packing import mixed_samples  # noqa: E402
 
 from dataio.synth import moving_ball_video  # noqa: E402
 from models.comm import comm, init_parallel  # noqa: E402
+from models.moe_metrics import ExpertLoad  # noqa: E402
 from models.tiny import tiny_model_dir  # noqa: E402
 from models.trainer import TrainerConfig, VLMTrainer, _forward_scores  # noqa: E402
 from yatt_mm.engines.engine import Response  # noqa: E402
@@ -73,10 +75,11 @@ def vision_patches(trainer) -> list[int]:
     return seen
 
 
-def family_runs(kind: str, cp: int, recomputes: tuple[str, ...]) -> dict:
-    """A tiny model of another family (`kind`) on one packed row (image group, video group,
-    longer video): at CP 1 without recompute (the reference), at CP 2 with each of `recomputes`.
-    Also the patches its vision tower ran on this rank and in all."""
+def family_runs(kind: str, cp: int, recomputes: tuple[str, ...], layout: str = "packed") -> dict:
+    """A tiny model of another family (`kind`) on an image group, a video group and the longer
+    video as one packed row (or right-padded rows: `layout`): at CP 1 without recompute (the
+    reference), at CP 2 with each of `recomputes`. Also the patches its vision tower ran on this
+    rank and in all."""
     from transformers import AutoProcessor
 
     path = str(tiny_model_dir(kind))
@@ -85,12 +88,19 @@ def family_runs(kind: str, cp: int, recomputes: tuple[str, ...]) -> dict:
     for recompute in recomputes if cp > 1 else ("none",):
         trainer = VLMTrainer(path, TrainerConfig(lr=1e-3, context_parallel=cp, recompute=recompute))
         seen = vision_patches(trainer)
+        load = ExpertLoad.of(trainer.module)  # MoE: the routers' load metrics, over the CP ranks
+        if load is not None:
+            load.reset()
         samples = mixed_samples(processor)[6:] + long_video_group(processor)
         pad_id = processor.tokenizer.pad_token_id
         (padded,) = micro_batches(samples, 10**6, trainer.spec, pad_id)
         (packed,) = micro_batches(samples, 10**6, trainer.spec, pad_id, packed=True)
         real = padded.inputs.attention_mask.bool()
-        lp, _, grads = scores_and_grads(trainer, packed, real, cp)
+        lp, _, grads = scores_and_grads(trainer, packed if layout == "packed" else padded, real, cp)
+        if load is not None:
+            moe = load.metrics(cp_group=comm().cp_cpu if cp > 1 else None)
+            got[f"{kind}-{recompute}/moe"] = torch.tensor([moe["moe/load_max_over_mean"], moe["moe/aux_loss"]],
+                                                         dtype=torch.float64)
         got.update({f"{kind}-{recompute}/lp": lp, **{f"{kind}-{recompute}/grad/{n}": g for n, g in grads.items()}})
         got[f"{kind}/tokens"] = torch.tensor(int(real.sum()))
         got[f"{kind}/media"] = torch.tensor([int((padded.inputs.input_ids == t).sum())
@@ -134,6 +144,9 @@ def main() -> None:
     got["loss"] = torch.tensor(step["train/loss"])
     got.update(family_runs("qwen3vl", cp, ("none", "full")))
     got.update(family_runs("policy25", cp, ("none",)))
+    # right-padded rows (the default, packing off): the routers' padding mask and Megatron's
+    # token count over the CP group decide the load-balancing loss's gradient
+    got.update(family_runs("qwen3vlmoe", cp, ("none",), layout="padded"))
     if cp == 1:
         torch.save(got, out)
         print(json.dumps({"cp": 1, "reference": str(out), "loss": float(got["loss"])}), flush=True)
@@ -156,7 +169,7 @@ def main() -> None:
         shares[f"{name}/vision_share"] = int(got[key]) / int(ref[key.replace("-full/", "-none/")])
         shares[f"{name}/vision_share_all_ranks"] = int(total) / int(ref[key.replace("-full/", "-none/")])
     result.update(shares)
-    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",))):
+    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",)), ("qwen3vlmoe", ("none",))):
         result[f"{kind}/tokens"], result[f"{kind}/image_tokens"], result[f"{kind}/video_tokens"] = \
             int(ref[f"{kind}/tokens"]), *ref[f"{kind}/media"].tolist()
         result[f"{kind}/grad_scale"], result[f"{kind}/lp_scale"] = scale(f"{kind}-none/grad/"), scale(f"{kind}-none/lp")
@@ -165,6 +178,13 @@ def main() -> None:
             result[f"{run}/lp_max_diff"] = float((got[f"{run}/lp"] - ref[f"{kind}-none/lp"]).abs().max())
             result[f"{run}/grad_max_diff"] = max(float((got[k.replace(f"{kind}-none", run)] - ref[k]).abs().max())
                                                  for k in ref if k.startswith(f"{kind}-none/grad/"))
+        if f"{kind}-none/moe" in ref:  # load max/mean and the load-balancing loss, CP 2 against CP 1
+            result[f"{kind}/moe_metrics_cp"] = got[f"{kind}-none/moe"].tolist()
+            result[f"{kind}/moe_metrics_cp1"] = ref[f"{kind}-none/moe"].tolist()
+        routers = [k for k in ref if k.startswith(f"{kind}-none/grad/") and ".router." in k]
+        if routers:  # their gradients are small beside the others': on their own scale
+            result[f"{kind}/router_grad_scale"] = max(float(ref[k].abs().max()) for k in routers)
+            result[f"{kind}/router_grad_max_diff"] = max(float((got[k] - ref[k]).abs().max()) for k in routers)
     result["step_scale"] = scale("step/")  # how far the step moved the weights
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)

@@ -58,10 +58,10 @@ def test_context_parallel_layouts_are_refused_before_any_rank_starts(tiny_policy
     rl.check_world(2)
     with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel = 1 x 1 x 2"):
         rl.check_world(3)
-    TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen3vl")), "policy.trainer")  # Qwen3-VL too
-    # Qwen3-VL-MoE's routers take the padding mask of the whole sequence, not of a CP rank's chunks
-    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=2: not supported for qwen3_vl_moe"):
-        TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen3vlmoe")), "policy.trainer")
+    for kind in ("qwen3vl", "qwen3vlmoe"):  # Qwen3-VL and Qwen3-VL-MoE too (not Qwen3.5's DeltaNet)
+        TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir(kind)), "policy.trainer")
+    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=2: not supported for qwen3_5"):
+        TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen35")), "policy.trainer")
 
 
 def test_at_context_parallel_only_the_controllers_tp_ranks_serve_the_rollout():
@@ -95,7 +95,9 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     819 at most (6e-7 relative), the same with full recompute. The tiny Qwen2.5-VL on the same row
     (1151 tokens, 432 video tokens): logprobs 9.5e-6 of 37.2, gradients 1.1e-4 of 207 (6e-7
     relative), rank 0's tower 0.6 of the patches (one image runs on both ranks: fewer frames than
-    ranks)."""
+    ranks). The tiny Qwen3-VL-MoE (4 experts, top 2, load-balancing loss 0.001) on the same
+    samples as right-padded rows: logprobs 1.3e-5 of 32.8, gradients 5.5e-4 of 846, its routers'
+    6.6e-6 of 4.4."""
     script = str(ROOT / "tests" / "dist" / "context_parallel.py")
     ref = run_json([sys.executable, script, str(tmp_path / "cp1.pt")], timeout=600)
     assert ref["cp"] == 1
@@ -113,13 +115,20 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
         assert r[f"{kind}/vision_share"] < 0.75 and r[f"{kind}/vision_share_all_ranks"] == 1.0, r
     # Qwen3-VL (its DeepStack features split over CP like the embeddings) and Qwen2.5-VL (window
     # attention in the tower) on a packed row with both media
-    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",))):
+    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",)), ("qwen3vlmoe", ("none",))):
         assert r[f"{kind}/image_tokens"] > 0 and r[f"{kind}/video_tokens"] > 0 and r[f"{kind}/tokens"] % 4, r
         for recompute in recomputes:
             run = f"{kind}-{recompute}"
             assert r[f"{run}/lp_max_diff"] < 1e-6 * r[f"{kind}/lp_scale"], r
             assert r[f"{run}/grad_max_diff"] < 3e-6 * r[f"{kind}/grad_scale"], r
             assert r[f"{run}/vision_share"] < 0.75, r
+    # Qwen3-VL-MoE on right-padded rows: the routers get this rank's chunks' padding mask, so the
+    # load-balancing loss counts the same real tokens as at CP 1 (measured: router gradients
+    # 6.6e-6 of 4.4; without the mask 5.4e-5, and 2.85 of 846 elsewhere)
+    assert r["qwen3vlmoe/router_grad_max_diff"] < 5e-6 * r["qwen3vlmoe/router_grad_scale"], r
+    # and the step's expert-load metrics add the CP ranks' chunks up: load max/mean and the
+    # load-balancing loss as at CP 1 (measured 1.3845 both, 1.2148314 vs 1.2148315)
+    assert r["qwen3vlmoe/moe_metrics_cp"] == pytest.approx(r["qwen3vlmoe/moe_metrics_cp1"], rel=1e-6), r
 
 
 def _rel(a, b):

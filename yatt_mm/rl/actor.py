@@ -14,6 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
+from models.comm import comm
 from models.moe_metrics import ExpertLoad
 from models.routing_replay import RoutingReplay
 from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
@@ -213,10 +214,11 @@ class Actor:
                     if f"train/{key}" in totals}
         if self.fused:  # the training forward measured what the old-logprob pass would have
             metrics |= self._rollout_gap({k: totals[f"train/{k}"] for k in ("diff", "entropy", "tokens")})
+        cp = comm().cp_cpu if comm().cp_size > 1 else None  # CP ranks route their own chunks
         if self.expert_load is not None:  # the routers' load over every optimizer step, all DP ranks
-            metrics |= self.expert_load.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group)
+            metrics |= self.expert_load.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group, cp)
         if self.routing is not None and not self.fused:  # the update passes against the old-logprob pass
-            metrics |= self.routing.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group)
+            metrics |= self.routing.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group, cp)
         return metrics
 
     def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
