@@ -79,7 +79,9 @@ def vision_position_ids(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
 
 def frame_ids(grid_thw: torch.Tensor) -> torch.Tensor:
     """The frame (temporal patch) each patch belongs to, in the processor's order: [patches].
-    Qwen2-VL's blocks and Qwen2.5-VL's full-attention blocks attend within a frame."""
+    Qwen2-VL's blocks and Qwen2.5-VL's full-attention blocks attend within a frame. On the host,
+    wherever the grid is (the model's inputs are on the GPU there)."""
+    grid_thw = grid_thw.cpu()
     return torch.repeat_interleave(torch.arange(int(grid_thw[:, 0].sum())),
                                    torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]))
 
