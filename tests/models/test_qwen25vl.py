@@ -12,7 +12,7 @@ import torch
 from models.qwen2vl.config import Qwen2VLSpec
 from models.qwen2vl.convert import hf_to_megatron, load_hf_state, megatron_to_hf, shard
 from models.qwen2vl.rope_index import rope_index
-from models.qwen2vl.vision import window_ids
+from models.qwen2vl.vision import AttentionGroups, frame_ids, window_ids
 
 from subproc import run_json
 
@@ -103,6 +103,26 @@ def _vllm_positions(spec, ids, image_grid, video_grid, seconds):
             i += 1
     positions, _ = V.get_mrope_input_positions(fake, tokens, feats)
     return positions
+
+
+def test_attention_groups_batch_every_patch_once_with_its_own_unit_and_angles():
+    """The units (windows, frames) a Qwen2.5-VL block attends within, batched by size: every patch
+    in exactly one batch row, a row's patches all of one unit, and each patch's own rotary angles
+    beside it (edge windows are smaller: several sizes)."""
+    grid = torch.tensor([[1, 6, 8], [2, 4, 6], [1, 10, 4]])  # images and a 2-frame video
+    patches = int(grid.prod(-1).sum())
+    rotary = torch.arange(patches, dtype=torch.float32)[:, None, None, None].expand(patches, 1, 1, 4)
+    for ids in (window_ids(grid, 2, 2), frame_ids(grid)):
+        groups = AttentionGroups.of(ids, rotary)
+        seen = torch.cat(groups.rows)
+        assert sorted(seen.tolist()) == list(range(patches))  # each patch once
+        assert len(groups.sizes) == len(set(groups.sizes))  # one batch per unit size
+        for rows, n, angles in zip(groups.rows, groups.sizes, groups.angles):
+            units = rows.view(-1, n)  # [units, n]: the batch's rows, unit after unit
+            assert bool((ids[units] == ids[units][:, :1]).all())  # a unit's patches share its id
+            assert int(torch.bincount(ids)[ids[units[:, 0]]].min()) == n  # and the whole unit is there
+            assert torch.equal(angles[..., 0, 0], units.t().float())  # [n, units]: each patch's angles
+    assert len(AttentionGroups.of(window_ids(grid, 2, 2), rotary).sizes) > 1  # edge windows
 
 
 def test_rope_index_follows_vllm_time_scaled_video_positions(tiny25):
