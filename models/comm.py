@@ -171,8 +171,6 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
     if _comm is not None:
         return _comm
     world = dist.get_world_size()
-    if context_parallel > 1 and expert_parallel > 1:
-        raise ValueError("context_parallel and expert_parallel together are not supported yet")
     if world % (tensor_parallel * pipeline_parallel * context_parallel):
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel x "
                          f"context_parallel = {tensor_parallel} x {pipeline_parallel} x {context_parallel}")
@@ -211,9 +209,10 @@ def init_parallel(tensor_parallel: int = 1, seed: int = 1234, pipeline_parallel:
             raise RuntimeError(f"Megatron's groups {dist.get_process_group_ranks(megatrons)} are not the "
                                f"layout yatt-mm assumes ({expected})")
     ep = ps.get_expert_model_parallel_world_size()
-    if ep > 1:  # Megatron's expert ranks (tp-ep-dp-pp, expert TP = TP): blocks of ep consecutive DP ranks
-        first = d // ep * ep
-        expected = ranks([t], range(first, first + ep), [p])
+    if ep > 1:  # Megatron's expert ranks (tp-ep-dp-pp, expert TP = TP): blocks of ep consecutive ranks of
+        # the flattened CP x DP index (c + cp x d; with CP 1, of DP ranks), at this TP rank and stage
+        first = (c_ + cp * d) // ep * ep
+        expected = [t + tp * (g + cp * dp * p) for g in range(first, first + ep)]
         if dist.get_process_group_ranks(ps.get_expert_model_parallel_group()) != expected:
             raise RuntimeError(f"Megatron's expert-parallel group "
                                f"{dist.get_process_group_ranks(ps.get_expert_model_parallel_group())} is not the "

@@ -88,10 +88,8 @@ class TrainerConfig:
             raise ValueError(f"{world_size} ranks: must be a multiple of {prefix}.tensor_parallel x "
                              f"{prefix}.pipeline_parallel x {prefix}.context_parallel = {self.tensor_parallel} x "
                              f"{self.pipeline_parallel} x {self.context_parallel}")
-        if self.context_parallel > 1 and self.expert_parallel > 1:
-            raise ValueError(f"{prefix}.context_parallel and {prefix}.expert_parallel together are not supported yet")
         if world_size % (self.model_parallel * self.expert_parallel):
-            # the experts spread over DP ranks: the DP size must divide by expert_parallel
+            # the experts spread over DP (x CP) ranks: their number must divide by expert_parallel
             raise ValueError(f"{world_size} ranks: must be a multiple of {prefix}.tensor_parallel x "
                              f"{prefix}.pipeline_parallel x {prefix}.expert_parallel = {self.tensor_parallel} x "
                              f"{self.pipeline_parallel} x {self.expert_parallel}")

@@ -452,13 +452,16 @@ def test_long_video_recipe_fits_at_cp4_and_a_cp_that_does_not_divide_is_refused(
     assert "TP 2 x CP 4 x PP 1 x DP 1" in capsys.readouterr().out
     assert main(["plan", "--config", recipe, "policy.trainer.context_parallel=3"]) == 2
     assert "policy.trainer.context_parallel = 2 x 1 x 3" in capsys.readouterr().err
-    # the MoE recipe at CP 2 (TP 4 x PP 2 x CP 2 on 16 GPUs) plans; the trainer's refusals, before
-    # any GPU: CP with EP, EP without experts
+    # the MoE recipe at CP 2 (TP 4 x PP 2 x CP 2 on 16 GPUs), with EP 2 over the CP ranks too,
+    # plans; the trainer's refusals, before any GPU: EP that does not divide DP x CP, EP without experts
     assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2"]) == 0
     assert "TP 4 x CP 2 x PP 2 x DP 1" in capsys.readouterr().out
     assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2",
-                 "policy.trainer.expert_parallel=2"]) == 2
-    assert "context_parallel and policy.trainer.expert_parallel together are not supported" in capsys.readouterr().err
+                 "policy.trainer.expert_parallel=2"]) == 0
+    assert "TP 4 x CP 2 x PP 2 x DP 1, EP 2" in capsys.readouterr().out
+    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2",
+                 "policy.trainer.expert_parallel=4"]) == 2
+    assert "policy.trainer.expert_parallel = 4 x 2 x 4" in capsys.readouterr().err
     assert main(["plan", "--config", recipe, "policy.trainer.expert_parallel=2",
                  "policy.trainer.context_parallel=1", "policy.trainer.tensor_parallel=1",
                  "rollout.engine.tensor_parallel_size=1"]) == 2

@@ -41,16 +41,17 @@ from models.tiny import tiny_model_dir  # noqa: E402
 from models.trainer import TrainerConfig, VLMTrainer  # noqa: E402
 
 
-def step_layout(kind: str, ep: int, tp: int, pp: int, out: Path, parity: bool) -> dict:
-    """One step at EP x TP x PP (its files written to `out`); the JSON line's figures, with the
-    parity diffs under "parity" when asked."""
+def step_layout(kind: str, ep: int, tp: int, pp: int, out: Path, parity: bool, cp: int = 1) -> dict:
+    """One step at EP x TP x PP (x CP: each sequence split over `cp` ranks, which may hold each
+    other's experts; its files written to `out`); the JSON line's figures, with the parity diffs
+    under "parity" when asked."""
     from safetensors.torch import save_file
     from transformers import AutoProcessor
 
     path = str(tiny_model_dir(kind))
-    groups = init_parallel(tp, 0, pp, ep)
-    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp,
-                                             expert_parallel=ep, lr=1e-3, distributed_optimizer=True))
+    groups = init_parallel(tp, 0, pp, ep, cp)
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                                             context_parallel=cp, lr=1e-3, distributed_optimizer=True))
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     share = 2 // trainer.dp_size  # the data ranks (of 2) this DP rank trains on
@@ -64,7 +65,7 @@ def step_layout(kind: str, ep: int, tp: int, pp: int, out: Path, parity: bool) -
     def loss_fn(lp, mb):
         return -(lp * mb.extra["mask"]).sum() * trainer.dp_size / tokens, {}
 
-    logits = first_logits(trainer, batches[0], tp) if pp == 1 else None
+    logits = first_logits(trainer, batches[0], tp) if pp == 1 and cp == 1 else None
     local = sorted({n.split("local_experts.")[1].split(".")[0] for n, _ in trainer.module.named_parameters()
                     if "local_experts." in n})
     metrics = trainer.train_step(batches, loss_fn)
@@ -75,12 +76,13 @@ def step_layout(kind: str, ep: int, tp: int, pp: int, out: Path, parity: bool) -
     exported = trainer.export_hf()
     out.mkdir(parents=True, exist_ok=True)
     prefix = "" if kind == "qwen3vlmoe" else f"{kind}_"  # the Qwen3-VL-MoE test's names unchanged
-    name = prefix + f"ep{ep}" + (f"_tp{tp}" if tp > 1 else "") + (f"_pp{pp}" if pp > 1 else "")
+    name = prefix + f"ep{ep}" + (f"_tp{tp}" if tp > 1 else "") + (f"_pp{pp}" if pp > 1 else "") + \
+        (f"_cp{cp}" if cp > 1 else "")
     if logits is not None:
         save_file({"logits": logits}, str(out / f"{name}_logits_rank{groups.rank}.safetensors"))
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in exported.items()}, str(out / f"{name}.safetensors"))
-    result = {"ep": ep, "tp": tp, "pp": pp, "ep_size": groups.ep_size, "dp": trainer.dp_size,
+    result = {"ep": ep, "tp": tp, "pp": pp, "cp": groups.cp_size, "ep_size": groups.ep_size, "dp": trainer.dp_size,
               "local_experts_rank0": local, "loss": float(loss),
               "grad_norm": metrics["train/grad_norm"], "exported": len(exported)}
     if parity:  # a fresh model from the checkpoint, the same process groups
@@ -96,7 +98,7 @@ def main() -> int:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--layouts", nargs="+", default=None, metavar="EP,TP,PP",
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="EP,TP,PP[,CP]",
                         help="several layouts in one launch (instead of --ep/--tp/--pp): one JSON line "
                              "{layout: its figures}; a launch costs ~10 s of imports on two cores")
     parser.add_argument("--out", required=True)
@@ -114,8 +116,8 @@ def main() -> int:
     else:
         results = {}
         for layout in args.layouts:
-            ep, tp, pp = (int(n) for n in layout.split(","))
-            results[layout] = step_layout(args.kind, ep, tp, pp, Path(args.out), args.parity)
+            ep, tp, pp, cp = (*(int(n) for n in layout.split(",")), 1)[:4]
+            results[layout] = step_layout(args.kind, ep, tp, pp, Path(args.out), args.parity, cp)
             destroy_parallel()  # the next layout makes its own groups
         if dist.get_rank() == 0:
             print(json.dumps(results), flush=True)

@@ -146,17 +146,22 @@ def test_expert_parallel_trains_like_experts_on_every_rank(tiny_moe, tmp_path):
     over EP, then Megatron's all-gather over TP of uneven token counts, padded on gloo by
     models/runtime.py): logits equal TP 2's bit for bit, grad norm EP 1's within 4e-8, the
     weights within 2.7e-7 relative of TP 2's (so within TP's float order of EP 1's: 4.6e-5);
-    with that gather's rows cut from the wrong end of its blocks, loss 20.58 and grad norm 876."""
+    with that gather's rows cut from the wrong end of its blocks, loss 20.58 and grad norm 876.
+    CP 2 (DP 1) and EP 2 x CP 2 (the experts spread over the two CP ranks): loss equal, grad norm
+    within 3.5e-7 relative of EP 1's, weights within 3.7e-5 (attention; experts 2.2e-6), EP 2 x
+    CP 2 against CP 2 within 1.6e-7 (86 of 92 tensors bitwise)."""
     from safetensors.torch import load_file
 
     script = str(ROOT / "tests/dist/moe_ep.py")
-    # the 2-rank layouts (EP,TP,PP) in one launch, then EP 2 x TP 2 on 4 ranks
+    # the 2-rank layouts (EP,TP,PP[,CP]) in one launch, then EP 2 x TP 2 on 4 ranks
     two = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
-                    "--layouts", "1,1,1", "2,1,1", "1,2,1", "1,1,2", "--out", str(tmp_path)], timeout=900)
+                    "--layouts", "1,1,1", "2,1,1", "1,2,1", "1,1,2", "1,1,1,2", "2,1,1,2", "--out", str(tmp_path)],
+                   timeout=900)
     eptp = run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", script,
                      "--ep", "2", "--tp", "2", "--out", str(tmp_path)], timeout=600)
     print(two, eptp)
-    runs, tp, pp = {1: two["1,1,1"], 2: two["2,1,1"]}, two["1,2,1"], two["1,1,2"]
+    runs, tp, pp, cp = {1: two["1,1,1"], 2: two["2,1,1"]}, two["1,2,1"], two["1,1,2"], two["1,1,1,2"]
+    epcp = two["2,1,1,2"]
     assert runs[2]["ep_size"] == 2 and runs[2]["local_experts_rank0"] == ["0", "1"]
     assert runs[1]["local_experts_rank0"] == ["0", "1", "2", "3"]
     assert runs[1]["loss"] == pytest.approx(runs[2]["loss"], rel=1e-6)
@@ -185,8 +190,19 @@ def test_expert_parallel_trains_like_experts_on_every_rank(tiny_moe, tmp_path):
     assert staged.keys() == one.keys()
     for key in one:
         assert float((one[key] - staged[key]).norm() / one[key].norm()) <= 2e-6, key
+    # CP 2 (DP 1: each sequence split over both ranks), and EP 2 x CP 2: the CP ranks hold each
+    # other's experts (Megatron's expert ranks run over CP x DP). Their steps equal EP 1's up to
+    # float order (grad norm 3e-7 relative, weights 3.7e-5 relative: attention, as TP's 4.6e-5;
+    # experts 2.2e-6), and each other's closer still (86 of 92 tensors bitwise, the rest 1.6e-7)
+    assert (cp["cp"], cp["dp"], epcp["cp"], epcp["ep_size"], epcp["local_experts_rank0"]) == (2, 1, 2, 2, ["0", "1"])
+    at_cp = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name in ("ep1_cp2", "ep2_cp2")}
+    for key in one:
+        assert float((at_cp["ep1_cp2"][key] - one[key]).norm() / one[key].norm()) <= 2e-4, key
+        assert float((at_cp["ep2_cp2"][key] - at_cp["ep1_cp2"][key]).norm() / one[key].norm()) <= 1e-6, key
+    for run in (cp, epcp):
+        assert run["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=2e-6), run
     # the step's loss (the token mean over both DP ranks' samples) at every layout
-    for run in (runs[2], tp, pp, eptp):
+    for run in (runs[2], tp, pp, eptp, cp, epcp):
         assert run["loss"] == pytest.approx(runs[1]["loss"], rel=1e-6), run
     # EP 2 x TP 2 (4 ranks, DP 2): each TP pair holds 2 experts, split over its 2 ranks. Its
     # logits are TP 2's bit for bit, its weights TP 2's up to float order (grads summed over DP)

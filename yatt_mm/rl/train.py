@@ -170,7 +170,8 @@ def train(cfg: RLConfig) -> int:
     run = Run(cfg)
     if run.ranks.rank == 0:
         print(f"yatt-mm rl: {run.ranks.world} rank(s), DP {run.ranks.dp_size} x TP {run.ranks.tp_size} x PP "
-              f"{run.ranks.pp_size} x CP {run.ranks.cp_size}, rollout engines of "
+              f"{run.ranks.pp_size} x CP {run.ranks.cp_size}"
+              + (f", EP {run.ranks.ep_size}" if run.ranks.ep_size > 1 else "") + ", rollout engines of "
               f"{cfg.rollout.engine.tensor_parallel_size} rank(s), run dir {run.run_dir}\n"
               f"{run.phases.plan.describe()}", flush=True)
     start = resume(run) if cfg.run.resume else 0
