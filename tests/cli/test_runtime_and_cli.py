@@ -37,6 +37,17 @@ def test_help_lists_commands_and_every_model_family():
         assert family.name in help_text, family.name
 
 
+def test_the_demo_reads_its_results_where_the_run_wrote_them():
+    """`yatt-mm demo run.run_dir=D` trained into D but then plotted the default directory and
+    exited 2; the demo now follows the override (the RL run's last one wins), else --run-dir."""
+    from yatt_mm.demo import demo_run_dir
+
+    assert str(demo_run_dir(None, ["run.steps=2", "run.run_dir=/tmp/a"])) == "/tmp/a"
+    assert str(demo_run_dir("/tmp/b", ["run.run_dir=/tmp/a", "run.run_dir=/tmp/c"])) == "/tmp/c"
+    assert str(demo_run_dir("/tmp/b", ["run.steps=2"])) == "/tmp/b"
+    assert demo_run_dir(None, None).name.startswith("tiny-demo-")
+
+
 def test_a_missing_or_occupied_path_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """The commands' path errors name the path and the fix; no traceback buries them."""
     from yatt_mm.cli import main

@@ -30,13 +30,20 @@ def make_data() -> None:
             print(f"[demo] wrote {n} synthetic colour questions to {out}", flush=True)
 
 
+def demo_run_dir(run_dir: str | None, overrides: list[str] | None) -> Path:
+    """Where the demo's run goes: a `run.run_dir=` override (the RL run takes the last one, so the
+    demo's plots and summary must read it too), else --run-dir, else runs/tiny-demo-TIME."""
+    given = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("run.run_dir=")]
+    return Path(given[-1] if given else run_dir or f"runs/tiny-demo-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | None = None,
              verbose: bool = False) -> int:
     from yatt_mm.launch import launch_command
     from yatt_mm.plot import plot_run
 
     start = time.time()
-    run = Path(run_dir or f"runs/tiny-demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    run = demo_run_dir(run_dir, overrides)
     print(f"[demo] RL of a tiny Qwen2-VL on CPU; everything goes to {run}", flush=True)
     make_data()
     # the launcher builds the warm starts before the ranks start (they find them cached): the
@@ -53,6 +60,7 @@ def run_demo(run_dir: str | None = None, nproc: int = 2, overrides: list[str] | 
              if "eval/reward_mean" in r]
     if evals:
         (s0, first), (s1, last) = evals[0], evals[-1]
-        print(f"[demo] held-out exact-match reward: {first:.3f} at step {s0} -> {last:.3f} at step {s1} "
+        change = f" -> {last:.3f} at step {s1}" if len(evals) > 1 else ""  # a short run evaluates once
+        print(f"[demo] held-out exact-match reward: {first:.3f} at step {s0}{change} "
               f"({time.time() - start:.0f}s in all)", flush=True)
     return 0
