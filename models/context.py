@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from models.inputs import per_frame_grids
+
 
 def padded_length(length: int, cp: int) -> int:
     """The sequence length a CP run computes: `length` rounded up to a multiple of 2 x cp."""
@@ -154,8 +156,7 @@ class ContextParallel(PackedSeqParams):
         Exact for towers that attend within a frame (Qwen2-VL, Qwen2.5-VL's windows and full
         layers, Qwen3-VL), whose rotary and position tables are per frame too. With fewer frames
         than ranks every rank runs the whole media."""
-        frames = torch.repeat_interleave(grid, grid[:, 0], dim=0)  # one (1, h, w) row per temporal patch
-        frames[:, 0] = 1
+        frames = per_frame_grids(grid)
         patches = frames.prod(-1).tolist()
         bounds = self.media_bounds(patches)
         if bounds is None:

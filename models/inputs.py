@@ -47,3 +47,12 @@ class VLMInputs:
         """Without the media: what a pipeline stage after the first needs (ids for the labels,
         M-RoPE positions for its layers' rotary embedding)."""
         return VLMInputs(self.input_ids, self.position_ids, self.attention_mask)
+
+
+def per_frame_grids(grid_thw: torch.Tensor | None) -> torch.Tensor | None:
+    """[media, 3] -> [temporal patches, 3]: one (1, h, w) row per temporal patch, in order."""
+    if grid_thw is None:
+        return None
+    grids = torch.repeat_interleave(grid_thw, grid_thw[:, 0], dim=0)
+    grids[:, 0] = 1
+    return grids

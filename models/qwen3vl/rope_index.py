@@ -15,16 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from models.inputs import per_frame_grids
 from models.qwen2vl.rope_index import rope_index as _qwen2_rope_index
-
-
-def per_frame_grids(video_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
-    """[videos, 3] -> [temporal patches, 3]: one (1, h, w) row per temporal patch, in order."""
-    if video_grid_thw is None:
-        return None
-    grids = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
-    grids[:, 0] = 1
-    return grids
 
 
 def rope_index(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, video_grid_thw: torch.Tensor | None,
