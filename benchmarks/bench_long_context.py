@@ -28,7 +28,12 @@ The vision tower: at CP > 1 Qwen3-VL splits its frames over the CP ranks and all
 features (models/qwen3vl/model.py). One more measured forward at CP 2 runs it whole on every
 rank instead (the split switched off), to show what the split saves.
 
-    python benchmarks/bench_long_context.py [--tokens 8192] [--frames 256] [--rounds 2]
+`--kind qwen35`: a small Qwen3.5 instead (models/qwen35/tiny.py's recipe at the same widths: 4
+text layers of hidden 512, DeltaNet / attention / DeltaNet / attention; the DeltaNets with 4 key
+and 8 value heads of 64, the attention 4 query / 2 KV heads of 128; the same vision tower without
+DeepStack). Its DeltaNet layers split heads over CP, not positions (models/qwen35/model.py).
+
+    python benchmarks/bench_long_context.py [--kind qwen3vl|qwen35] [--tokens 8192] [--frames 256] [--rounds 2]
 
 The last line is one JSON object: cp_max_logprob_diff (CP 2, either way, against CP 1),
 activation_ratio_cp2 (target <= 0.6), throughput_ratio_cp2, and the figures behind them.
@@ -47,20 +52,28 @@ from pathlib import Path
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=65536)
-VISION = dict(depth=2, hidden_size=256, num_heads=4, intermediate_size=512, deepstack_visual_indexes=[0, 1])
+VISION = dict(depth=2, hidden_size=256, num_heads=4, intermediate_size=512)
+# kind -> (text, vision) widths over the family's tiny recipe, and the model's line in the JSON
+WIDTHS = {
+    "qwen3vl": ((TEXT, {**VISION, "deepstack_visual_indexes": [0, 1]}),
+                "Qwen3-VL, 4 x 512 text layers, 2 x 256 vision blocks (DeepStack), fp32"),
+    "qwen35": (({**TEXT, "num_attention_heads": 4, "head_dim": 128, "linear_num_key_heads": 4,
+                 "linear_num_value_heads": 8}, VISION),
+               "Qwen3.5, 4 x 512 text layers (2 gated DeltaNet, 2 gated attention), 2 x 256 vision blocks, fp32"),
+}
 VERSION = 1  # bump when the widths change: the cached model is rebuilt
 
 
-def model_dir() -> Path:
-    """The bench's Qwen3-VL, built once into the cache (before the ranks start) by the family's
-    tiny-model recipe at this bench's widths."""
+def model_dir(kind: str) -> Path:
+    """The bench's model of `kind`, built once into the cache (before the ranks start) by the
+    family's tiny-model recipe at this bench's widths."""
     from models.family import family_for_tiny_kind
     from models.tiny import cache_root
 
-    path = cache_root() / "bench" / f"qwen3vl-long-v{VERSION}"
+    path = cache_root() / "bench" / f"{kind}-long-v{VERSION}"
     if not (path / "config.json").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        family_for_tiny_kind("qwen3vl").make_tiny(tmp, widths=(TEXT, VISION))
+        family_for_tiny_kind(kind).make_tiny(tmp, widths=WIDTHS[kind][0])
         os.rename(tmp, path)
     return path
 
@@ -142,21 +155,21 @@ def rank_main(args) -> None:
     import torch.distributed as dist
     from transformers import AutoProcessor
 
-    import models.trainer as trainer_mod
+    import models.context as context_mod
     from models.comm import init_parallel
     from models.context import ContextParallel
     from models.trainer import TrainerConfig, VLMTrainer, _forward_scores, _module
 
     init_parallel(1, 0, context_parallel=2)
-    path = str(model_dir())
+    path = str(model_dir(args.kind))
     trainer = VLMTrainer(path, TrainerConfig(context_parallel=2))
     processor = AutoProcessor.from_pretrained(path)
     mb, video_tokens = long_sample(processor, trainer.spec, args.tokens, args.frames)
-    real_plan = trainer_mod.context_plan
+    real_plan = context_mod.plan  # the trainer imports it at each forward
 
     def step(cp: int, measure: bool = False):
         """Forward and backward of the sum of logprobs; CP 1: the plan switched off on this rank."""
-        trainer_mod.context_plan = real_plan if cp == 2 else (lambda *a, **k: None)
+        context_mod.plan = real_plan if cp == 2 else (lambda *a, **k: None)
         trainer.model.zero_grad_buffer()
         dist.barrier()
         t0 = time.perf_counter()
@@ -181,7 +194,7 @@ def rank_main(args) -> None:
     for _ in range(args.rounds):
         for cp in (1, 2):
             times[cp].append(step(cp)[0])
-    trainer_mod.context_plan = real_plan
+    context_mod.plan = real_plan
 
     mem = torch.tensor([[m.total, m.vision, m.vision_seconds] for m in (mem1, mem2, whole)], dtype=torch.float64)
     per_rank = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
@@ -199,7 +212,7 @@ def rank_main(args) -> None:
     vis1, vis2, vis_whole = (max(float(r[i, 1]) for r in per_rank) for i in (0, 1, 2))
     vis_s1, vis_s2, vis_s_whole = (statistics.median(float(r[i, 2]) for r in per_rank) for i in (0, 1, 2))
     result = {
-        "model": "Qwen3-VL, 4 x 512 text layers, 2 x 256 vision blocks (DeepStack), fp32",
+        "model": WIDTHS[args.kind][1],
         "tokens": tokens, "video_tokens": video_tokens, "frames": args.frames, "rounds": args.rounds,
         "cp_max_logprob_diff": float(max((lp2 - lp1).abs().max(), (lp_whole - lp1).abs().max())),
         "max_abs_logprob": float(lp1.abs().max()),
@@ -233,6 +246,7 @@ def rank_main(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", choices=sorted(WIDTHS), default="qwen3vl", help="the model family")
     ap.add_argument("--tokens", type=int, default=8192, help="sequence length of the sample")
     ap.add_argument("--frames", type=int, default=256, help="video frames (two per temporal patch)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds, each CP 1 then CP 2")
@@ -240,7 +254,7 @@ def main() -> int:
     if "RANK" in os.environ:
         rank_main(args)
         return 0
-    model_dir()  # built once, before the ranks start
+    model_dir(args.kind)  # built once, before the ranks start
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             __file__, *sys.argv[1:]], env=env)

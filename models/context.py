@@ -15,6 +15,10 @@ long video sample's activations are shared out along the sequence.
   the backward sums the K/V gradients of all ranks' queries) and masks by the chunks' global
   positions: causal, and within each sample for a packed row. Each chunk attends only the keys
   up to its own end (the rest are all masked), 5/8 of the scores of a full mask at CP 2.
+- Qwen3.5's gated DeltaNet layers run a recurrence along the whole sequence, which the chunks
+  cannot split: they trade positions for heads instead (`heads_to_sequence`, one all-to-all,
+  Ulysses-style), each rank running its share of the heads over every position, and back
+  (`sequence_to_heads`) before the output projection (models/qwen35/model.py).
 - The per-token logprobs (and entropy) of the local chunks are all-gathered back to the full
   sequence on every CP rank, so the loss function and metrics see the same [b, s] tensors as
   without CP, and each rank computes the same loss. The gather's backward keeps only the rank's
@@ -172,6 +176,32 @@ class ContextParallel(PackedSeqParams):
         CP group and each rank keeps its own rows (for its share of the vision tower)."""
         return _GatherMedia.apply(x, self, counts)
 
+    # -- heads instead of positions (Qwen3.5's DeltaNet layers) -----------------------------------
+    def heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[s_local, b, size x d]: this rank's positions with every head group (group g: the g-th
+        d columns) -> [padded, b, d]: every position, in global order, of head group `rank`. One
+        all-to-all over the CP group (Ulysses-style); the backward is `sequence_to_heads`'."""
+        return _HeadsToSequence.apply(x, self)
+
+    def sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse: [padded, b, d] of head group `rank` -> [s_local, b, size x d]."""
+        return _SequenceToHeads.apply(x, self)
+
+    def _to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, width = x.shape
+        send = x.reshape(s, b, self.size, width // self.size).permute(2, 0, 1, 3).contiguous()
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=self.group)  # got[r]: rank r's positions, this rank's heads
+        order = torch.argsort(self.gathered).to(x.device)
+        return got.reshape(self.size * s, b, -1).index_select(0, order)
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        padded, b, d = x.shape
+        send = x.index_select(0, self.gathered.to(x.device)).reshape(self.size, padded // self.size, b, d)
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send.contiguous(), group=self.group)  # got[r]: this rank's positions, r's heads
+        return got.permute(1, 2, 0, 3).reshape(padded // self.size, b, self.size * d)
+
     # -- scores ----------------------------------------------------------------------------------
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token values [b, s_local] -> [b, length] in global order, on every CP rank."""
@@ -230,6 +260,33 @@ class _GatherMedia(torch.autograd.Function):
         dist.all_reduce(grad, group=cp.group)
         start = sum(counts[:cp.rank])
         return grad[start:start + counts[cp.rank]], None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """All-to-all from positions to heads: a permutation of the elements over the CP group, so
+    the backward is its inverse, `_to_heads`, on the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        return cp._to_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.cp._to_heads(grad.contiguous()), None
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """The inverse all-to-all; the backward is `_to_sequence` on the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        return cp._to_heads(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.cp._to_sequence(grad.contiguous()), None
 
 
 class _GatherScores(torch.autograd.Function):

@@ -62,6 +62,9 @@ class ModelFamily:
     parity_module: str
     # model_types whose video positions follow time: vLLM gets every video's metadata (fps)
     timed_video_types: tuple[str, ...] = ()
+    # (spec, tp, cp, prefix) -> None, or ValueError naming `prefix`+setting: what the family's
+    # context-parallel path needs of the model beyond cp dividing the world (None: nothing)
+    check_context_parallel: Callable[..., None] | None = None
 
 
 def lazy(module: str, name: str) -> Callable:

@@ -43,8 +43,9 @@ class TrainerConfig:
     # experts, and tensor x pipeline x expert parallel must divide the world
     expert_parallel: int = 1
     # context-parallel size (models/context.py): each sequence split over this many ranks in
-    # zig-zag chunks, K/V all-gathered in attention; tensor x context x pipeline parallel must
-    # divide the world. Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense; Qwen3-VL-MoE refused)
+    # zig-zag chunks, K/V all-gathered in attention (Qwen3.5's DeltaNet layers: heads split by
+    # all-to-all, so tensor x context parallel must divide their heads); tensor x context x
+    # pipeline parallel must divide the world. Every family
     context_parallel: int = 1
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate
@@ -97,13 +98,13 @@ class TrainerConfig:
     def check_model(self, hf_dir: str, prefix: str) -> None:
         """Whether the model in `hf_dir` splits into this layout (before any rank starts)."""
         spec = read_spec(hf_dir)
-        if self.context_parallel > 1 and spec.model_type not in CONTEXT_PARALLEL_TYPES:
-            raise ValueError(f"{prefix}.context_parallel={self.context_parallel}: not supported for {spec.model_type} "
-                             f"yet (only {', '.join(CONTEXT_PARALLEL_TYPES)})")
+        family = family_of(spec)
+        if self.context_parallel > 1 and family.check_context_parallel is not None:
+            family.check_context_parallel(spec, self.tensor_parallel, self.context_parallel, f"{prefix}.")
         if self.expert_parallel > 1 and not getattr(spec, "num_experts", 0):
             raise ValueError(f"{prefix}.expert_parallel={self.expert_parallel}: {hf_dir} has no experts "
                              f"({spec.model_type} is not a mixture-of-experts model)")
-        family_of(spec).check_layout(spec, self.tensor_parallel, self.pipeline_parallel, f"{prefix}.",
+        family.check_layout(spec, self.tensor_parallel, self.pipeline_parallel, f"{prefix}.",
                                      tuple(self.pipeline_layers), **self.expert_kwargs)
 
     @property
@@ -114,10 +115,6 @@ class TrainerConfig:
     @property
     def offloads(self) -> bool:
         return self.offload == "always" or (self.offload == "auto" and torch.cuda.is_available())
-
-
-# model types whose forward takes a context-parallel plan (models/context.py)
-CONTEXT_PARALLEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @dataclass

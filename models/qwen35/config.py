@@ -123,6 +123,15 @@ def check_layout(spec: Qwen35Spec, tp: int, pp: int, prefix: str = "", layers=()
                          f"and value heads ({spec.linear_num_value_heads}) must divide by it")
 
 
+def check_context_parallel(spec: Qwen35Spec, tp: int, cp: int, prefix: str = "") -> None:
+    """Under context parallelism each rank runs whole DeltaNet heads of its TP share over the
+    whole sequence (models/qwen35/model.py): key and value heads must divide by TP x CP."""
+    if any(spec.linear_layers) and (spec.linear_num_key_heads % (tp * cp) or spec.linear_num_value_heads % (tp * cp)):
+        raise ValueError(f"{prefix}context_parallel={cp}: the DeltaNet's key heads ({spec.linear_num_key_heads}) and "
+                         f"value heads ({spec.linear_num_value_heads}) must divide by tensor_parallel x "
+                         f"context_parallel = {tp} x {cp}")
+
+
 def language_config(spec: Qwen35Spec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
                     pp: int = 1, layers=()):
     """Qwen3-VL's language config (models/megatron_config.py) with gated attention and the

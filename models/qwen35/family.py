@@ -46,4 +46,5 @@ QWEN35 = register(ModelFamily(
     parity_module="models.qwen35.parity",
     # the processor writes each temporal patch's timestamp (from the video's fps) into the prompt
     timed_video_types=("qwen3_5",),
+    check_context_parallel=lazy("models.qwen35.config", "check_context_parallel"),
 ))

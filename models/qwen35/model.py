@@ -12,15 +12,23 @@ Every RMSNorm but the DeltaNet's output norm scales by (1 + weight) (`ZeroCenter
 
 Packed rows (models/packing.py): a DeltaNet layer runs each sample of the row on its own, so
 each starts from a zero recurrent state and conv history, as it would unpacked (Megatron's
-GatedDeltaNet refuses packed sequences itself). Context parallelism is not implemented for this
-family (the trainer refuses it by name: models/trainer.py's CONTEXT_PARALLEL_TYPES).
+GatedDeltaNet refuses packed sequences itself).
+
+Context parallelism (models/context.py): the attention layers split positions as Qwen3-VL's do;
+a DeltaNet layer's recurrence needs every position in order, so it splits heads instead (which
+megatron-core 0.16.1 leaves as a TODO): the per-token input projection runs on the rank's
+positions, one all-to-all gives each rank the whole sequence of its share of the heads (key and
+value heads divide by TP x CP: `check_context_parallel`), Megatron's own forward runs them
+(`_HeadShare`), and one all-to-all brings the rank's positions back for the output projection.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from models.context import ContextParallel
 from models.qwen35.config import Qwen35Spec, language_config
 from models.qwen3vl.model import InterleavedMRoPE, Qwen3VLModel
 
@@ -64,19 +72,99 @@ def _packable_gated_delta_net():
     """Megatron's GatedDeltaNet whose forward also takes a packed row: the row's samples (the
     packed params' cu_seqlens along the sequence dim of an sbhd row) run one by one, each from a
     zero state. The in/out projections are per token, so only the conv and the recurrence need
-    the boundaries; running each sample alone gives them exactly."""
+    the boundaries; running each sample alone gives them exactly. Under context parallelism it
+    runs this rank's heads over the whole sequence (module docstring)."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     class PackableGatedDeltaNet(GatedDeltaNet):
         def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
+            if isinstance(packed_seq_params, ContextParallel):
+                return self._over_context_parallel(hidden_states, attention_mask, packed_seq_params)
             if packed_seq_params is None:
                 return super().forward(hidden_states, attention_mask, *args, **kwargs)
             bounds = packed_seq_params.cu_seqlens_q.tolist()
-            outs = [super(PackableGatedDeltaNet, self).forward(hidden_states[a:b], attention_mask, *args, **kwargs)
+            return self._per_sample(self, hidden_states, attention_mask, bounds, *args, **kwargs)
+
+        @staticmethod
+        def _per_sample(net, hidden_states, attention_mask, bounds, *args, **kwargs):
+            outs = [GatedDeltaNet.forward(net, hidden_states[a:b], attention_mask, *args, **kwargs)
                     for a, b in zip(bounds, bounds[1:])]
             return torch.cat([out for out, _ in outs]), outs[0][1]
 
+        def _over_context_parallel(self, hidden_states, attention_mask, cp: ContextParallel):
+            """[s_local, b, h] (this rank's chunks) -> the layer's output there: in_proj per
+            token, all-to-all to this rank's heads over the padded sequence (pads at its end,
+            unseen by real tokens: the recurrence is causal), Megatron's forward on them (each
+            sample of a packed row alone, the pads one more), all-to-all back, out_proj."""
+            share = _HeadShare(self, cp.size, cp.rank)
+            mixed, _ = self.in_proj(hidden_states)
+            whole = cp.heads_to_sequence(mixed.index_select(-1, share.in_proj_columns.to(mixed.device)))
+            if cp.samples is None:
+                out, _ = GatedDeltaNet.forward(share, whole, attention_mask)
+            else:
+                counts = torch.unique_consecutive(cp.samples.cpu(), return_counts=True)[1]
+                bounds = [0] + torch.cumsum(counts, 0).tolist()
+                out, _ = self._per_sample(share, whole, attention_mask, bounds)
+            return self.out_proj(cp.sequence_to_heads(out))
+
     return PackableGatedDeltaNet
+
+
+class _HeadShare:
+    """One CP rank's share of a GatedDeltaNet's heads, as Megatron's `GatedDeltaNet.forward`
+    reads a layer: it sizes every split by `tp_size`, so with tp_size = TP x CP, this rank's
+    slices of the conv weight, `A_log` and `dt_bias`, and in/out projections that pass through
+    (the caller runs them per token, around the all-to-alls), that forward runs the rank's heads
+    unchanged (fla's and causal_conv1d's kernels where installed). The slices are taken in the
+    forward, so their gradients reach the layer's parameters; each CP rank adds its heads' part,
+    and Megatron's gradient reduction over DP x CP sums them. Anything else is the layer's own."""
+
+    def __init__(self, net, cp: int, rank: int):
+        if net.num_key_heads % (net.tp_size * cp) or net.num_value_heads % (net.tp_size * cp):
+            raise ValueError(f"context parallelism: the DeltaNet's key heads ({net.num_key_heads}) and value heads "
+                             f"({net.num_value_heads}) must divide by tensor_parallel x context_parallel = "
+                             f"{net.tp_size} x {cp}")
+        self._net = net
+        self.tp_size, self.sp_size = net.tp_size * cp, 1
+        qk, v, heads = net.qk_dim // net.tp_size, net.v_dim // net.tp_size, net.num_value_heads // net.tp_size
+        # in_proj's columns [q, k, v, z, beta, alpha] -> rank r's part of each section, ranks in
+        # order (heads_to_sequence gives rank r the r-th block); the conv's channels are [q, k, v]
+        self.in_proj_columns = torch.cat([_section_share(qk, qk, v, v, heads, heads, cp=cp, rank=r)
+                                          for r in range(cp)])
+        conv = _section_share(qk, qk, v, cp=cp, rank=rank).to(net.conv1d.weight.device)
+        self.conv1d = _DepthwiseCausalConv(net.conv1d.weight.index_select(0, conv),
+                                           None if net.conv1d.bias is None else net.conv1d.bias.index_select(0, conv))
+        own = slice(rank * heads // cp, (rank + 1) * heads // cp)
+        self.A_log, self.dt_bias = net.A_log[own], net.dt_bias[own]
+
+    @staticmethod
+    def in_proj(x):
+        return x, None
+
+    out_proj = in_proj
+
+    def __getattr__(self, name):
+        return getattr(self._net, name)
+
+
+def _section_share(*sizes: int, cp: int, rank: int) -> torch.Tensor:
+    """Indices of rank `rank`'s 1/cp of each of the consecutive sections of `sizes`."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(torch.arange(start + rank * n // cp, start + (rank + 1) * n // cp))
+        start += n
+    return torch.cat(out)
+
+
+class _DepthwiseCausalConv:
+    """The DeltaNet's depthwise conv (nn.Conv1d, padding kernel - 1; the caller keeps the first
+    seq_len outputs) on given weights: a rank's channels of the layer's conv."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv1d(x, self.weight, self.bias, padding=self.weight.shape[-1] - 1, groups=self.weight.shape[0])
 
 
 def _stage_layer_ids(config) -> list[int]:

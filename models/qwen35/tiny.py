@@ -71,18 +71,22 @@ def text_sizes(kind: str) -> dict:
     return dict(TEXT)
 
 
-def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None) -> dict:
+def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None,
+              widths: tuple[dict, dict] | None = None) -> dict:
     """Build the tiny Qwen3.5 (`kind` "qwen35") or Qwen3.5-MoE ("qwen35moe") into `out_dir`
     (created): weights (fp32), config, tokenizer, processor. `spec` (models.tiny.TinySpec, as the
     family hook passes it) gives the seed and the output layer's init scale; the sizes are this
-    module's. Returns the stamp's fields (models/tiny.py writes yatt_tiny.json)."""
+    module's, with `widths` (text, vision) overriding them (benchmarks). Returns the stamp's
+    fields (models/tiny.py writes yatt_tiny.json)."""
     import torch
     import transformers as tf
 
     from models.hf_io import save_pretrained_on_any_rank
     from models.tiny import SPECIAL_TOKENS, build_tokenizer
 
-    sizes = text_sizes(kind)
+    sizes, vision = text_sizes(kind), dict(VISION)
+    if widths:
+        sizes, vision = {**sizes, **widths[0]}, {**vision, **widths[1]}
     config_cls, model_cls, model_type = _CLASSES[kind]
     seed, lm_head_std = (spec.seed, spec.lm_head_std) if spec is not None else (0, 0.5)
     out = Path(out_dir)
@@ -92,7 +96,7 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None) -> dict:
     text = dict(sizes, vocab_size=len(tok), tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     cfg = getattr(tf, config_cls)(
-        text_config=text, vision_config=dict(VISION, out_hidden_size=sizes["hidden_size"]),
+        text_config=text, vision_config=dict(vision, out_hidden_size=sizes["hidden_size"]),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False)
@@ -113,4 +117,4 @@ def make_tiny(out_dir: str | Path, kind: str = "qwen35", spec=None) -> dict:
     save_pretrained_on_any_rank(model, out)
     save_processor(out, tok)  # Qwen3-VL's processor, as the released Qwen3.5 checkpoints have
     return {"kind": kind, "seed": seed, "arch": model_type, "qwen35_version": VERSION, "text": sizes,
-            "vision": VISION}
+            "vision": vision}

@@ -23,4 +23,5 @@ QWEN35_MOE = register(ModelFamily(
     make_tiny=lazy("models.qwen35.tiny", "make_tiny"),
     parity_module="models.qwen35_moe.parity",
     timed_video_types=("qwen3_5_moe",),
+    check_context_parallel=lazy("models.qwen35.config", "check_context_parallel"),
 ))

@@ -532,3 +532,13 @@ def test_qwen35_recipe_uses_gspo_and_fits_16x141_not_16x80(capsys):
     ep_plan = make_plan(ep, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=80))
     assert ep_plan.fits, ep_plan.problems
     assert ep_plan.trainer.params.experts == param_counts(spec, 2, 2, 0, ep=4).experts == 20 * 64 * 3 * 512 * 2048 // 2
+    # context parallelism (models/qwen35/model.py: the DeltaNet layers split heads over CP, the
+    # attention layers positions): CP 2 in place of DP 2 halves the language activations' rows;
+    # a CP the DeltaNet's 16 key heads do not divide into (TP 2 x CP 16) is refused by name
+    cp = load(RLConfig, ROOT / QWEN35_RECIPE, ["policy.trainer.context_parallel=2"])
+    cp_plan = make_plan(cp, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=141))
+    assert cp_plan.fits and cp_plan.dp == 1, cp_plan.problems
+    assert cp_plan.trainer.activations.saved < 0.75 * plan.trainer.activations.saved
+    assert main(args + ["--nodes", "16", "policy.trainer.context_parallel=16"]) == 2
+    assert ("policy.trainer.context_parallel=16: the DeltaNet's key heads (16) and value heads (32) must divide by "
+            "tensor_parallel x context_parallel = 2 x 16") in capsys.readouterr().err

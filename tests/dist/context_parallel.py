@@ -9,6 +9,8 @@ first two layers) and the tiny Qwen2.5-VL (window attention in its vision tower)
 row of an image group, a video group and the longer video, and the tiny Qwen3-VL-MoE on the same
 samples as right-padded rows (its routers' padding mask): logprobs and gradients (Qwen3-VL with
 and without full recompute, DeepStack's gradient hand-over) at CP 2 against CP 1 without it.
+The tiny Qwen3.5 (its DeltaNet layers split heads over CP) likewise on the packed row, with and
+without full recompute, and the tiny Qwen3.5-MoE on right-padded rows.
 
 Run twice with the same OUT: `python tests/dist/context_parallel.py OUT` (one rank, CP 1: writes
 the reference), then `torchrun --nproc-per-node 2 tests/dist/context_parallel.py OUT` (CP 2:
@@ -110,6 +112,17 @@ def family_runs(kind: str, cp: int, recomputes: tuple[str, ...], layout: str = "
     return got
 
 
+# the other families' runs: (kind, recomputes, layout). The MoE models on right-padded rows (the
+# default, packing off): the routers' padding mask and Megatron's token count over the CP group
+# decide the load-balancing loss's gradient. Qwen3.5's DeltaNet layers split heads over CP, not
+# positions (models/qwen35/model.py), each sample of a packed row alone.
+FAMILY_RUNS = (("qwen3vl", ("none", "full"), "packed"), ("policy25", ("none",), "packed"),
+               ("qwen3vlmoe", ("none",), "padded"), ("qwen35", ("none", "full"), "packed"),
+               ("qwen35moe", ("none",), "padded"))
+# the DeltaNet's own parameters (Qwen3.5)
+DELTANET = ("conv1d.", "A_log", "dt_bias", "out_norm.")
+
+
 def main() -> None:
     from transformers import AutoProcessor
 
@@ -142,11 +155,8 @@ def main() -> None:
     got.update({f"weight/{n}": p.detach().clone() for n, p in trainer.module.named_parameters()})
     got.update({f"step/{n}": p.detach() - before[n] for n, p in trainer.module.named_parameters()})
     got["loss"] = torch.tensor(step["train/loss"])
-    got.update(family_runs("qwen3vl", cp, ("none", "full")))
-    got.update(family_runs("policy25", cp, ("none",)))
-    # right-padded rows (the default, packing off): the routers' padding mask and Megatron's
-    # token count over the CP group decide the load-balancing loss's gradient
-    got.update(family_runs("qwen3vlmoe", cp, ("none",), layout="padded"))
+    for kind, recomputes, layout in FAMILY_RUNS:
+        got.update(family_runs(kind, cp, recomputes, layout))
     if cp == 1:
         torch.save(got, out)
         print(json.dumps({"cp": 1, "reference": str(out), "loss": float(got["loss"])}), flush=True)
@@ -169,7 +179,7 @@ def main() -> None:
         shares[f"{name}/vision_share"] = int(got[key]) / int(ref[key.replace("-full/", "-none/")])
         shares[f"{name}/vision_share_all_ranks"] = int(total) / int(ref[key.replace("-full/", "-none/")])
     result.update(shares)
-    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",)), ("qwen3vlmoe", ("none",))):
+    for kind, recomputes, _ in FAMILY_RUNS:
         result[f"{kind}/tokens"], result[f"{kind}/image_tokens"], result[f"{kind}/video_tokens"] = \
             int(ref[f"{kind}/tokens"]), *ref[f"{kind}/media"].tolist()
         result[f"{kind}/grad_scale"], result[f"{kind}/lp_scale"] = scale(f"{kind}-none/grad/"), scale(f"{kind}-none/lp")
@@ -185,6 +195,12 @@ def main() -> None:
         if routers:  # their gradients are small beside the others': on their own scale
             result[f"{kind}/router_grad_scale"] = max(float(ref[k].abs().max()) for k in routers)
             result[f"{kind}/router_grad_max_diff"] = max(float((got[k] - ref[k]).abs().max()) for k in routers)
+        own = [k for k in ref
+               if k.startswith(f"{kind}-none/grad/") and any(f".self_attention.{p}" in k for p in DELTANET)]
+        if own:  # the DeltaNet's own parameters, each on its own scale (A_log's and dt_bias' are small)
+            result[f"{kind}/deltanet_grad_max_rel"] = max(
+                float((got[k.replace("-none/", f"-{r}/")] - ref[k]).abs().max() / ref[k].abs().max())
+                for k in own for r in recomputes)
     result["step_scale"] = scale("step/")  # how far the step moved the weights
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)

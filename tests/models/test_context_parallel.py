@@ -57,10 +57,10 @@ def test_context_parallel_layouts_are_refused_before_any_rank_starts(tiny_policy
     rl.check_world(2)
     with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel = 1 x 1 x 2"):
         rl.check_world(3)
-    for kind in ("qwen3vl", "qwen3vlmoe"):  # Qwen3-VL and Qwen3-VL-MoE too (not Qwen3.5's DeltaNet)
+    for kind in ("qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe"):  # every family has a CP path
         TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir(kind)), "policy.trainer")
-    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=2: not supported for qwen3_5"):
-        TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir("qwen35")), "policy.trainer")
+    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=4: the DeltaNet's key heads \(2\)"):
+        TrainerConfig(context_parallel=4).check_model(str(tiny_model_dir("qwen35moe")), "policy.trainer")
 
 
 def test_at_context_parallel_only_the_controllers_tp_ranks_serve_the_rollout():
@@ -96,7 +96,10 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     relative), rank 0's tower 0.6 of the patches (one image runs on both ranks: fewer frames than
     ranks). The tiny Qwen3-VL-MoE (4 experts, top 2, load-balancing loss 0.001) on the same
     samples as right-padded rows: logprobs 1.3e-5 of 32.8, gradients 5.5e-4 of 846, its routers'
-    6.6e-6 of 4.4."""
+    6.6e-6 of 4.4. The tiny Qwen3.5 on the packed row (DeltaNet layers: heads over CP), with and
+    without full recompute: logprobs 1.1e-5 of 35.7, gradients 1.8e-4 of 212, the DeltaNet's own
+    parameters 1.7e-4 of their scale at most; the tiny Qwen3.5-MoE on padded rows: 1.5e-5 of 33.1,
+    4.0e-4 of 409, routers 1.2e-5 of 12.5."""
     script = str(ROOT / "tests" / "dist" / "context_parallel.py")
     ref = run_json([sys.executable, script, str(tmp_path / "cp1.pt")], timeout=600)
     assert ref["cp"] == 1
@@ -113,8 +116,10 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     for kind in ("padded", "packed"):
         assert r[f"{kind}/vision_share"] < 0.75 and r[f"{kind}/vision_share_all_ranks"] == 1.0, r
     # Qwen3-VL (its DeepStack features split over CP like the embeddings) and Qwen2.5-VL (window
-    # attention in the tower) on a packed row with both media
-    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",)), ("qwen3vlmoe", ("none",))):
+    # attention in the tower) on a packed row with both media; Qwen3.5 (DeltaNet layers: heads
+    # over CP) too, with and without full recompute; the MoE models on right-padded rows
+    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",)), ("qwen3vlmoe", ("none",)),
+                             ("qwen35", ("none", "full")), ("qwen35moe", ("none",))):
         assert r[f"{kind}/image_tokens"] > 0 and r[f"{kind}/video_tokens"] > 0 and r[f"{kind}/tokens"] % 4, r
         for recompute in recomputes:
             run = f"{kind}-{recompute}"
@@ -124,10 +129,17 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     # Qwen3-VL-MoE on right-padded rows: the routers get this rank's chunks' padding mask, so the
     # load-balancing loss counts the same real tokens as at CP 1 (measured: router gradients
     # 6.6e-6 of 4.4; without the mask 5.4e-5, and 2.85 of 846 elsewhere)
-    assert r["qwen3vlmoe/router_grad_max_diff"] < 5e-6 * r["qwen3vlmoe/router_grad_scale"], r
     # and the step's expert-load metrics add the CP ranks' chunks up: load max/mean and the
-    # load-balancing loss as at CP 1 (measured 1.3845 both, 1.2148314 vs 1.2148315)
-    assert r["qwen3vlmoe/moe_metrics_cp"] == pytest.approx(r["qwen3vlmoe/moe_metrics_cp1"], rel=1e-6), r
+    # load-balancing loss as at CP 1 (measured 1.3845 both, 1.2148314 vs 1.2148315); Qwen3.5-MoE
+    # alike (routers 1.2e-5 of 12.5)
+    for kind in ("qwen3vlmoe", "qwen35moe"):
+        assert r[f"{kind}/router_grad_max_diff"] < 5e-6 * r[f"{kind}/router_grad_scale"], r
+        assert r[f"{kind}/moe_metrics_cp"] == pytest.approx(r[f"{kind}/moe_metrics_cp1"], rel=1e-6), r
+    # the DeltaNet's conv, A_log, dt_bias and output norm, each on its own scale: each CP rank
+    # adds its heads' slices (measured 1.7e-4 at most, dt_bias' 0.03-sized gradient; a rank
+    # taking another's A_log slice: 1 and more)
+    for kind in ("qwen35", "qwen35moe"):
+        assert r[f"{kind}/deltanet_grad_max_rel"] < 1e-3, r
 
 
 def _rel(a, b):

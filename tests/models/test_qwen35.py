@@ -1,6 +1,6 @@
 """Qwen3.5 (dense) on Megatron-Core, on the tiny `qwen35` model built offline (4 layers: DeltaNet,
 gated attention, DeltaNet, gated attention): the config's reading and refusals, conversion,
-context parallelism refused by name, logits against transformers at TP 2 with packed rows
+layouts the DeltaNet heads do not split into (TP, TP x CP) refused by name, logits against transformers at TP 2 with packed rows
 against padded ones (one torchrun launch), and the trainer's steps at TP 2 (slow). Megatron runs
 in subprocesses (see test_models.py)."""
 
@@ -75,15 +75,20 @@ def test_config_refuses_what_is_not_implemented(tiny35, change, message):
         Qwen35Spec.from_hf_config(cfg, "tiny")
 
 
-def test_layout_and_context_parallel_refused_by_name(tiny35):
+def test_layouts_the_deltanet_heads_do_not_split_into_are_refused_by_name(tiny35):
+    """TP shares the DeltaNet's heads out, and CP (models/qwen35/model.py) each TP share's heads
+    again: both must divide them (the tiny model: 2 key heads, 4 value heads)."""
     from models.trainer import TrainerConfig
 
     spec = Qwen35Spec.from_hf_dir(tiny35)
     check_layout(spec, 2, 2)  # each stage a DeltaNet and an attention layer
     with pytest.raises(ValueError, match=r"trainer\.tensor_parallel=2: the DeltaNet's key heads \(1\)"):
         check_layout(dataclasses.replace(spec, linear_num_key_heads=1), 2, 1, "trainer.")
-    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=2: not supported for qwen3_5"):
-        TrainerConfig(context_parallel=2).check_model(str(tiny35), "policy.trainer")
+    TrainerConfig(context_parallel=2).check_model(str(tiny35), "policy.trainer")
+    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=2: the DeltaNet's key heads \(2\) "
+                                         r"and value heads \(4\) must divide by tensor_parallel x context_parallel "
+                                         r"= 2 x 2"):
+        TrainerConfig(tensor_parallel=2, context_parallel=2).check_model(str(tiny35), "policy.trainer")
 
 
 def test_hf_megatron_hf_roundtrip_is_bitwise_and_deltanet_shards_by_section(tiny35):

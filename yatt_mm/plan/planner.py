@@ -95,13 +95,16 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
 
 def _check_parallel(spec, t) -> None:
     """What the trainer refuses of this model before any rank starts (models/trainer.py
-    TrainerConfig.check_model): context parallelism where the family's forward has no CP path,
-    expert parallelism on a model without experts."""
-    from models.trainer import CONTEXT_PARALLEL_TYPES
+    TrainerConfig.check_model): a CP size the family's CP path cannot split the model over (Qwen3.5:
+    DeltaNet heads over TP x CP), expert parallelism on a model without experts."""
+    from models.family import family_of
 
-    if t.context_parallel > 1 and spec.model_type not in CONTEXT_PARALLEL_TYPES:
-        raise PlanError(f"policy.trainer.context_parallel={t.context_parallel}: not supported for {spec.model_type} "
-                        f"yet (only {', '.join(CONTEXT_PARALLEL_TYPES)})")
+    family = family_of(spec)
+    if t.context_parallel > 1 and family.check_context_parallel is not None:
+        try:
+            family.check_context_parallel(spec, t.tensor_parallel, t.context_parallel, "policy.trainer.")
+        except ValueError as e:
+            raise PlanError(str(e)) from e
     if t.expert_parallel > 1 and not getattr(spec, "num_experts", 0):
         raise PlanError(f"policy.trainer.expert_parallel={t.expert_parallel}: {spec.model_type} is not a "
                         "mixture-of-experts model")
