@@ -1,8 +1,8 @@
 """Qwen3.5 (dense) on Megatron-Core, on the tiny `qwen35` model built offline (4 layers: DeltaNet,
 gated attention, DeltaNet, gated attention): the config's reading and refusals, conversion,
-layouts the DeltaNet heads do not split into (TP, TP x CP) refused by name, logits against transformers at TP 2 with packed rows
-against padded ones (one torchrun launch), and the trainer's steps at TP 2 (slow). Megatron runs
-in subprocesses (see test_models.py)."""
+layouts the DeltaNet heads do not split into (TP, TP x CP) refused by name, logits against
+transformers at TP 2 with packed rows against padded ones (one torchrun launch), and the
+trainer's steps at TP 2 (slow). Megatron runs in subprocesses (see test_models.py)."""
 
 import dataclasses
 import json
