@@ -235,11 +235,14 @@ class VLMTrainer:
 
     # -- training ----------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, with_entropy: bool = False,
-                   entropy_grad: bool = False) -> dict[str, float]:
+                   entropy_grad: bool = False,
+                   before_update: Callable[[dict[str, float]], None] | None = None) -> dict[str, float]:
         """One optimizer step over the micro-batches. `loss_fn(logprobs, mb)` returns this
         micro-batch's share of the loss (already normalised over the whole step, see README).
         With `with_entropy`, the forward's per-token entropy is in `mb.extra["entropy"]` first
-        (with `entropy_grad`, with its gradient: an entropy bonus)."""
+        (with `entropy_grad`, with its gradient: an entropy bonus). `before_update(metrics)`, on
+        every rank, gets the step's summed loss metrics after the backward pass and before the
+        optimizer step: raising there leaves the weights and the optimizer state as they were."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model.train()
@@ -270,10 +273,12 @@ class VLMTrainer:
             num_microbatches=n, seq_length=max(_tokens(mb) for mb in micro_batches),
             micro_batch_size=1 if micro_batches[0].packed else micro_batches[0].inputs.input_ids.shape[0],
             forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        metrics = {"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok)}
         losses = {f"train/{key}": float(sum(float(r[key]) for r in reduced)) for key in (reduced[0] if reduced else [])}
-        return metrics | self.pipeline.from_last(losses)  # the loss lives on the last stage
+        losses = self.pipeline.from_last(losses)  # the loss lives on the last stage
+        if before_update is not None:
+            before_update(losses)
+        ok, grad_norm, _ = self.optimizer.step()
+        return {"train/grad_norm": float(grad_norm or 0.0), "train/update_skipped": float(not ok)} | losses
 
     # -- checkpoint state ----------------------------------------------------------------------
     def optimizer_state(self) -> dict:

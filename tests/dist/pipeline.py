@@ -116,6 +116,28 @@ def rl_steps(trainer, reference, processor, steps: int, **algorithm) -> tuple[li
     return out, first
 
 
+def fused_step_stops_before_the_update(trainer, processor) -> dict:
+    """One optimizer step over the batch (the default, `Actor.fused`): the trainer/vLLM gap comes
+    from the training forward itself. The groups' made-up rollout logprobs (-1 per token) are far
+    from the trainer's, as stale engine weights' would be: the guard must stop the step after
+    the backward pass and before the optimizer step, on every rank, the weights unchanged."""
+    g = comm()
+    mine = [s for i, group in enumerate(rl_groups(processor)) if i % g.dp_size == g.dp_rank for s in group]
+    actor = Actor(trainer, AlgorithmConfig(), micro_batch_tokens=700, pad_id=processor.tokenizer.pad_token_id,
+                  max_logprob_diff=1e-3)
+    assert actor.fused
+    minis = actor.prepare(mine)
+    before = trainer.checksum()
+    try:
+        actor.update(minis)
+        stopped = False
+    except RuntimeError as e:
+        stopped = "run.max_logprob_diff=0.001" in str(e)
+    on_every_rank = torch.tensor([float(stopped), float(trainer.checksum() == before)])
+    dist.all_reduce(on_every_rank, op=dist.ReduceOp.MIN, group=g.world_cpu)
+    return {"stopped": bool(on_every_rank[0]), "weights_unchanged": bool(on_every_rank[1])}
+
+
 def dp_sum(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, group=comm().dp_cpu)
@@ -138,6 +160,7 @@ def run_layout(tp: int, pp: int, cp: int, kind: str, layers: list[int], steps: i
     sft = sft_steps(trainer, processor, steps)
     rl, old_logprobs = rl_steps(trainer, reference, processor, steps)
     rl += rl_steps(trainer, reference, processor, 2, **NEWER)[0]
+    fused_guard = fused_step_stops_before_the_update(trainer, processor)
     exported = trainer.export_hf()  # every rank: gathered over TP, handed over between the stages
     bucketed, buckets = {}, 0
     for bucket in trainer.export_hf_buckets(0.2):  # the weight sync's path: a few layers a bucket
@@ -156,7 +179,7 @@ def run_layout(tp: int, pp: int, cp: int, kind: str, layers: list[int], steps: i
         torch.save(old_logprobs, out / "old_logprobs.pt")
         (out / "result.json").write_text(json.dumps({
             "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "cp": groups.cp_size,
-            "sft_losses": sft, "rl": rl,
+            "sft_losses": sft, "rl": rl, "fused_guard": fused_guard,
             "buckets": buckets, "buckets_cover_export": float(missed) == 0,
             "stage_params": [t.tolist() for t in everyone]}))
         print(json.dumps({"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "sft_losses": sft}))

@@ -224,6 +224,10 @@ def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_tr
     if lp_diff is not None:
         assert lp_diff < 1e-4
     assert got["buckets"] > 3 and got["buckets_cover_export"]
+    # one optimizer step over the batch (the default): a trainer/vLLM gap above the guard stops
+    # the step before the optimizer's, on every rank, every stage's weights unchanged (they moved
+    # before the guard was checked ahead of the update)
+    assert ref["fused_guard"] == got["fused_guard"] == {"stopped": True, "weights_unchanged": True}
     # `yatt-mm plan` counts each stage's parameters as Megatron builds them
     from yatt_mm.plan import load_spec, param_counts
 

@@ -57,6 +57,7 @@ class Actor:
             trainer.cfg.dtype, engine_dtype(getattr(trainer, "hf_dir", None)))  # the engine of the trainer's checkpoint
         self.reference = reference  # frozen starting weights, when algorithm.kl_coef > 0
         self.packing = packing  # micro-batches as packed rows of real tokens (models/packing.py)
+        self._fused_gap: dict[str, float] = {}  # fused: the gap the last update's training forward measured
         # mixture-of-experts models only: the moe/* metrics (a trainer without a module: none)
         self.expert_load = ExpertLoad.of(getattr(trainer, "module", None))
         # mixture-of-experts models: the old-logprob pass's routes, replayed in the update passes
@@ -213,7 +214,7 @@ class Actor:
         metrics |= {name: totals[f"train/{key}"] / tokens for key, name in PER_TOKEN_METRICS.items()
                     if f"train/{key}" in totals}
         if self.fused:  # the training forward measured what the old-logprob pass would have
-            metrics |= self._rollout_gap({k: totals[f"train/{k}"] for k in ("diff", "entropy", "tokens")})
+            metrics |= self._fused_gap
         cp = comm().cp_cpu if comm().cp_size > 1 else None  # CP ranks route their own chunks
         if self.expert_load is not None:  # the routers' load over every optimizer step, all DP ranks
             metrics |= self.expert_load.metrics(self.trainer.dp_cpu, self.trainer.pipeline.group, cp)
@@ -242,7 +243,14 @@ class Actor:
         follow = self.routing is not None and not fused  # the routes of the old-logprob pass, per micro-batch
         with self.routing.follow([mb.extra["routes"] for mb in mbs]) if follow else nullcontext():
             return self.trainer.train_step(mbs, loss_fn, with_entropy=fused or cfg.entropy_coef > 0,
-                                           entropy_grad=cfg.entropy_coef > 0)
+                                           entropy_grad=cfg.entropy_coef > 0,
+                                           before_update=self._guard_fused_gap if fused else None)
+
+    def _guard_fused_gap(self, sums: dict[str, float]) -> None:
+        """Fused: the training forward measured the trainer/vLLM gap; checked after its backward
+        and before the optimizer step, so stale engine weights stop the run with the trainer's
+        weights as they were."""
+        self._fused_gap = self._rollout_gap({k: sums[f"train/{k}"] for k in ("diff", "entropy", "tokens")})
 
     def check_sync(self, probe: list[TrainSample]) -> dict[str, float]:
         """Right after a weight sync: the trainer's logprobs of a greedy answer vLLM just gave
