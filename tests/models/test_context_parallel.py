@@ -180,6 +180,8 @@ def test_context_parallel_2_trains_sft_and_the_rl_actor_like_one_process(tp, pp,
     assert weight_diff < 5e-6  # an Adam step at lr 1e-4 moves a weight 1e-4
     assert lp_diff < 1e-4
     assert got["buckets"] > 3 and got["buckets_cover_export"]
+    # the fused step's trainer/vLLM guard stops before the optimizer step on every CP rank too
+    assert got["fused_guard"] == {"stopped": True, "weights_unchanged": True}
 
 
 @pytest.mark.slow
