@@ -458,7 +458,10 @@ def test_rl_from_the_warm_start_raises_held_out_reward(tmp_path, warm_policy):
     assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, evals
     for r in steps:  # one optimizer step per batch: on-policy ratios, so no clip binds
         assert r["train/clip_fraction"] == r["train/clip_fraction_low"] == r["train/clip_fraction_high"] == 0.0
-        assert abs(r["train/ppo_kl"]) < 1e-6 and r["rollout/mismatch_kl"] >= 0 and r["rollout/truncated_rate"] >= 0, r
+        # k3 is >= 0, but r - 1 - log r of a ratio within float32 steps of 1 rounds either way
+        # (measured -1.4e-10 on an Intel machine with AMX)
+        assert abs(r["train/ppo_kl"]) < 1e-6 and r["rollout/truncated_rate"] >= 0, r
+        assert r["rollout/mismatch_kl"] > -1e-8, r
         assert 0 < r["train/is_weight"] <= 2.0, r  # truncated at rollout_correction.threshold
         if r["rollout/from_buffer"] == 0:  # all sampled by these weights: trainer = vLLM but for kernels
             assert r["rollout/mismatch_kl"] < 1e-5 and r["train/is_weight"] == pytest.approx(1.0, abs=1e-4), r

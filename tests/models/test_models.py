@@ -375,10 +375,12 @@ def test_activation_recompute_keeps_gradients_and_cuts_activation_memory(kind, r
 def test_distributed_optimizer_matches_the_plain_one_with_half_the_state(cases):
     """policy.trainer.distributed_optimizer on 2 DP ranks: the same losses and weights as the
     plain optimizer over 4 steps (float32 sums in another order: measured 1.0e-7 of the largest loss,
-    6.2e-7 in the weights), half the Adam state on each rank, and its checkpoint state (with the
-    rank's shard) restored bit for bit."""
+    6.2e-7 in the weights on an AMD EPYC, 8.1e-8 and 1.6e-6 on an Intel Xeon with AMX, whose
+    kernels sum in other orders; a wrong shard or step is an lr 1e-3 Adam step, ~1e-3, off), half
+    the Adam state on each rank, and its checkpoint state (with the rank's shard) restored bit for
+    bit."""
     r = cases["distopt"]
     print("distributed vs plain optimizer:", r)
-    assert r["loss_max_diff"] < 1e-6 * max(abs(x) for x in r["losses"]) and r["weight_max_diff"] < 1e-6, r
+    assert r["loss_max_diff"] < 1e-6 * max(abs(x) for x in r["losses"]) and r["weight_max_diff"] < 1e-5, r
     assert r["state_bytes_sharded"] * 2 == r["state_bytes_plain"], r
     assert r["restore_bitwise"], r
