@@ -21,6 +21,9 @@ the CUDA-only figures are skipped and say so), each stage in its own guard:
                pinned host memory held, beside the plan's figure
   qwen3vl      parity of a Qwen3-VL (Qwen3-VL-8B's widths, 2 layers; the tiny one under --cpu)
   qwen3vl_moe  parity of the tiny Qwen3-VL-MoE (4 experts, top-2)
+  qwen35       parity of the tiny Qwen3.5 (gated DeltaNet and gated attention layers; Megatron's
+               pure-torch delta rule where fla is missing, transformers' own fallback beside it)
+  qwen35_moe   parity of the tiny Qwen3.5-MoE (the same layers, 4 experts, top-2, a shared expert)
   speed        one training step on a batch large enough to keep an H200 busy (16 GRPO groups of
                4 responses of 1024 tokens; a few short ones under --cpu): Megatron vs transformers
                + AdamW, paired rounds, step ms, tokens/s and MFU from the model's FLOPs
@@ -60,12 +63,12 @@ import models  # noqa: E402,F401 - the CPU runtime hooks (none act on a GPU mach
 import torch  # noqa: E402
 
 GIB = 2**30
-STAGES = ("comm", "build", "parity", "rl", "memory", "offload", "qwen3vl", "qwen3vl_moe", "speed")
+# the family stages' tiny models (models/tiny.py kinds)
+TINY_KIND = {"qwen3vl": "qwen3vl", "qwen3vl_moe": "qwen3vlmoe", "qwen35": "qwen35", "qwen35_moe": "qwen35moe"}
+STAGES = ("comm", "build", "parity", "rl", "memory", "offload", *TINY_KIND, "speed")
 # the stages each stage needs: without them it is skipped, and --only runs them too
 NEEDS = {"parity": ("build",), "rl": ("comm", "build"), "memory": ("rl",), "offload": ("rl",),
-         "qwen3vl": ("comm",), "qwen3vl_moe": ("comm",), "speed": ("rl",)}
-# the family stages' tiny models (models/tiny.py kinds)
-TINY_KIND = {"qwen3vl": "qwen3vl", "qwen3vl_moe": "qwen3vlmoe"}
+         **{kind: ("comm",) for kind in TINY_KIND}, "speed": ("rl",)}
 DEFAULT_OUT = ROOT / "runs" / "gpu_check"
 FAULT_ENV = "YATT_MM_GPU_CHECK_FAIL"
 # Modules the GPU machine does not have (../shared/RUNTIME.md): the check must not import them
@@ -337,7 +340,7 @@ def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[float
 def family_parity_stage(kind: str, cpu: bool, device: torch.device, tmp: Path) -> dict:
     """Parity of another family's model: the tiny one (models/<family>/tiny.py through
     models/tiny.py's cache) under --cpu; on a GPU Qwen3-VL at Qwen3-VL-8B's widths with 2 layers
-    (its builder's REAL_8B_WIDTHS), the MoE at its tiny sizes (its builder takes no widths)."""
+    (its builder's REAL_8B_WIDTHS), the others at their tiny sizes."""
     from models.tiny import tiny_model_dir
 
     if kind == "qwen3vl" and not cpu:
@@ -348,7 +351,7 @@ def family_parity_stage(kind: str, cpu: bool, device: torch.device, tmp: Path) -
     else:
         hf_dir = str(tiny_model_dir(TINY_KIND[kind]))
     out = {"model": Path(hf_dir).name, "params_m": _params_m(hf_dir)}
-    out |= parity_stage(hf_dir, device, moe=kind == "qwen3vl_moe")
+    out |= parity_stage(hf_dir, device, moe=kind.endswith("_moe"))
     return out
 
 
@@ -765,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
             report.run("rl", rl)
             report.run("memory", lambda: memory_stage(state["actor"], state["samples"], device))
             report.run("offload", lambda: offload_stage(state["actor"].trainer, device))
-            for kind in ("qwen3vl", "qwen3vl_moe"):
+            for kind in TINY_KIND:
                 report.run(kind, lambda k=kind: family_parity_stage(k, cpu, device, Path(tmp)))
 
             def speed():

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path checked and measured in one command: scripts/gpu_check.py, whose docstring lists
-# the stages (comm, build, parity, rl, memory, offload, qwen3vl, qwen3vl_moe, speed). As each
+# the stages (comm, build, parity, rl, memory, offload, qwen3vl, qwen3vl_moe, qwen35, qwen35_moe,
+# speed). As each
 # stage ends, its figures or its error go to $OUT/gpu_check.json (the whole file, rewritten
 # atomically); everything printed also goes to $OUT/gpu_check.log; OUT defaults to
 # runs/gpu_check/ (git-ignored). The last line printed is the report as one JSON object. Exit 0

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["comm", "build", "parity", "rl", "memory", "offload", "qwen3vl", "qwen3vl_moe", "speed"]
+STAGES = ["comm", "build", "parity", "rl", "memory", "offload", "qwen3vl", "qwen3vl_moe", "qwen35", "qwen35_moe",
+          "speed"]
 BROKEN = "qwen3vl"  # the stage made to raise (scripts/gpu_check.py's fault injection for this test)
 
 
@@ -41,13 +42,16 @@ def test_gpu_check_runs_on_cpu_stage_by_stage(tmp_path):
     assert comm["backend"] == "gloo" and comm["all_reduce"] == "ok" and comm["cuda"] == "skipped: no CUDA"
     # max |logit diff| / max |logit| vs transformers, ~10x the measured figures (the CPU's kernels,
     # AMX or AVX-512, set the bf16 ones): Qwen2-VL fp32 8.6e-7, bf16 7.7e-3; Qwen3-VL-MoE fp32
-    # 4.5e-7, bf16 3.7e-2 (a routing flip)
+    # 4.5e-7, bf16 3.7e-2 (a routing flip); Qwen3.5 fp32 6.0e-7, bf16 8.8e-3; Qwen3.5-MoE fp32
+    # 1.1e-6, bf16 0.13 (routing flips)
     parity, moe = stages["parity"], stages["qwen3vl_moe"]
     # TF32 off for the comparison (the default reads "none"; setting allow_tf32 = False makes it "ieee")
     assert parity["tf32_matmul"] is False and parity["tf32_cudnn"] is False
     assert parity["fp32_precision"]["matmul"] == "ieee"
     assert parity["fp32"]["rel"] < 1e-5 and parity["bf16"]["rel"] < 0.08
     assert moe["fp32"]["rel"] < 1e-5 and moe["bf16"]["rel"] < 0.2
+    assert stages["qwen35"]["fp32"]["rel"] < 1e-5 and stages["qwen35"]["bf16"]["rel"] < 0.05
+    assert stages["qwen35_moe"]["fp32"]["rel"] < 1e-5 and stages["qwen35_moe"]["bf16"]["rel"] < 0.2
     rl = stages["rl"]
     assert len(rl["losses"]) == 2 and rl["weights_changed_every_step"] and rl["grad_norm"] > 0
     # the plan beside the real trainer (CPU kernels): resident state counted exactly, phase peaks
