@@ -268,6 +268,7 @@ class VLMTrainer:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        _fresh_moe_aux_loss_scale(self.config)
         reduced = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
             num_microbatches=n, seq_length=max(_tokens(mb) for mb in micro_batches),
@@ -310,6 +311,18 @@ class VLMTrainer:
         """The same tensors as `export_hf`, built and handed out a bucket of ~bucket_mb at a time
         (a collective over TP: every TP rank iterates to the end)."""
         return family_of(self.spec).export_hf_buckets(self.module, self.tp_group, dtype, int(bucket_mb * 2**20))
+
+
+def _fresh_moe_aux_loss_scale(config) -> None:
+    """Megatron (0.16.1) keeps the MoE load-balancing loss's backward scale in a class attribute,
+    made by whichever comes first: the schedule's set_loss_scale (a [1] tensor, later updated in
+    place) or an aux-loss backward outside the schedule (a 0-d 1.0). After the latter, the next
+    training step's in-place update fails ("output with shape [] doesn't match the broadcast shape
+    [1]"). Cleared before each step, so the schedule makes its own."""
+    if getattr(config, "num_moe_experts", None):
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 class ReferencePolicy:

@@ -193,12 +193,16 @@ def test_expert_parallel_trains_like_experts_on_every_rank(tiny_moe, tmp_path):
     # CP 2 (DP 1: each sequence split over both ranks), and EP 2 x CP 2: the CP ranks hold each
     # other's experts (Megatron's expert ranks run over CP x DP). Their steps equal EP 1's up to
     # float order (grad norm 3e-7 relative, weights 3.7e-5 relative: attention, as TP's 4.6e-5;
-    # experts 2.2e-6), and each other's closer still (86 of 92 tensors bitwise, the rest 1.6e-7)
+    # experts 2.2e-6), and each other's closer still: on an AMD EPYC 86 of 92 tensors bitwise, the
+    # rest 1.6e-7; on an Intel Xeon with AMX 24 bitwise, experts 8.9e-7, attention up to 4.7e-5
+    # (layer 0's o_proj: Adam's normalised step on a small gradient; 1.4e-4 from EP 1's there).
+    # A lost expert update is a whole lr 1e-3 Adam step off, ~3e-2 relative.
     assert (cp["cp"], cp["dp"], epcp["cp"], epcp["ep_size"], epcp["local_experts_rank0"]) == (2, 1, 2, 2, ["0", "1"])
     at_cp = {name: load_file(str(tmp_path / f"{name}.safetensors")) for name in ("ep1_cp2", "ep2_cp2")}
     for key in one:
         assert float((at_cp["ep1_cp2"][key] - one[key]).norm() / one[key].norm()) <= 2e-4, key
-        assert float((at_cp["ep2_cp2"][key] - at_cp["ep1_cp2"][key]).norm() / one[key].norm()) <= 1e-6, key
+        bound = 1e-5 if ".experts." in key else 2e-4
+        assert float((at_cp["ep2_cp2"][key] - at_cp["ep1_cp2"][key]).norm() / one[key].norm()) <= bound, key
     for run in (cp, epcp):
         assert run["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=2e-6), run
     # the step's loss (the token mean over both DP ranks' samples) at every layout
