@@ -181,11 +181,11 @@ class ContextParallel(PackedSeqParams):
         """[s_local, b, size x d]: this rank's positions with every head group (group g: the g-th
         d columns) -> [padded, b, d]: every position, in global order, of head group `rank`. One
         all-to-all over the CP group (Ulysses-style); the backward is `sequence_to_heads`'."""
-        return _HeadsToSequence.apply(x, self)
+        return _AllToAll.apply(x, self, True)
 
     def sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse: [padded, b, d] of head group `rank` -> [s_local, b, size x d]."""
-        return _SequenceToHeads.apply(x, self)
+        return _AllToAll.apply(x, self, False)
 
     def _to_sequence(self, x: torch.Tensor) -> torch.Tensor:
         s, b, width = x.shape
@@ -262,31 +262,20 @@ class _GatherMedia(torch.autograd.Function):
         return grad[start:start + counts[cp.rank]], None, None
 
 
-class _HeadsToSequence(torch.autograd.Function):
-    """All-to-all from positions to heads: a permutation of the elements over the CP group, so
-    the backward is its inverse, `_to_heads`, on the gradient."""
+class _AllToAll(torch.autograd.Function):
+    """The all-to-all between positions and heads over the CP group (`to_sequence`: positions to
+    heads, else back): a permutation of the elements, so the backward is the other direction on
+    the gradient."""
 
     @staticmethod
-    def forward(ctx, x, cp: ContextParallel):
-        ctx.cp = cp
-        return cp._to_sequence(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.cp._to_heads(grad.contiguous()), None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    """The inverse all-to-all; the backward is `_to_sequence` on the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, cp: ContextParallel):
-        ctx.cp = cp
-        return cp._to_heads(x)
+    def forward(ctx, x, cp: ContextParallel, to_sequence: bool):
+        ctx.cp, ctx.to_sequence = cp, to_sequence
+        return cp._to_sequence(x) if to_sequence else cp._to_heads(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.cp._to_sequence(grad.contiguous()), None
+        grad = grad.contiguous()
+        return (ctx.cp._to_heads(grad) if ctx.to_sequence else ctx.cp._to_sequence(grad)), None, None
 
 
 class _GatherScores(torch.autograd.Function):
