@@ -67,6 +67,7 @@ class ContextParallel(PackedSeqParams):
     index: torch.Tensor | None = None  # [padded / size] this rank's global positions
     gathered: torch.Tensor | None = None  # [padded] the global positions in all-gather order
     _mask: tuple | None = None  # ((device, dtype), masks): see masks()
+    _bounds: list[int] | None = None  # see sample_bounds()
 
     def to(self, device) -> "ContextParallel":
         for name in ("samples", "index", "gathered"):
@@ -175,6 +176,14 @@ class ContextParallel(PackedSeqParams):
         Backward: every rank's chunks used every feature, so the gradients are summed over the
         CP group and each rank keeps its own rows (for its share of the vision tower)."""
         return _GatherMedia.apply(x, self, counts)
+
+    def sample_bounds(self) -> list[int]:
+        """A packed row's sample boundaries over the padded sequence (the pads one more sample),
+        read to the host once per micro-batch, not once per layer."""
+        if self._bounds is None:
+            counts = torch.unique_consecutive(self.samples.cpu(), return_counts=True)[1]
+            self._bounds = [0] + torch.cumsum(counts, 0).tolist()
+        return self._bounds
 
     # -- heads instead of positions (Qwen3.5's DeltaNet layers) -----------------------------------
     def heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:

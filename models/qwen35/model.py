@@ -102,9 +102,7 @@ def _packable_gated_delta_net():
             if cp.samples is None:
                 out, _ = GatedDeltaNet.forward(share, whole, attention_mask)
             else:
-                counts = torch.unique_consecutive(cp.samples.cpu(), return_counts=True)[1]
-                bounds = [0] + torch.cumsum(counts, 0).tolist()
-                out, _ = self._per_sample(share, whole, attention_mask, bounds)
+                out, _ = self._per_sample(share, whole, attention_mask, cp.sample_bounds())
             return self.out_proj(cp.sequence_to_heads(out))
 
     return PackableGatedDeltaNet
