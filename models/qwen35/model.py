@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.context import ContextParallel
-from models.qwen35.config import Qwen35Spec, language_config
+from models.qwen35.config import Qwen35Spec, check_context_parallel, language_config
 from models.qwen3vl.model import InterleavedMRoPE, Qwen3VLModel
 
 
@@ -96,14 +96,29 @@ def _packable_gated_delta_net():
             token, all-to-all to this rank's heads over the padded sequence (pads at its end,
             unseen by real tokens: the recurrence is causal), Megatron's forward on them (each
             sample of a packed row alone, the pads one more), all-to-all back, out_proj."""
-            share = _HeadShare(self, cp.size, cp.rank)
+            share = _HeadShare(self, *self._head_share_indices(cp.size, cp.rank))
             mixed, _ = self.in_proj(hidden_states)
-            whole = cp.heads_to_sequence(mixed.index_select(-1, share.in_proj_columns.to(mixed.device)))
+            whole = cp.heads_to_sequence(mixed.index_select(-1, share.in_proj_columns))
             if cp.samples is None:
                 out, _ = GatedDeltaNet.forward(share, whole, attention_mask)
             else:
                 out, _ = self._per_sample(share, whole, attention_mask, cp.sample_bounds())
             return self.out_proj(cp.sequence_to_heads(out))
+
+        def _head_share_indices(self, cp: int, rank: int):
+            """(in_proj columns, conv channels, value heads) of CP rank `rank`'s heads, made once
+            per layer and CP layout. in_proj's columns [q, k, v, z, beta, alpha] are reordered to
+            every rank's part of each section, ranks in order (heads_to_sequence gives rank r the
+            r-th block); the conv's channels are [q, k, v]."""
+            key = (cp, rank)
+            if getattr(self, "_head_share", (None,))[0] != key:
+                qk, v, heads = self.qk_dim // self.tp_size, self.v_dim // self.tp_size, self.num_v_heads_local_tp
+                device = self.conv1d.weight.device
+                columns = torch.cat([_section_share(qk, qk, v, v, heads, heads, cp=cp, rank=r) for r in range(cp)])
+                channels = _section_share(qk, qk, v, cp=cp, rank=rank)
+                self._head_share = (key, (cp, columns.to(device), channels.to(device),
+                                          slice(rank * heads // cp, (rank + 1) * heads // cp)))
+            return self._head_share[1]
 
     return PackableGatedDeltaNet
 
@@ -117,23 +132,13 @@ class _HeadShare:
     forward, so their gradients reach the layer's parameters; each CP rank adds its heads' part,
     and Megatron's gradient reduction over DP x CP sums them. Anything else is the layer's own."""
 
-    def __init__(self, net, cp: int, rank: int):
-        if net.num_key_heads % (net.tp_size * cp) or net.num_value_heads % (net.tp_size * cp):
-            raise ValueError(f"context parallelism: the DeltaNet's key heads ({net.num_key_heads}) and value heads "
-                             f"({net.num_value_heads}) must divide by tensor_parallel x context_parallel = "
-                             f"{net.tp_size} x {cp}")
+    def __init__(self, net, cp: int, in_proj_columns: torch.Tensor, channels: torch.Tensor, heads: slice):
         self._net = net
         self.tp_size, self.sp_size = net.tp_size * cp, 1
-        qk, v, heads = net.qk_dim // net.tp_size, net.v_dim // net.tp_size, net.num_value_heads // net.tp_size
-        # in_proj's columns [q, k, v, z, beta, alpha] -> rank r's part of each section, ranks in
-        # order (heads_to_sequence gives rank r the r-th block); the conv's channels are [q, k, v]
-        self.in_proj_columns = torch.cat([_section_share(qk, qk, v, v, heads, heads, cp=cp, rank=r)
-                                          for r in range(cp)])
-        conv = _section_share(qk, qk, v, cp=cp, rank=rank).to(net.conv1d.weight.device)
-        self.conv1d = _DepthwiseCausalConv(net.conv1d.weight.index_select(0, conv),
-                                           None if net.conv1d.bias is None else net.conv1d.bias.index_select(0, conv))
-        own = slice(rank * heads // cp, (rank + 1) * heads // cp)
-        self.A_log, self.dt_bias = net.A_log[own], net.dt_bias[own]
+        self.in_proj_columns = in_proj_columns
+        self.conv1d = _DepthwiseCausalConv(net.conv1d.weight.index_select(0, channels),
+                                           None if net.conv1d.bias is None else net.conv1d.bias.index_select(0, channels))
+        self.A_log, self.dt_bias = net.A_log[heads], net.dt_bias[heads]
 
     @staticmethod
     def in_proj(x):
@@ -185,6 +190,11 @@ class Qwen35Model(Qwen3VLModel):
 
     def __init__(self, spec: Qwen35Spec, dtype: torch.dtype = torch.float32, tp: int = 1, recompute: str = "none",
                  pp: int = 1, layers=()):
+        from megatron.core import parallel_state
+
+        cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        if cp > 1:  # the DeltaNet's heads split over TP x CP (TP alone: check_layout)
+            check_context_parallel(spec, tp, cp, "")
         super().__init__(spec, dtype, tp, recompute, pp, layers)
         # the angles of the rotary part of each head only (the rest passes through)
         self.language.rotary_pos_emb = InterleavedMRoPE(spec.rotary_dim, spec.rope_theta, spec.mrope_section)
