@@ -106,10 +106,10 @@ def _packable_gated_delta_net():
             return self.out_proj(cp.sequence_to_heads(out))
 
         def _head_share_indices(self, cp: int, rank: int):
-            """(in_proj columns, conv channels, value heads) of CP rank `rank`'s heads, made once
-            per layer and CP layout. in_proj's columns [q, k, v, z, beta, alpha] are reordered to
-            every rank's part of each section, ranks in order (heads_to_sequence gives rank r the
-            r-th block); the conv's channels are [q, k, v]."""
+            """_HeadShare's arguments for CP rank `rank`: (cp, in_proj columns, conv channels, value
+            heads), made once per layer and CP layout. in_proj's columns [q, k, v, z, beta, alpha]
+            are reordered to every rank's part of each section, ranks in order (heads_to_sequence
+            gives rank r the r-th block); the conv's channels are [q, k, v]."""
             key = (cp, rank)
             if getattr(self, "_head_share", (None,))[0] != key:
                 qk, v, heads = self.qk_dim // self.tp_size, self.v_dim // self.tp_size, self.num_v_heads_local_tp
