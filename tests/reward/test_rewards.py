@@ -81,6 +81,30 @@ def test_inprocess_judge_scores_image_and_video_items(rollout_engine):
     assert stats["genrm/fallback"] == sum(s.failure is not None for s in scores)
 
 
+def test_seeded_votes_on_a_response_repeat_and_another_sample_gets_its_own(rollout_engine):
+    """With the run's sampling seed (rollout.sampling.seed), an in-process judge's votes on a
+    response follow from the run's seed, the prompt's draw from the data and the sample's index
+    alone: scored again, alone or in another batch, it gets the same votes (a resumed run's
+    rewards are the uninterrupted run's), and another sample of the prompt gets votes of its own."""
+    from yatt_mm.engines.engine import Response
+    from yatt_mm.reward.judges import Judges
+    from yatt_mm.reward.rewarder import RewardConfig, Rewarder
+    from yatt_mm.rl.samples import Prompt
+
+    judge = InProcessJudge(JudgeConfig(votes=2, max_tokens=8, temperature=1.0), engine=rollout_engine)
+    rewarder = Rewarder(RewardConfig(), Judges([("genrm", judge, 1.0)]), seed=3)
+    img = colour_image(random.Random(0))
+    prompt = Prompt("k", img.question, img.answer, images=[img.image], origin="0/shard-000000.tar/k")
+    answer = Response([1], "red", [0.0], "stop")
+    items = [rewarder.item(prompt, j, answer) for j in (0, 1, 0)]
+    assert items[0].seed == items[2].seed != items[1].seed
+    votes = [s.texts for s in judge.score(items)]
+    assert votes[0] == votes[2] != votes[1]
+    assert judge.score([items[1]])[0].texts == votes[1]
+    unseeded = Rewarder(RewardConfig(), Judges([("genrm", judge, 1.0)])).item(prompt, 0, answer)
+    assert unseeded.seed is None
+
+
 # A judge server killed mid-step: tests/rl/test_split_live.py (marked slow), on that module's
 # server, whose start is most of the cost.
 

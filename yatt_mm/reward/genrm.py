@@ -76,6 +76,7 @@ class JudgeItem:
     answer: str = ""
     images: list[Any] = field(default_factory=list)  # PIL images
     videos: list[np.ndarray] = field(default_factory=list)  # uint8 [T, H, W, 3]
+    seed: int | None = None  # the votes' sampling seed (vote v: seed + v); None: unseeded
 
 
 @dataclass
@@ -176,7 +177,8 @@ class InProcessJudge:
         from yatt_mm.engines.engine import Request, SamplingConfig
 
         start = time.perf_counter()
-        requests = [Request(judge_messages(self.cfg, it), images=it.images, videos=it.videos) for it in items]
+        requests = [Request(judge_messages(self.cfg, it), images=it.images, videos=it.videos, seed=it.seed)
+                    for it in items]
         sampling = SamplingConfig(n=self.cfg.votes, max_tokens=self.cfg.max_tokens,
                                   temperature=self.cfg.temperature, seed=None)
         result = self.engine.generate(requests, sampling)

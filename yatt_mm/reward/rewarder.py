@@ -42,7 +42,10 @@ class RewardConfig:
 
 
 class Rewarder:
-    def __init__(self, cfg: RewardConfig, judges: Judges):
+    def __init__(self, cfg: RewardConfig, judges: Judges, seed: int | None = None):
+        """`seed`: the run's sampling seed (rollout.sampling.seed); judges then sample their votes
+        on each response from a seed of its own (in-process judges; servers sample unseeded)."""
+        self.seed = seed
         self.rules = [(f.name, get_rule(f.name), f.weight) for f in cfg.functions]  # fails early on a bad name
         self.judges = judges.entries
         if not self.rules and not self.judges:
@@ -53,7 +56,7 @@ class Rewarder:
         """Per prompt: the total reward of each response, and each part by name."""
         judged = {}
         for name, judge, _ in self.judges:
-            items = [_item(p, r) for p, group in zip(prompts, responses) for r in group]
+            items = [self.item(p, j, r) for p, group in zip(prompts, responses) for j, r in enumerate(group)]
             scores = iter(judge.score(items)) if items else iter(())
             judged[name] = [[next(scores).score for _ in group] for group in responses]
         return self._combine(prompts, responses, judged)
@@ -102,8 +105,9 @@ class Rewarder:
         return out
 
 
-def _item(p: Prompt, r: Response) -> JudgeItem:
-    return JudgeItem(p.question, r.text, p.answer, p.images, p.videos)
+    def item(self, p: Prompt, j: int, r: Response) -> JudgeItem:
+        """What the judges see of prompt p's sample j, with the seed of their votes on it."""
+        return JudgeItem(p.question, r.text, p.answer, p.images, p.videos, p.sampling_seed(self.seed, f"judge/{j}"))
 
 
 class RewardStream:
@@ -134,7 +138,7 @@ class RewardStream:
     def add_sample(self, i: int, j: int, response: Response) -> None:
         """Sample j of prompt i is done: hand it to every judge now."""
         self.sent[(i, j)] = time.time()
-        item = _item(self.prompts[i], response)
+        item = self.rewarder.item(self.prompts[i], j, response)
         for name in self.dispatch:
             key = (name, i, j)
             self.pending[key] = future = concurrent.futures.Future()

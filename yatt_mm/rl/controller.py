@@ -49,7 +49,7 @@ class Controller:
     def _wave(self, n: int, step: int, stats: RolloutStats) -> list[Group]:
         version = self.policy_version  # the engine's weights as the wave starts (partial rollout may load newer)
         prompts = self.source.take(n)
-        requests = [p.request() for p in prompts]
+        requests = [p.request(p.sampling_seed(self.sampling.seed)) for p in prompts]
         done: dict[tuple[int, int], float] = {}  # when each sample finished: the timeline, the split, the replay
         servers = self._judge_server_pids()  # CPU seconds of each side, for the simulator's utilisation
         if self.phases.plan.overlaps("rollout", "judge"):  # partial colocation: judge while generating

@@ -17,7 +17,7 @@ import torch
 
 from models.inputs import VLMInputs
 from models.trainer import MicroBatch
-from yatt_mm.engines.engine import Request, Response
+from yatt_mm.engines.engine import Request, Response, derived_seed
 from yatt_mm.engines.media import processor_media as processor_media_of
 
 
@@ -31,11 +31,20 @@ class Prompt:
     images: list = field(default_factory=list)
     videos: list = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    # where in the data stream it was drawn ("epoch/shard/key"): unique to this draw; seeds it
+    origin: str = ""
 
-    def request(self) -> Request:
+    def sampling_seed(self, run_seed: int | None, purpose: str = "rollout") -> int | None:
+        """The seed of this prompt's requests in a run sampling with `run_seed` (None: unseeded): a
+        function of the run's seed and this draw alone (not of the DP group, the wave or the batch
+        it lands in), so a rerun or a resumed run samples the same responses to it, and distinct
+        prompts draw independent streams. `purpose` keeps the rollout's and the judges' apart."""
+        return derived_seed(run_seed, self.origin or self.key, purpose)
+
+    def request(self, seed: int | None = None) -> Request:
         parts = [{"type": "image"} for _ in self.images] + [{"type": "video"} for _ in self.videos]
         return Request([{"role": "user", "content": parts + [{"type": "text", "text": self.question}]}],
-                       images=list(self.images), videos=list(self.videos))
+                       images=list(self.images), videos=list(self.videos), seed=seed)
 
 
 @dataclass

@@ -23,11 +23,12 @@ from yatt_mm.rl.distributed import exchange
 from yatt_mm.rl.samples import Prompt
 
 
-def to_prompt(sample: Sample) -> Prompt | None:
+def to_prompt(sample: Sample, epoch: int = 0) -> Prompt | None:
     if not sample.prompt or sample.answer is None:
         return None
     return Prompt(key=sample.key, question=sample.prompt, answer=str(sample.answer),
-                  images=list(sample.images), videos=list(sample.videos), metadata=dict(sample.metadata))
+                  images=list(sample.images), videos=list(sample.videos), metadata=dict(sample.metadata),
+                  origin=f"{epoch}/{sample.shard}/{sample.key}")
 
 
 class ParallelSource:
@@ -42,7 +43,7 @@ class ParallelSource:
         while len(out) < n:
             sample = next(self._it)
             self.consumed.append((self.reader.epoch, sample.key))
-            prompt = to_prompt(sample)
+            prompt = to_prompt(sample, self.reader.epoch)
             if prompt is None:
                 self.skipped_no_question += 1  # counted; reported in metrics
                 continue
@@ -73,7 +74,8 @@ def pack_prompt(p: Prompt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors.update({f"video.{i}": torch.from_numpy(v) for i, v in enumerate(p.videos)})
     if not tensors:
         tensors["none"] = torch.zeros(1)
-    meta = {"key": p.key, "question": p.question, "answer": p.answer, "metadata": json.dumps(p.metadata)}
+    meta = {"key": p.key, "question": p.question, "answer": p.answer, "metadata": json.dumps(p.metadata),
+            "origin": p.origin}
     return tensors, meta
 
 
@@ -82,7 +84,8 @@ def unpack_prompt(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Pro
 
     images = [Image.fromarray(tensors[k].numpy()) for k in sorted(t for t in tensors if t.startswith("image."))]
     videos = [tensors[k].numpy() for k in sorted(t for t in tensors if t.startswith("video."))]
-    return Prompt(meta["key"], meta["question"], meta["answer"], images, videos, json.loads(meta["metadata"]))
+    return Prompt(meta["key"], meta["question"], meta["answer"], images, videos, json.loads(meta["metadata"]),
+                  meta.get("origin", ""))  # checkpoints before origins: unseeded
 
 
 class SingleControllerSource:

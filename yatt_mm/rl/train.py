@@ -141,8 +141,9 @@ class Run:
                                             ranks.leaders_cpu)
         else:
             source = ParallelSource(reader)
-        return Controller(source, self.engine, Rewarder(cfg.reward, self.judges), DynamicSampler(cfg.dynamic_sampling),
-                          cfg.rollout.sampling, builder, cfg.algorithm, self.phases, cfg.run.max_staleness)
+        rewarder = Rewarder(cfg.reward, self.judges, cfg.rollout.sampling.seed)
+        return Controller(source, self.engine, rewarder, DynamicSampler(cfg.dynamic_sampling), cfg.rollout.sampling,
+                          builder, cfg.algorithm, self.phases, cfg.run.max_staleness)
 
     def _eval_prompts(self):
         cfg = self.cfg
