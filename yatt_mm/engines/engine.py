@@ -21,8 +21,7 @@ import torch
 from models import runtime
 from models.comm import broadcast_packed
 from yatt_mm.engines.media import has_timed_videos, processor_media, vllm_video
-from yatt_mm.engines.vllm_fixes import (engine_fixes, prepack_cpu_moe_weights_on_update,
-                                        restore_cpu_generators_of_chunked_prefills)
+from yatt_mm.engines.vllm_fixes import apply_cpu_fixes, engine_fixes
 
 
 @dataclass
@@ -32,7 +31,7 @@ class SamplingConfig:
     temperature: float = 1.0  # sampling temperature; 0 is greedy
     top_p: float = 1.0  # nucleus sampling: keep the smallest token set with this total probability; 1 = off
     # Sampling seed; None: vLLM's engine-wide random stream, which a resume cannot restore. In RL,
-    # each prompt's samples (and in-process judges' votes on them) get a seed of their own from it
+    # each prompt's samples (and the judges' votes on them) get a seed of their own from it
     # and the prompt's draw from the data (rl/samples.py Prompt.sampling_seed): a rerun samples
     # the same, a resumed run exactly what the uninterrupted one did. Outside RL: the seed of every
     # request without one of its own.
@@ -189,9 +188,7 @@ class RolloutEngine:
         kwargs = engine_kwargs(cfg)
         from vllm import LLM  # imported late: vLLM's import alone takes seconds
 
-        if not runtime.has_gpu():  # vLLM's CPU-only bugs (yatt_mm/engines/vllm_fixes.py)
-            prepack_cpu_moe_weights_on_update()  # MoE weight syncs
-            restore_cpu_generators_of_chunked_prefills()  # seeded requests with long prompts
+        apply_cpu_fixes()  # vLLM's CPU-only bugs (yatt_mm/engines/vllm_fixes.py)
 
         self.cfg = cfg
         self._kwargs = kwargs

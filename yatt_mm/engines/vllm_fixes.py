@@ -1,5 +1,6 @@
 """Workarounds for vLLM bugs that make its logprobs differ from the trainer's or stop it, one
-function each, applied where the engine is created (`engine_kwargs`, `RolloutEngine`). Each names the vLLM version it was found
+function each, applied where the engine is created (`engine_kwargs`, `RolloutEngine`); the
+CPU-only ones also in every process vLLM starts itself (a judge server), as a vLLM plugin. Each names the vLLM version it was found
 in and says how to tell whether it is still needed: scripts/repro_vllm_qwen3vl_video.py prints
 the gap with and without it, and tests/engines/test_vllm_fixes.py fails once vLLM no longer
 needs it (then delete the workaround).
@@ -42,7 +43,8 @@ Mersenne Twister has none, and the engine dies with "CPU Generator does not use 
 sampling is what makes RL runs reproducible and resumes exact (yatt_mm/rl/samples.py
 `prompt_seed`). The workaround, on CPU only: the generators of requests whose token will be
 thrown away are saved before sampling and restored after it, and left out of vLLM's offset
-rewind, so a chunked prompt samples exactly what it samples unchunked.
+rewind, so a chunked prompt samples exactly what it samples unchunked. Judge servers get it
+through the plugin (`apply_cpu_fixes`); without it their engine dies at the first such batch.
 """
 
 from __future__ import annotations
@@ -172,6 +174,18 @@ def restore_cpu_generators_of_chunked_prefills() -> bool:
     _sample.__wrapped__, _bookkeeping_sync.__wrapped__ = sample, bookkeeping
     GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
     return True
+
+
+def apply_cpu_fixes() -> None:
+    """The workarounds of vLLM's CPU-only bugs, on a machine without a GPU (elsewhere nothing).
+    Called where yatt-mm makes an engine, and by vLLM itself in each process it starts (a judge
+    server's, its engine core's) through the `vllm.general_plugins` entry point in pyproject.toml."""
+    from models import runtime
+
+    if runtime.has_gpu():
+        return
+    prepack_cpu_moe_weights_on_update()  # MoE weight syncs
+    restore_cpu_generators_of_chunked_prefills()  # seeded requests with long prompts
 
 
 def engine_fixes(model_dir: str | Path) -> dict[str, Any]:

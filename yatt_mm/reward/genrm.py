@@ -242,13 +242,16 @@ class ServerJudge:
         content: list[dict] = [{"type": "image_url", "image_url": {"url": self._image_url(im)}} for im in item.images]
         content += [{"type": "video_url", "video_url": {"url": _data_url_video(v)}} for v in item.videos]
         content.append({"type": "text", "text": text})
-        return {
+        payload = {
             "model": self.model_name,
             "messages": [{"role": "user", "content": content}],
             "n": self.cfg.votes,
             "max_tokens": self.cfg.max_tokens,
             "temperature": self.cfg.temperature,
         }
+        if item.seed is not None:
+            payload["seed"] = item.seed  # vote v: seed + v, as in-process
+        return payload
 
     async def score_one(self, item: JudgeItem) -> JudgeScore:
         # aiohttp (a dependency of vLLM): its client costs the caller 4-8x less CPU per request

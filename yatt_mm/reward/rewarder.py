@@ -44,7 +44,7 @@ class RewardConfig:
 class Rewarder:
     def __init__(self, cfg: RewardConfig, judges: Judges, seed: int | None = None):
         """`seed`: the run's sampling seed (rollout.sampling.seed); judges then sample their votes
-        on each response from a seed of its own (in-process judges; servers sample unseeded)."""
+        on each response from a seed of its own (`item`)."""
         self.seed = seed
         self.rules = [(f.name, get_rule(f.name), f.weight) for f in cfg.functions]  # fails early on a bad name
         self.judges = judges.entries
