@@ -24,6 +24,10 @@ distinct storage once, parameters excluded), counted with torch.autograd.graph.
 saved_tensors_hooks during one forward per layout; the vision tower's share counted apart. It
 is what the backward keeps alive, not the transient peak inside a kernel.
 
+Core attention at CP 2 both ways (policy.trainer.context_parallel_comm): all_gather (K and V of
+the whole rows gathered; the trainer's default) and a2a (heads traded for positions by
+all-to-all, each rank attending over the whole rows for half the heads), each measured and timed.
+
 The vision tower: at CP > 1 Qwen3-VL splits its frames over the CP ranks and all-gathers the
 features (models/qwen3vl/model.py). One more measured forward at CP 2 runs it whole on every
 rank instead (the split switched off), to show what the split saves.
@@ -35,8 +39,9 @@ DeepStack). Its DeltaNet layers split heads over CP, not positions (models/qwen3
 
     python benchmarks/bench_long_context.py [--kind qwen3vl|qwen35] [--tokens 8192] [--frames 256] [--rounds 2]
 
-The last line is one JSON object: cp_max_logprob_diff (CP 2, either way, against CP 1),
-activation_ratio_cp2 (target <= 0.6), throughput_ratio_cp2, and the figures behind them.
+The last line is one JSON object: cp_max_logprob_diff (CP 2, every way, against CP 1),
+activation_ratio_cp2 (target <= 0.6), throughput_ratio_cp2, their a2a twins
+(activation_ratio_cp2_a2a, throughput_ratio_cp2_a2a), and the figures behind them.
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ def rank_main(args) -> None:
     mb, video_tokens = long_sample(processor, trainer.spec, args.tokens, args.frames)
     real_plan = context_mod.plan  # the trainer imports it at each forward
 
-    def step(cp: int, measure: bool = False):
+    def step(cp: int, measure: bool = False, cp_comm: str = "all_gather"):
         """Forward and backward of the sum of logprobs; CP 1: the plan switched off on this rank."""
         context_mod.plan = real_plan if cp == 2 else (lambda *a, **k: None)
         trainer.model.zero_grad_buffer()
@@ -175,10 +180,10 @@ def rank_main(args) -> None:
         t0 = time.perf_counter()
         if measure:
             with SavedBytes(trainer.model, _module(trainer.model).vision) as saved:
-                lp, _ = _forward_scores(trainer.model, mb, trainer.device, with_entropy=False)
+                lp, _ = _forward_scores(trainer.model, mb, trainer.device, with_entropy=False, cp_comm=cp_comm)
         else:
             saved = None
-            lp, _ = _forward_scores(trainer.model, mb, trainer.device, with_entropy=False)
+            lp, _ = _forward_scores(trainer.model, mb, trainer.device, with_entropy=False, cp_comm=cp_comm)
         lp.sum().backward()
         dist.barrier()  # the layout's time is its slowest rank's
         return time.perf_counter() - t0, lp.detach(), saved
@@ -186,17 +191,19 @@ def rank_main(args) -> None:
     # one measured (and warm-up) step per layout, then the timed rounds
     _, lp1, mem1 = step(1, measure=True)
     _, lp2, mem2 = step(2, measure=True)
+    _, lp_a2a, mem_a2a = step(2, measure=True, cp_comm="a2a")
     split = ContextParallel.media_bounds
     ContextParallel.media_bounds = lambda self, patches: None  # CP 2, the vision tower whole on each rank
     _, lp_whole, whole = step(2, measure=True)
     ContextParallel.media_bounds = split
-    times = {1: [], 2: []}
+    times = {1: [], 2: [], "a2a": []}
     for _ in range(args.rounds):
-        for cp in (1, 2):
-            times[cp].append(step(cp)[0])
+        for cp in (1, 2, "a2a"):
+            times[cp].append(step(2, cp_comm="a2a")[0] if cp == "a2a" else step(cp)[0])
     context_mod.plan = real_plan
 
-    mem = torch.tensor([[m.total, m.vision, m.vision_seconds] for m in (mem1, mem2, whole)], dtype=torch.float64)
+    mem = torch.tensor([[m.total, m.vision, m.vision_seconds] for m in (mem1, mem2, whole, mem_a2a)],
+                       dtype=torch.float64)
     per_rank = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
     dist.all_gather(per_rank, mem)
     if dist.get_rank():
@@ -206,15 +213,18 @@ def rank_main(args) -> None:
     tps1 = [2 * tokens / t for t in times[1]]  # both ranks, a sequence each
     tps2 = [tokens / t for t in times[2]]  # both ranks, one sequence
     ratios = [b / a for a, b in zip(tps1, tps2)]
+    ratios_a2a = [tokens / t / a for a, t in zip(tps1, times["a2a"])]
     act1 = max(float(r[0, 0]) for r in per_rank)
     act2 = max(float(r[1, 0]) for r in per_rank)
     act_whole = max(float(r[2, 0]) for r in per_rank)
+    act_a2a = max(float(r[3, 0]) for r in per_rank)
     vis1, vis2, vis_whole = (max(float(r[i, 1]) for r in per_rank) for i in (0, 1, 2))
     vis_s1, vis_s2, vis_s_whole = (statistics.median(float(r[i, 2]) for r in per_rank) for i in (0, 1, 2))
     result = {
         "model": WIDTHS[args.kind][1],
         "tokens": tokens, "video_tokens": video_tokens, "frames": args.frames, "rounds": args.rounds,
-        "cp_max_logprob_diff": float(max((lp2 - lp1).abs().max(), (lp_whole - lp1).abs().max())),
+        "cp_max_logprob_diff": float(max((lp2 - lp1).abs().max(), (lp_whole - lp1).abs().max(),
+                                         (lp_a2a - lp1).abs().max())),
         "max_abs_logprob": float(lp1.abs().max()),
         "activation_mib_cp1": act1 / mib, "activation_mib_cp2": act2 / mib,
         "activation_ratio_cp2": act2 / act1,
@@ -228,6 +238,9 @@ def rank_main(args) -> None:
         "tokens_per_s_cp1": statistics.median(tps1), "tokens_per_s_cp2": statistics.median(tps2),
         "throughput_ratio_cp2": statistics.median(ratios),
         "sequence_speedup_cp2": statistics.median(a / b for a, b in zip(times[1], times[2])),
+        # core attention by all-to-all (context_parallel_comm=a2a)
+        "activation_mib_cp2_a2a": act_a2a / mib, "activation_ratio_cp2_a2a": act_a2a / act1,
+        "step_s_cp2_a2a": statistics.median(times["a2a"]), "throughput_ratio_cp2_a2a": statistics.median(ratios_a2a),
     }
     print(f"{tokens} tokens ({video_tokens} video, {args.frames} frames) on 2 ranks:")
     print(f"  activations per rank (saved for backward): CP 1 {act1 / mib:.0f} MiB, CP 2 {act2 / mib:.0f} MiB "
@@ -237,6 +250,8 @@ def rank_main(args) -> None:
     print(f"  fwd+bwd: CP 1 {result['step_s_cp1']:.2f} s a sequence per rank, CP 2 {result['step_s_cp2']:.2f} s "
           f"(speed-up {result['sequence_speedup_cp2']:.2f}); tokens/s of both ranks {result['tokens_per_s_cp1']:.0f} "
           f"vs {result['tokens_per_s_cp2']:.0f} (ratio {result['throughput_ratio_cp2']:.2f})")
+    print(f"  CP 2, core attention by all-to-all (a2a): {act_a2a / mib:.0f} MiB (ratio {act_a2a / act1:.2f}), "
+          f"fwd+bwd {result['step_s_cp2_a2a']:.2f} s (throughput ratio {result['throughput_ratio_cp2_a2a']:.2f})")
     print(f"  vision forward {vis_s1:.2f} s at CP 1, {vis_s2:.2f} s per rank at CP 2 (its frames split), "
           f"{vis_s_whole:.2f} s run whole")
     print(f"  max |logprob CP 2 - CP 1| = {result['cp_max_logprob_diff']:.2e} (largest |logprob| "

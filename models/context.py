@@ -11,10 +11,18 @@ long video sample's activations are shared out along the sequence.
   vision tower's frames are split over the ranks (`vision`: `media_bounds`, then the features
   all-gathered by `gather_media`): run whole on every rank, the tower was a quarter of a CP 2
   rank's activations on an 8k-token video (bench_long_context.py).
-- Core attention (models/attention.py) all-gathers K and V over the CP group (differentiable:
-  the backward sums the K/V gradients of all ranks' queries) and masks by the chunks' global
-  positions: causal, and within each sample for a packed row. Each chunk attends only the keys
-  up to its own end (the rest are all masked), 5/8 of the scores of a full mask at CP 2.
+- Core attention (models/attention.py), two ways (`comm`, policy.trainer.context_parallel_comm,
+  Megatron's cp_comm_type names):
+  - all_gather: K and V all-gathered over the CP group (differentiable: the backward sums the
+    K/V gradients of all ranks' queries), masked by the chunks' global positions: causal, and
+    within each sample for a packed row. Each chunk attends only the keys up to its own end (the
+    rest are all masked), 5/8 of the scores of a full mask at CP 2. Every layer keeps the whole
+    rows' K and V, and the micro-batch the chunks' masks.
+  - a2a (Ulysses): Q, K and V trade positions for heads (`heads_to_sequence`, one all-to-all
+    each), every rank runs plain causal attention over the whole sequence for 1/CP of the heads,
+    and the output trades back. A layer keeps 1/CP of the whole rows' Q, K and V (no mask): what
+    it keeps without CP, split CP ways. Query heads and key/value groups of a TP rank must
+    divide by CP.
 - Qwen3.5's gated DeltaNet layers run a recurrence along the whole sequence, which the chunks
   cannot split: they trade positions for heads instead (`heads_to_sequence`, one all-to-all,
   Ulysses-style), each rank running its share of the heads over every position, and back
@@ -65,6 +73,7 @@ class ContextParallel(PackedSeqParams):
     padded: int = 0  # after: a multiple of 2 x size
     samples: torch.Tensor | None = None  # packed row: [padded] each position's sample (pads: one more)
     index: torch.Tensor | None = None  # [padded / size] this rank's global positions
+    comm: str = "all_gather"  # core attention's exchange: all_gather (K/V) or a2a (heads; see above)
     gathered: torch.Tensor | None = None  # [padded] the global positions in all-gather order
     _mask: tuple | None = None  # ((device, dtype), masks): see masks()
     _bounds: list[int] | None = None  # see sample_bounds()
@@ -127,15 +136,36 @@ class ContextParallel(PackedSeqParams):
 
     def attention(self, q, k, v, dropout: float, scale, gqa: bool) -> torch.Tensor:
         """q [b, heads, s_local, d], k and v [b, groups, s_local, d] -> [b, heads, s_local, d].
-        Each of the rank's two chunks against the gathered keys up to its own end: rank r's
-        chunks r and 2cp-1-r see (r + 1) c and (2cp - r) c keys, (2cp + 1) c^2 scores a rank
-        instead of 4cp c^2 against every key (CP 2: 5/8), and every rank the same."""
+        all_gather: each of the rank's two chunks against the gathered keys up to its own end:
+        rank r's chunks r and 2cp-1-r see (r + 1) c and (2cp - r) c keys, (2cp + 1) c^2 scores a
+        rank instead of 4cp c^2 against every key (CP 2: 5/8), and every rank the same."""
+        if self.comm == "a2a":
+            return self._attention_by_heads(q, k, v, dropout, scale, gqa)
         k, v = _GatherKV.apply(k, self), _GatherKV.apply(v, self)
         c = q.shape[2] // 2
         return torch.cat([F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], k[:, :, :end], v[:, :, :end],
                                                          attn_mask=mask, dropout_p=dropout, scale=scale,
                                                          enable_gqa=gqa)
                           for j, (mask, end) in enumerate(self.masks(q.device, q.dtype))], 2)
+
+    def _attention_by_heads(self, q, k, v, dropout: float, scale, gqa: bool) -> torch.Tensor:
+        """a2a: this rank's positions of every head -> every position of this rank's 1/CP of the
+        heads (query heads and key/value groups split alike, so a query head's group stays on its
+        rank); causal attention over the whole rows, within each sample for a packed row; back."""
+        b, heads, s, d = q.shape
+
+        def whole_rows(x):  # [b, n, s_local, d] -> [b, n / size, padded, d]
+            n = x.shape[1]
+            x = self.heads_to_sequence(x.permute(2, 0, 1, 3).reshape(s, b, n * d))
+            return x.reshape(self.padded, b, n // self.size, d).permute(1, 2, 0, 3)
+
+        q, k, v = whole_rows(q), whole_rows(k), whole_rows(v)
+        bounds = [0, self.padded] if self.samples is None else self.sample_bounds()
+        out = torch.cat([F.scaled_dot_product_attention(q[..., a:e, :], k[..., a:e, :], v[..., a:e, :], is_causal=True,
+                                                        dropout_p=dropout, scale=scale, enable_gqa=gqa)
+                         for a, e in zip(bounds, bounds[1:])], 2)
+        out = self.sequence_to_heads(out.permute(2, 0, 1, 3).reshape(self.padded, b, -1))
+        return out.reshape(s, b, heads, d).permute(1, 2, 0, 3)
 
     # -- the vision tower --------------------------------------------------------------------------
     def media_bounds(self, patches: list[int]) -> list[int] | None:
@@ -303,9 +333,19 @@ class _GatherScores(torch.autograd.Function):
         return cp._own(grad, 1), None
 
 
-def plan(length: int, cu_seqlens: torch.Tensor | None = None) -> ContextParallel | None:
+def check_heads(spec, tp: int, cp: int, prefix: str = "") -> None:
+    """a2a splits a TP rank's query heads and key/value groups over the CP ranks: both must divide."""
+    heads, groups = spec.num_heads // tp, spec.num_kv_heads // tp
+    if heads % cp or groups % cp:
+        raise ValueError(f"{prefix}context_parallel_comm=a2a: a TP rank's {heads} query heads and {groups} key/value "
+                         f"groups (num_attention_heads {spec.num_heads}, num_key_value_heads {spec.num_kv_heads}, "
+                         f"tensor_parallel {tp}) must divide by context_parallel={cp}; use all_gather")
+
+
+def plan(length: int, cu_seqlens: torch.Tensor | None = None, cp_comm: str = "all_gather") -> ContextParallel | None:
     """This rank's share of a sequence of `length` (a packed row: with its samples' boundaries
-    `cu_seqlens`), or None without context parallelism (today's path, untouched)."""
+    `cu_seqlens`), with core attention exchanging by `cp_comm`, or None without context parallelism
+    (today's path, untouched)."""
     from models.comm import comm
 
     groups = comm()
@@ -319,5 +359,5 @@ def plan(length: int, cu_seqlens: torch.Tensor | None = None) -> ContextParallel
         samples = torch.full((padded,), len(bounds) - 1, dtype=torch.long)  # pads: a sample of their own
         samples[:length] = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1])
     return ContextParallel(qkv_format="sbhd", group=groups.cp, size=cp, rank=rank, length=length, padded=padded,
-                           samples=samples, index=chunk_index(padded, cp, rank),
+                           samples=samples, index=chunk_index(padded, cp, rank), comm=cp_comm,
                            gathered=torch.cat([chunk_index(padded, cp, r) for r in range(cp)])).to(groups.device)

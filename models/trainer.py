@@ -43,10 +43,16 @@ class TrainerConfig:
     # experts, and tensor x pipeline x expert parallel must divide the world
     expert_parallel: int = 1
     # context-parallel size (models/context.py): each sequence split over this many ranks in
-    # zig-zag chunks, K/V all-gathered in attention (Qwen3.5's DeltaNet layers: heads split by
-    # all-to-all, so tensor x context parallel must divide their heads); tensor x context x
-    # pipeline parallel must divide the world. Every family
+    # zig-zag chunks (Qwen3.5's DeltaNet layers: heads split by all-to-all, so tensor x context
+    # parallel must divide their heads); tensor x context x pipeline parallel must divide the
+    # world. Every family
     context_parallel: int = 1
+    # how core attention works across the CP ranks (Megatron's cp_comm_type names): all_gather:
+    # K and V of the whole rows gathered, kept by every layer; a2a (Ulysses): heads traded for
+    # positions by all-to-all, each rank attending over the whole rows for 1/CP of the heads,
+    # keeping 1/CP of what all_gather keeps of K/V and no masks (a TP rank's query heads and
+    # key/value groups must divide by CP)
+    context_parallel_comm: Literal["all_gather", "a2a"] = "all_gather"
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate
     min_lr: float = 0.0  # Megatron OptimizerConfig.min_lr; no decay schedule is run, so no effect yet
@@ -99,13 +105,25 @@ class TrainerConfig:
         """Whether the model in `hf_dir` splits into this layout (before any rank starts)."""
         spec = read_spec(hf_dir)
         family = family_of(spec)
-        if self.context_parallel > 1 and family.check_context_parallel is not None:
-            family.check_context_parallel(spec, self.tensor_parallel, self.context_parallel, f"{prefix}.")
+        self.check_context(spec, prefix)
         if self.expert_parallel > 1 and not getattr(spec, "num_experts", 0):
             raise ValueError(f"{prefix}.expert_parallel={self.expert_parallel}: {hf_dir} has no experts "
                              f"({spec.model_type} is not a mixture-of-experts model)")
         family.check_layout(spec, self.tensor_parallel, self.pipeline_parallel, f"{prefix}.",
                                      tuple(self.pipeline_layers), **self.expert_kwargs)
+
+    def check_context(self, spec, prefix: str) -> None:
+        """Whether the model's heads split over this CP layout: the family's own rule (Qwen3.5's
+        DeltaNet heads), and a2a's over attention heads."""
+        if self.context_parallel == 1:
+            return
+        from models.context import check_heads
+
+        family = family_of(spec)
+        if family.check_context_parallel is not None:
+            family.check_context_parallel(spec, self.tensor_parallel, self.context_parallel, f"{prefix}.")
+        if self.context_parallel_comm == "a2a":
+            check_heads(spec, self.tensor_parallel, self.context_parallel, f"{prefix}.")
 
     @property
     def expert_kwargs(self) -> dict:
@@ -153,6 +171,7 @@ class VLMTrainer:
         if groups.cp_size != cfg.context_parallel:
             raise ValueError(f"context_parallel={cfg.context_parallel} but init_parallel made CP groups of "
                              f"{groups.cp_size} ranks")
+        cfg.check_context(self.spec, "TrainerConfig")  # the launchers check first, naming the config's section
         module = build_module(hf_dir, self.spec, cfg)
         self.module = module
         self.config = module.config
@@ -204,7 +223,7 @@ class VLMTrainer:
     def logprobs(self, micro_batches: list[MicroBatch], with_entropy: bool = False):
         """Per-token logprobs [b, s] of each micro-batch's next tokens (and entropy), on every rank."""
         self.model.eval()
-        out = _logprobs(self.model, micro_batches, self.device, with_entropy, self.pipeline)
+        out = _logprobs(self.model, micro_batches, self.device, with_entropy, self.pipeline, self.cfg.context_parallel_comm)
         self.model.train()
         return out
 
@@ -217,7 +236,7 @@ class VLMTrainer:
         from models.context import plan as context_plan
 
         def compute(model, mb):
-            cp = context_plan(mb.inputs.input_ids.shape[1])
+            cp = context_plan(mb.inputs.input_ids.shape[1], cp_comm=self.cfg.context_parallel_comm)
             out = _stage_forward(model, mb, device, None, cp)
             if not _module(model).post_process:
                 return out
@@ -250,7 +269,7 @@ class VLMTrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = _forward_scores(model, mb, self.device, with_entropy, entropy_grad)
+            out = _forward_scores(model, mb, self.device, with_entropy, entropy_grad, self.cfg.context_parallel_comm)
             if not self.pipeline.last:
                 return out, None  # hidden states: the schedule sends them to the next stage
             lp, entropy = out
@@ -334,12 +353,13 @@ class ReferencePolicy:
         self.device = accelerator_device()
         self.module = build_module(hf_dir, read_spec(hf_dir), cfg).eval().requires_grad_(False)
         self.pipeline = Pipeline.of(comm())
+        self.cp_comm = cfg.context_parallel_comm
         self._offload()
 
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         self.module.to(self.device)
         try:
-            return _logprobs(self.module, micro_batches, self.device, False, self.pipeline)
+            return _logprobs(self.module, micro_batches, self.device, False, self.pipeline, self.cp_comm)
         finally:
             self._offload()
 
@@ -417,9 +437,10 @@ def forward_only(model, micro_batches: list[MicroBatch], compute, pipeline: Pipe
     return out
 
 
-def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with_entropy: bool, pipeline: Pipeline):
+def _logprobs(model, micro_batches: list[MicroBatch], device: torch.device, with_entropy: bool, pipeline: Pipeline,
+              cp_comm: str = "all_gather"):
     def compute(model, mb):
-        out = _forward_scores(model, mb, device, with_entropy)
+        out = _forward_scores(model, mb, device, with_entropy, cp_comm=cp_comm)
         if not _module(model).post_process:
             return out
         lp, entropy = out
@@ -446,15 +467,17 @@ def _stage_forward(model, mb: MicroBatch, device: torch.device, packed=None, cp=
     return model(inputs.to(device), packed.params) if packed else model(inputs.to(device))
 
 
-def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: bool, entropy_grad: bool = False):
+def _forward_scores(model, mb: MicroBatch, device: torch.device, with_entropy: bool, entropy_grad: bool = False,
+                    cp_comm: str = "all_gather"):
     """The forward pass and its per-token scores [b, s], padded or packed (then scattered back);
-    before the last pipeline stage, the hidden states."""
+    before the last pipeline stage, the hidden states. `cp_comm`: core attention's exchange
+    under context parallelism (TrainerConfig.context_parallel_comm)."""
     from models.context import plan as context_plan
     from models.packing import pack
 
     labels, where = mb.labels, mb.score_mask
     row = pack(mb.inputs) if mb.packed else None
-    cp = context_plan((row or mb).inputs.input_ids.shape[1], row.params.cu_seqlens_q if row else None)
+    cp = context_plan((row or mb).inputs.input_ids.shape[1], row.params.cu_seqlens_q if row else None, cp_comm)
     out = _stage_forward(model, mb, device, row, cp)
     if not _module(model).post_process:
         return out

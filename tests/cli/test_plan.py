@@ -452,6 +452,22 @@ def test_long_video_recipe_fits_at_cp4_and_a_cp_that_does_not_divide_is_refused(
     assert "TP 2 x CP 4 x PP 1 x DP 1" in capsys.readouterr().out
     assert main(["plan", "--config", recipe, "policy.trainer.context_parallel=3"]) == 2
     assert "policy.trainer.context_parallel = 2 x 1 x 3" in capsys.readouterr().err
+    # core attention by all-to-all: no chunk masks (the recipe's full recompute keeps nothing
+    # else of attention: 0.28 GiB less), and a recomputed layer holds 1/CP of the whole rows' K
+    # and V; refused where a TP rank's key/value groups do not split CP ways
+    from yatt_mm.plan.activations import _chunk_mask_elems
+
+    assert cfg.policy.trainer.context_parallel_comm == "a2a"  # the recipe's
+    cfg.policy.trainer.context_parallel_comm = "all_gather"
+    gather = make_plan(cfg, Cluster(gpus_per_node=8, gpu_memory_gib=80))
+    print("long-video recipe, activation peak all_gather vs a2a (GiB):", gather.trainer.activations.peak / 2**30,
+          plan.trainer.activations.peak / 2**30)
+    assert gather.trainer.activations.saved - plan.trainer.activations.saved == _chunk_mask_elems(32768, 4) * 2
+    assert plan.trainer.activations.peak < gather.trainer.activations.peak
+    assert main(["plan", "--config", recipe, "--nodes", "2", "policy.trainer.context_parallel_comm=a2a",
+                 "policy.trainer.context_parallel=8"]) == 2
+    assert ("policy.trainer.context_parallel_comm=a2a: a TP rank's 16 query heads and 4 key/value groups"
+            in capsys.readouterr().err)
     # the MoE recipe at CP 2 (TP 4 x PP 2 x CP 2 on 16 GPUs), with EP 2 over the CP ranks too,
     # plans; the trainer's refusals, before any GPU: EP that does not divide DP x CP, EP without experts
     assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2"]) == 0

@@ -10,7 +10,9 @@ row of an image group, a video group and the longer video, and the tiny Qwen3-VL
 samples as right-padded rows (its routers' padding mask): logprobs and gradients (Qwen3-VL with
 and without full recompute, DeepStack's gradient hand-over) at CP 2 against CP 1 without it.
 The tiny Qwen3.5 (its DeltaNet layers split heads over CP) likewise on the packed row, with and
-without full recompute, and the tiny Qwen3.5-MoE on right-padded rows.
+without full recompute, and the tiny Qwen3.5-MoE on right-padded rows. Core attention by
+all-to-all (context_parallel_comm=a2a) on the Qwen3-VL packed row under full recompute, the
+Qwen3-VL-MoE padded rows and the Qwen3.5 packed row (its attention layers beside the DeltaNet's).
 
 Run twice with the same OUT: `python tests/dist/context_parallel.py OUT` (one rank, CP 1: writes
 the reference), then `torchrun --nproc-per-node 2 tests/dist/context_parallel.py OUT` (CP 2:
@@ -60,7 +62,7 @@ def scores_and_grads(trainer, batch, real: torch.Tensor, cp: int):
     summed over the CP ranks."""
     trainer.model.zero_grad_buffer()
     lp, ent = _forward_scores(trainer.model, dataclasses.replace(batch, score_mask=None), trainer.device,
-                              with_entropy=True)
+                              with_entropy=True, cp_comm=trainer.cfg.context_parallel_comm)
     (lp * batch.extra["loss_mask"] * batch.extra["advantages"][:, None]).sum().backward()
     grads = {n: p.main_grad.clone() for n, p in trainer.module.named_parameters()}  # Megatron DDP's, not reduced
     if cp > 1:  # each CP rank holds its chunks' share of every gradient
@@ -77,18 +79,20 @@ def vision_patches(trainer) -> list[int]:
     return seen
 
 
-def family_runs(kind: str, cp: int, recomputes: tuple[str, ...], layout: str = "packed") -> dict:
+def family_runs(kind: str, cp: int, variants: tuple[str, ...], layout: str = "packed") -> dict:
     """A tiny model of another family (`kind`) on an image group, a video group and the longer
     video as one packed row (or right-padded rows: `layout`): at CP 1 without recompute (the
-    reference), at CP 2 with each of `recomputes`. Also the patches its vision tower ran on this
-    rank and in all."""
+    reference), at CP 2 with each of `variants` (see FAMILY_RUNS). Also the patches its vision
+    tower ran on this rank and in all."""
     from transformers import AutoProcessor
 
     path = str(tiny_model_dir(kind))
     processor = AutoProcessor.from_pretrained(path)
     got = {}
-    for recompute in recomputes if cp > 1 else ("none",):
-        trainer = VLMTrainer(path, TrainerConfig(lr=1e-3, context_parallel=cp, recompute=recompute))
+    for variant in variants if cp > 1 else ("none",):
+        cp_comm, _, recompute = variant.rpartition(":")
+        trainer = VLMTrainer(path, TrainerConfig(lr=1e-3, context_parallel=cp, recompute=recompute,
+                                                 context_parallel_comm=cp_comm or "all_gather"))
         seen = vision_patches(trainer)
         load = ExpertLoad.of(trainer.module)  # MoE: the routers' load metrics, over the CP ranks
         if load is not None:
@@ -101,23 +105,25 @@ def family_runs(kind: str, cp: int, recomputes: tuple[str, ...], layout: str = "
         lp, _, grads = scores_and_grads(trainer, packed if layout == "packed" else padded, real, cp)
         if load is not None:
             moe = load.metrics(cp_group=comm().cp_cpu if cp > 1 else None)
-            got[f"{kind}-{recompute}/moe"] = torch.tensor([moe["moe/load_max_over_mean"], moe["moe/aux_loss"]],
+            got[f"{kind}-{variant}/moe"] = torch.tensor([moe["moe/load_max_over_mean"], moe["moe/aux_loss"]],
                                                          dtype=torch.float64)
-        got.update({f"{kind}-{recompute}/lp": lp, **{f"{kind}-{recompute}/grad/{n}": g for n, g in grads.items()}})
+        got.update({f"{kind}-{variant}/lp": lp, **{f"{kind}-{variant}/grad/{n}": g for n, g in grads.items()}})
         got[f"{kind}/tokens"] = torch.tensor(int(real.sum()))
         got[f"{kind}/media"] = torch.tensor([int((padded.inputs.input_ids == t).sum())
                                              for t in (trainer.spec.image_token_id, trainer.spec.video_token_id)])
-        got[f"{kind}-{recompute}/vision_patches"] = torch.tensor(sum(seen))
+        got[f"{kind}-{variant}/vision_patches"] = torch.tensor(sum(seen))
         del trainer
     return got
 
 
-# the other families' runs: (kind, recomputes, layout). The MoE models on right-padded rows (the
+# the other families' runs: (kind, variants, layout); a variant is a recompute setting, with
+# "a2a:" before it for core attention by all-to-all (context_parallel_comm=a2a; else all_gather).
+# The MoE models on right-padded rows (the
 # default, packing off): the routers' padding mask and Megatron's token count over the CP group
 # decide the load-balancing loss's gradient. Qwen3.5's DeltaNet layers split heads over CP, not
 # positions (models/qwen35/model.py), each sample of a packed row alone.
-FAMILY_RUNS = (("qwen3vl", ("none", "full"), "packed"), ("policy25", ("none",), "packed"),
-               ("qwen3vlmoe", ("none",), "padded"), ("qwen35", ("none", "full"), "packed"),
+FAMILY_RUNS = (("qwen3vl", ("none", "full", "a2a:full"), "packed"), ("policy25", ("none",), "packed"),
+               ("qwen3vlmoe", ("none", "a2a:none"), "padded"), ("qwen35", ("none", "full", "a2a:none"), "packed"),
                ("qwen35moe", ("none",), "padded"))
 # the DeltaNet's own parameters (Qwen3.5)
 DELTANET = ("conv1d.", "A_log", "dt_bias", "out_norm.")
@@ -176,8 +182,9 @@ def main() -> None:
         total = got[key].clone()
         dist.all_reduce(total, group=comm().cp)
         name = key.removesuffix("/vision_patches")
-        shares[f"{name}/vision_share"] = int(got[key]) / int(ref[key.replace("-full/", "-none/")])
-        shares[f"{name}/vision_share_all_ranks"] = int(total) / int(ref[key.replace("-full/", "-none/")])
+        whole = int(ref[name.split("-")[0] + ("-none" if "-" in name else "") + "/vision_patches"])  # CP 1's run
+        shares[f"{name}/vision_share"] = int(got[key]) / whole
+        shares[f"{name}/vision_share_all_ranks"] = int(total) / whole
     result.update(shares)
     for kind, recomputes, _ in FAMILY_RUNS:
         result[f"{kind}/tokens"], result[f"{kind}/image_tokens"], result[f"{kind}/video_tokens"] = \

@@ -698,7 +698,8 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     """`yatt-mm rl` at policy.trainer.context_parallel=2 on 2 ranks (one DP group: one controller
     reads, rolls out and judges; its CP peer gets the samples, trains its half of every sequence,
     and takes part in the weight gathers without an engine to push to) on real mp4 shards of long
-    videos: 32 frames at 672 x 672, 9.2k video tokens a prompt.
+    videos: 32 frames at 672 x 672, 9.2k video tokens a prompt. Core attention by all-to-all
+    (context_parallel_comm=a2a: each rank attends over the whole rows for half the heads).
     Run A is launched as two machines would (`--nnodes 2 --node-rank R --master-addr
     --master-port`, one rank each, 127.0.0.1: torchrun's static rendezvous joins them into one job
     on one shared run dir, each node's launcher locking it), checkpoints after step 2, and rank 1
@@ -714,7 +715,8 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     side = 672 * 672
     policy = _long_video_policy(tmp_path / "policy", tiny_policy, side)
     run_dir = tmp_path / "run"
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "policy.trainer.context_parallel=2", "run.steps=3",
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "policy.trainer.context_parallel=2",
+                   "policy.trainer.context_parallel_comm=a2a", "run.steps=3",
                    "run.checkpoint_every=2", "run.save_final=false", "eval.every=0", "reward.judges=[]",
                    "rollout.prompts_per_step=1", "rollout.sampling.n=2", "rollout.engine.max_model_len=12288",
                    "run.micro_batch_tokens=32768", "data.media.video_frames=32",
@@ -768,7 +770,7 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     _assert_epoch_drawn_exactly_once(run_dir, keys=3)
     # both ranks computed half of each sequence: the logprob gathers over the CP group carry each
     # rank's chunks [rows, local length], as long on both, half the row padded to 2 x CP
-    chunks, media = {}, {}
+    chunks, media, exchanges = {}, {}, {}
     for rank in (0, 1):
         calls = json.loads((run_dir / f"collectives_rank{rank}.json").read_text())
         chunks[rank] = sorted({c["shape"][1] for c in calls if c["where"].startswith("models/context.py")
@@ -777,7 +779,14 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
         # the video's frames split over the CP ranks' vision towers, the features all-gathered
         media[rank] = [c["shape"] for c in calls if c["where"].startswith("models/context.py")
                        and c["op"] == "all_gather" and c["function"] == "forward"]
-    print("CP chunk lengths per rank:", chunks, "vision feature gathers:", media[0][:2])
+        # a2a: Q, K, V there and the output back, per attention layer, in the forward (and the
+        # backward's mirror), a quarter of them the output's; the tiny model's K/V never gathered
+        exchanges[rank] = [c for c in calls if c["where"].startswith("models/context.py") and c["op"] == "all_to_all_single"]
+        assert not [c for c in calls if c["where"].startswith("models/context.py") and c["function"] == "_all_gather"
+                    and len(c["shape"] or ()) == 4], rank
+    print("CP chunk lengths per rank:", chunks, "vision feature gathers:", media[0][:2],
+          "all-to-alls per rank:", {r: len(e) for r, e in exchanges.items()})
+    assert exchanges[0] and len(exchanges[0]) == len(exchanges[1]) and len(exchanges[0]) % 4 == 0, exchanges
     assert media[0] and media[0] == media[1], media  # padded to the longer share: the same shape
     (chunk,) = chunks[0]  # step 3's one micro-batch: its rows are the prompt and 1-4 response tokens
     prompt = steps[2]["rollout/prompt_length"]

@@ -61,6 +61,11 @@ def test_context_parallel_layouts_are_refused_before_any_rank_starts(tiny_policy
         TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir(kind)), "policy.trainer")
     with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=4: the DeltaNet's key heads \(2\)"):
         TrainerConfig(context_parallel=4).check_model(str(tiny_model_dir("qwen35moe")), "policy.trainer")
+    # a2a splits a TP rank's heads over CP: the tiny models' 2 heads split 2 ways, not 4
+    TrainerConfig(context_parallel=2, context_parallel_comm="a2a").check_model(str(tiny_policy), "policy.trainer")
+    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel_comm=a2a: a TP rank's 2 query heads and "
+                                         r"2 key/value groups .* must divide by context_parallel=4; use all_gather"):
+        TrainerConfig(context_parallel=4, context_parallel_comm="a2a").check_model(str(tiny_policy), "policy.trainer")
 
 
 def test_at_context_parallel_only_the_controllers_tp_ranks_serve_the_rollout():
@@ -118,8 +123,11 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     # Qwen3-VL (its DeepStack features split over CP like the embeddings) and Qwen2.5-VL (window
     # attention in the tower) on a packed row with both media; Qwen3.5 (DeltaNet layers: heads
     # over CP) too, with and without full recompute; the MoE models on right-padded rows
-    for kind, recomputes in (("qwen3vl", ("none", "full")), ("policy25", ("none",)), ("qwen3vlmoe", ("none",)),
-                             ("qwen35", ("none", "full")), ("qwen35moe", ("none",))):
+    # core attention by all-to-all (a2a:): on the packed row under full recompute, on padded rows,
+    # and in Qwen3.5's attention layers
+    for kind, recomputes in (("qwen3vl", ("none", "full", "a2a:full")), ("policy25", ("none",)),
+                             ("qwen3vlmoe", ("none", "a2a:none")), ("qwen35", ("none", "full", "a2a:none")),
+                             ("qwen35moe", ("none",))):
         assert r[f"{kind}/image_tokens"] > 0 and r[f"{kind}/video_tokens"] > 0 and r[f"{kind}/tokens"] % 4, r
         for recompute in recomputes:
             run = f"{kind}-{recompute}"

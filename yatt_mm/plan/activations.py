@@ -12,9 +12,10 @@ receives (balanced routing assumed: top-k copies of every token arrive on some r
 router's input, logits and scores, and the dispatcher's indices.
 
 Context parallelism (models/context.py): a rank's language layers see padded / cp positions of
-each row, but core attention all-gathers K and V (kept whole for the backward pass), and the
-micro-batch's additive masks of the local chunks are kept once; the token ids stay whole; the
-vision tower runs this rank's share of the frames."""
+each row; with all_gather core attention gathers K and V (kept whole for the backward pass), and
+the micro-batch's additive masks of the local chunks are kept once; with a2a it keeps 1/cp of the
+heads of the whole rows' Q, K and V, as many elements as its own positions of every head, and no
+mask; the token ids stay whole; the vision tower runs this rank's share of the frames."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class Block:
     # and layers
     kv_tokens: int = 0
     mask_elems: int = 0
+    heads_exchanged: bool = False  # context parallelism by all-to-all (a2a): whole rows, 1/cp of the heads
     # mixture of experts: experts per layer (0: a dense MLP of width `ffn`) and top-k; `ffn` is
     # then one expert's width
     experts: int = 0
@@ -81,13 +83,23 @@ def _core_attention_bytes(b: Block, e: int) -> int:
     """torch's attention kernel (models/attention.py) keeps its inputs (Q and K after the rotary
     embedding, V as a view that keeps the whole fused QKV output; grouped K and V are not
     expanded), its output (the output projection's input, a view of it, counted there) and one
-    fp32 log-sum-exp per head and query: no s x s scores. Under context parallelism its inputs
-    are Q and the gathered K and V of the whole rows (each chunk's keys a view of them); this
-    rank's own K and V are not kept, and the masks are made once per micro-batch (`_saved_bytes`)."""
+    fp32 log-sum-exp per head and query: no s x s scores. Under context parallelism:
+    - all_gather: Q, the gathered K and V of the whole rows (each chunk's keys a view of them)
+      and each chunk's output (apart from their concatenation, the projection's input); this
+      rank's own K and V are not kept, and the masks are made once per micro-batch (`_saved_bytes`);
+    - a2a: Q, K and V of the whole rows for 1/cp of the heads (as many elements as this rank's
+      positions of every head) and the output, which the exchange back copies;
+    and with Qwen3's q/k norms, whose inputs are views of the fused QKV output, that output
+    whole. (Measured at CP 2 on bench_long_context.py's model: the plan 5% under the saved
+    bytes both ways.)"""
     lse = 4 * b.tokens * (b.q // b.head_dim)
     if b.kv_tokens:
-        return (b.tokens * b.q + b.kv_tokens * 2 * b.kv) * e + lse
-    return _recomputed_core_bytes(b, e) + lse
+        kept = 2 * b.tokens * b.q + b.kv_tokens * 2 * b.kv
+    elif b.heads_exchanged:
+        kept = b.tokens * (b.q + 2 * b.kv) + b.tokens * b.q
+    else:
+        return _recomputed_core_bytes(b, e) + lse
+    return (kept + (b.tokens * (b.q + 2 * b.kv) if b.qk_norm else 0)) * e + lse
 
 
 def _recomputed_core_bytes(b: Block, e: int) -> int:
@@ -155,14 +167,17 @@ def _chunk_mask_elems(padded: int, cp: int) -> int:
     return (2 * cp + 1) * c * c if cp > 1 else 0
 
 
-def language_block(spec, shape: MicroBatchShape, tp: int, cp: int = 1) -> Block:
+def language_block(spec, shape: MicroBatchShape, tp: int, cp: int = 1, cp_comm: str = "all_gather") -> Block:
     """A language layer on one TP rank; `shape` this CP rank's share (batch.context_share)."""
     hd, experts = spec.head_dim, getattr(spec, "num_experts", 0)
     ffn = spec.moe_intermediate_size if experts else spec.intermediate_size
+    gathers = cp > 1 and cp_comm == "all_gather"
     return Block(tokens=shape.tokens, hidden=spec.hidden_size, q=spec.num_heads // tp * hd,
                  kv=max(1, spec.num_kv_heads // tp) * hd, ffn=ffn // tp, head_dim=hd, gated=True,
                  rms=True, rope_rows=shape.tokens, qk_norm=getattr(spec, "qk_norm", False),
-                 kv_tokens=shape.tokens * cp if cp > 1 else 0, mask_elems=_chunk_mask_elems(shape.seq * cp, cp),
+                 kv_tokens=shape.tokens * cp if gathers else 0,
+                 mask_elems=_chunk_mask_elems(shape.seq * cp, cp) if gathers else 0,
+                 heads_exchanged=cp > 1 and cp_comm == "a2a",
                  experts=experts, topk=getattr(spec, "num_experts_per_tok", 0))
 
 
@@ -193,12 +208,13 @@ class Activations:
 
 
 def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
-                 pp: int = 1, stage: int = 0, layers: tuple[int, ...] = (), cp: int = 1) -> int:
+                 pp: int = 1, stage: int = 0, layers: tuple[int, ...] = (), cp: int = 1,
+                 cp_comm: str = "all_gather") -> int:
     """What one micro-batch's forward on pipeline `stage` keeps for the backward, but the loss's
     own part (the sum over the stage's layers of the per-layer formula, plus on the first stage
     the embeddings, pixels and patch merger, on the last the final norm). `shape`: this CP
     rank's share (batch.context_share)."""
-    lm, vis = language_block(spec, shape, tp, cp), vision_block(spec, shape, tp)
+    lm, vis = language_block(spec, shape, tp, cp, cp_comm), vision_block(spec, shape, tp)
     n, first, last = shape.tokens, stage == 0, stage == pp - 1
     n_layers = stage_layers(spec.num_layers, pp, layers)[stage]
     saved = n_layers * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
@@ -232,10 +248,10 @@ def _vision_extras_bytes(spec, patches: int, hv: int, e: int, kernels: Kernels) 
 
 
 def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
-                            vision: bool = True, cp: int = 1) -> int:
+                            vision: bool = True, cp: int = 1, cp_comm: str = "all_gather") -> int:
     """What comes back during one layer's backward under recompute: the whole layer (full), its
     core attention (selective); the largest of the language and (with `vision`) vision layers."""
-    blocks = [language_block(spec, shape, tp, cp)] + ([vision_block(spec, shape, tp)] if shape.media_tokens and vision
+    blocks = [language_block(spec, shape, tp, cp, cp_comm)] + ([vision_block(spec, shape, tp)] if shape.media_tokens and vision
                                                       else [])
     if recompute == "full":
         return max(layer_bytes(b, e, kernels, "none") for b in blocks)
@@ -246,7 +262,7 @@ def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recom
 
 def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str,
                      kernels: Kernels = CUDA, pp: int = 1, stage: int = 0,
-                     layers: tuple[int, ...] = (), cp: int = 1) -> Activations:
+                     layers: tuple[int, ...] = (), cp: int = 1, cp_comm: str = "all_gather") -> Activations:
     """Activation memory of the forward and backward of micro-batches on one TP rank of pipeline
     `stage`. On the last stage (the whole model without PP) the peak is the largest of three
     moments: the end of the forward (logits and the loss alive), the output layer's backward (the
@@ -256,22 +272,23 @@ def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: s
     context parallelism (`cp`), all of it for the fullest CP rank's share of the rows."""
     shape = context_share(shape, cp)
     n, vocab, h = shape.tokens, spec.vocab_size // tp, spec.hidden_size
-    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers, cp)
-    lm = language_block(spec, shape, tp, cp)
+    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers, cp, cp_comm)
+    lm = language_block(spec, shape, tp, cp, cp_comm)
     in_flight = dispatched_bytes(lm, e) if lm.experts else 0
     kept = 0 if recompute == "full" or not lm.experts else stage_layers(spec.num_layers, pp, layers)[stage] * in_flight
     c = ACTIVATION_CALIBRATION
     if stage < pp - 1:
         held = (pp - stage) * body
         hidden = 2 * n * h * e  # the hidden states received and sent (or their gradients)
-        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, stage == 0, cp)
+        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, stage == 0, cp, cp_comm)
         return Activations(saved=int(c * held), peak=int(c * (held + hidden + max(recomputing, in_flight))),
                            forward_only=int(c * hidden), dispatched=(pp - stage) * kept, dispatch_in_flight=in_flight)
     loss = shape.scored * vocab * 4  # the fp32 softmax of the scored positions (vocab-parallel cross entropy)
     logits = n * vocab * e
     end_of_forward = body + loss + logits + shape.scored * vocab * e  # the logits and the scored rows picked
     output_backward = body + logits * (2 if shape.rows > 1 else 1) + vocab * h * e + n * h * e
-    recomputing = body + max(_recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, cp=cp), in_flight)
+    recomputing = body + max(_recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, cp=cp, cp_comm=cp_comm),
+                             in_flight)
     forward_only = logits + shape.scored * vocab * (e + 8)  # logits; the scored rows and their fp32 copies
     return Activations(saved=int(c * (body + loss)), peak=int(c * max(end_of_forward, output_backward, recomputing)),
                        forward_only=int(c * forward_only), dispatched=kept, dispatch_in_flight=in_flight)

@@ -95,16 +95,12 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
 
 def _check_parallel(spec, t) -> None:
     """What the trainer refuses of this model before any rank starts (models/trainer.py
-    TrainerConfig.check_model): a CP size the family's CP path cannot split the model over (Qwen3.5:
-    DeltaNet heads over TP x CP), expert parallelism on a model without experts."""
-    from models.family import family_of
-
-    family = family_of(spec)
-    if t.context_parallel > 1 and family.check_context_parallel is not None:
-        try:
-            family.check_context_parallel(spec, t.tensor_parallel, t.context_parallel, "policy.trainer.")
-        except ValueError as e:
-            raise PlanError(str(e)) from e
+    TrainerConfig.check_model): a CP size the model's heads do not split over (Qwen3.5's DeltaNet
+    heads over TP x CP; attention heads under a2a), expert parallelism on a model without experts."""
+    try:
+        t.check_context(spec, "policy.trainer")
+    except ValueError as e:
+        raise PlanError(str(e)) from e
     if t.expert_parallel > 1 and not getattr(spec, "num_experts", 0):
         raise PlanError(f"policy.trainer.expert_parallel={t.expert_parallel}: {spec.model_type} is not a "
                         "mixture-of-experts model")

@@ -71,10 +71,11 @@ def _parallel_lines(plan: Plan) -> list[str]:
                    f"while a layer dispatches; balanced routing assumed")
         out.append(f"active parameters {active_params(spec) / 1e9:.2f} B of {full.total / 1e9:.2f} B a token")
     if tcfg.context_parallel > 1:
+        attention = ("attention by all-to-all over heads, its K/V split too, no masks"
+                     if tcfg.context_parallel_comm == "a2a" else "the gathered K/V and the attention masks whole")
         out.append(f"context parallel {tcfg.context_parallel}: each row's {s.seq} tokens split into "
                    f"{2 * tcfg.context_parallel} zig-zag chunks; per rank the language layers' activations are "
-                   f"1/{tcfg.context_parallel}, the gathered K/V and the attention masks whole; the vision tower "
-                   "runs its share of the frames")
+                   f"1/{tcfg.context_parallel}, {attention}; the vision tower runs its share of the frames")
     flops = train_flops(spec, s, tcfg.tensor_parallel, tcfg.context_parallel)
     out.append(f"training FLOPs of the largest micro-batch: {flops / 1e12:.1f} TFLOP per GPU (6 x active parameters "
                f"x tokens + attention; an estimate)")

@@ -67,4 +67,4 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     return TrainerMemory(params=params, stage=stage, model_params=param_counts(spec).total, weights=params.total * e,
                          grads=params.total * 4, optimizer=optimizer,
                          activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage,
-                                                      layers, cp))
+                                                      layers, cp, getattr(trainer, "context_parallel_comm", "all_gather")))
