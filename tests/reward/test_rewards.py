@@ -58,6 +58,33 @@ def test_rules():
         get_rule("exact")
 
 
+def test_math_verify_scores_equal_values_in_any_form_in_and_out_of_the_main_thread(caplog):
+    """geometry3k-style references (LaTeX without delimiters) against answers in other forms:
+    what numeric_match scores 0 (a surd, a fraction in LaTeX), math_verify scores by value; the
+    final \\boxed{} answer wins over numbers on the way; a long response is read at its end. The
+    same from a thread (asynchronous RL's rollout thread, where Math-Verify's signal-based timeout
+    cannot run). A reference that is not math warns once, naming it."""
+    import threading
+
+    math = get_rule("math_verify")
+    cases = [("So the side is \\boxed{\\sqrt{12}}.", "2\\sqrt{3}", 1.0), ("Answer: 8/3", "\\frac{8}{3}", 1.0),
+             ("\\boxed{25/2}", "12.5", 1.0), ("x is 3 or 4. Final: \\boxed{4}", "3", 0.0),
+             ("answer is 3.4641", "2\\sqrt{3}", 0.0), ("blah " * 2000 + "\\boxed{60}", "60", 1.0),
+             ("The angle is 61", "60", 0.0)]
+    assert [math(r, a, {}) for r, a, _ in cases] == [want for _, _, want in cases]
+    assert get_rule("numeric_match")(*cases[0][:2], {}) == get_rule("numeric_match")(*cases[1][:2], {}) == 0.0
+    in_thread = []
+    worker = threading.Thread(target=lambda: in_thread.extend(math(r, a, {}) for r, a, _ in cases))
+    worker.start()
+    worker.join()
+    assert in_thread == [want for _, _, want in cases]
+    with caplog.at_level("WARNING"):
+        assert math("yes", "\\frac{", {}) == math("no", "\\frac{", {}) == 0.0
+    assert [r.getMessage() for r in caplog.records if "math_verify" in r.getMessage()] == [
+        "math_verify: the reference answer '\\\\frac{' does not parse as math: its responses score 0 (for choices "
+        "and words use exact_match)"]
+
+
 def _items():
     rng = random.Random(0)
     img, vid = colour_image(rng), moving_ball_video(rng)

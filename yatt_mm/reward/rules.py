@@ -7,10 +7,14 @@ plain function `(response_text, answer, metadata) -> float`; `@rule("name")` reg
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from typing import Callable
 
 from yatt_mm.registry import Registry
+
+log = logging.getLogger(__name__)
 
 RuleFn = Callable[[str, str, dict], float]
 RULES: Registry[RuleFn] = Registry("reward function")
@@ -63,3 +67,33 @@ def answer_format(response: str, answer: str, metadata: dict | None = None) -> f
     """1 when the response ends with a line 'Answer: ...'."""
     lines = [ln for ln in response.strip().splitlines() if ln.strip()]
     return float(bool(lines) and lines[-1].strip().lower().startswith("answer:"))
+
+
+# math_verify reads the end of a response, where its final answer is: sympy's time grows with
+# what it is given, and outside the main thread (asynchronous RL's rollout thread) Math-Verify's
+# own timeout (signal.alarm) cannot run
+MATH_TAIL_CHARS = 2000
+MATH_TIMEOUT_S = 5
+_unparsed_references: set[str] = set()
+
+
+@rule("math_verify")
+def math_equivalent(response: str, answer: str, metadata: dict | None = None) -> float:
+    """1 when the response's final answer equals the reference mathematically, by Hugging Face's
+    Math-Verify: the last \\boxed{...} first, else LaTeX or a plain expression, compared with
+    sympy (2\\sqrt{3} = \\sqrt{12}, 12.5 = 25/2 = \\frac{25}{2}; sets, intervals, units). For
+    math answers (geometry3k, MathVista's free-form ones); choices and words: exact_match. A
+    reference that does not parse as math scores every response 0, with a warning naming it."""
+    from math_verify import parse, verify
+
+    timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    reference = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+    gold = parse(reference, parsing_timeout=timeout)
+    if all(isinstance(g, str) for g in gold):  # parsed, it holds a sympy object beside its text
+        if answer not in _unparsed_references and len(_unparsed_references) < 100:
+            _unparsed_references.add(answer)
+            log.warning("math_verify: the reference answer %r does not parse as math: its responses score 0 "
+                        "(for choices and words use exact_match)", answer)
+        return 0.0
+    got = parse(response[-MATH_TAIL_CHARS:], parsing_timeout=timeout)
+    return float(bool(got) and verify(gold, got, timeout_seconds=timeout))
