@@ -21,8 +21,9 @@ long video sample's activations are shared out along the sequence.
   - a2a (Ulysses): Q, K and V trade positions for heads (`heads_to_sequence`, one all-to-all
     each), every rank runs plain causal attention over the whole sequence for 1/CP of the heads,
     and the output trades back. A layer keeps 1/CP of the whole rows' Q, K and V (no mask): what
-    it keeps without CP, split CP ways. Query heads and key/value groups of a TP rank must
-    divide by CP.
+    it keeps without CP, split CP ways. A TP rank's query heads must divide by CP, and its
+    key/value groups too, or divide CP: fewer groups than ranks are copied first, so each rank
+    gets the one its query heads use.
 - Qwen3.5's gated DeltaNet layers run a recurrence along the whole sequence, which the chunks
   cannot split: they trade positions for heads instead (`heads_to_sequence`, one all-to-all,
   Ulysses-style), each rank running its share of the heads over every position, and back
@@ -151,8 +152,12 @@ class ContextParallel(PackedSeqParams):
     def _attention_by_heads(self, q, k, v, dropout: float, scale, gqa: bool) -> torch.Tensor:
         """a2a: this rank's positions of every head -> every position of this rank's 1/CP of the
         heads (query heads and key/value groups split alike, so a query head's group stays on its
-        rank); causal attention over the whole rows, within each sample for a packed row; back."""
+        rank; fewer groups than ranks copied so that each rank gets its heads' group, their
+        gradients summed by the copy's backward); causal attention over the whole rows, within
+        each sample for a packed row; back."""
         b, heads, s, d = q.shape
+        if k.shape[1] % self.size:  # e.g. 1 group over 2 ranks: a copy for each
+            k, v = (x.repeat_interleave(self.size // x.shape[1], dim=1) for x in (k, v))
 
         def whole_rows(x):  # [b, n, s_local, d] -> [b, n / size, padded, d]
             n = x.shape[1]
@@ -334,12 +339,15 @@ class _GatherScores(torch.autograd.Function):
 
 
 def check_heads(spec, tp: int, cp: int, prefix: str = "") -> None:
-    """a2a splits a TP rank's query heads and key/value groups over the CP ranks: both must divide."""
+    """a2a splits a TP rank's query heads over the CP ranks, and its key/value groups (copied
+    first where there are fewer than ranks): the heads must divide by CP, the groups divide it
+    or be divided by it."""
     heads, groups = spec.num_heads // tp, spec.num_kv_heads // tp
-    if heads % cp or groups % cp:
-        raise ValueError(f"{prefix}context_parallel_comm=a2a: a TP rank's {heads} query heads and {groups} key/value "
-                         f"groups (num_attention_heads {spec.num_heads}, num_key_value_heads {spec.num_kv_heads}, "
-                         f"tensor_parallel {tp}) must divide by context_parallel={cp}; use all_gather")
+    if heads % cp or (groups % cp and cp % groups):
+        raise ValueError(f"{prefix}context_parallel_comm=a2a: a TP rank's {heads} query heads must divide by "
+                         f"context_parallel={cp}, and its {groups} key/value groups divide it or be divided by it "
+                         f"(num_attention_heads {spec.num_heads}, num_key_value_heads {spec.num_kv_heads}, "
+                         f"tensor_parallel {tp}); use all_gather")
 
 
 def plan(length: int, cu_seqlens: torch.Tensor | None = None, cp_comm: str = "all_gather") -> ContextParallel | None:

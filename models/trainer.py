@@ -50,8 +50,8 @@ class TrainerConfig:
     # how core attention works across the CP ranks (Megatron's cp_comm_type names): all_gather:
     # K and V of the whole rows gathered, kept by every layer; a2a (Ulysses): heads traded for
     # positions by all-to-all, each rank attending over the whole rows for 1/CP of the heads,
-    # keeping 1/CP of what all_gather keeps of K/V and no masks (a TP rank's query heads and
-    # key/value groups must divide by CP)
+    # keeping 1/CP of what all_gather keeps of K/V and no masks (a TP rank's query heads must
+    # divide by CP, and its key/value groups divide CP or be divided by it: fewer are copied)
     context_parallel_comm: Literal["all_gather", "a2a"] = "all_gather"
     dtype: Literal["fp32", "bf16"] = "fp32"  # parameter dtype; bf16 uses Megatron's mixed-precision optimizer
     lr: float = 1e-5  # Adam learning rate

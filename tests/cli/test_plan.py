@@ -464,10 +464,12 @@ def test_long_video_recipe_fits_at_cp4_and_a_cp_that_does_not_divide_is_refused(
           plan.trainer.activations.peak / 2**30)
     assert gather.trainer.activations.saved - plan.trainer.activations.saved == _chunk_mask_elems(32768, 4) * 2
     assert plan.trainer.activations.peak < gather.trainer.activations.peak
-    assert main(["plan", "--config", recipe, "--nodes", "2", "policy.trainer.context_parallel_comm=a2a",
-                 "policy.trainer.context_parallel=8"]) == 2
-    assert ("policy.trainer.context_parallel_comm=a2a: a TP rank's 16 query heads and 4 key/value groups"
-            in capsys.readouterr().err)
+    # at CP 8 a TP rank's 4 key/value groups are copied, one to each rank: planned; 3 does not split 16 heads
+    assert main(["plan", "--config", recipe, "--nodes", "2", "policy.trainer.context_parallel=8"]) == 0
+    assert "TP 2 x CP 8 x PP 1 x DP 1" in capsys.readouterr().out
+    assert main(["plan", "--config", recipe, "--nodes", "3", "policy.trainer.context_parallel=3"]) == 2
+    assert ("policy.trainer.context_parallel_comm=a2a: a TP rank's 16 query heads must divide by context_parallel=3, "
+            "and its 4 key/value groups divide it or be divided by it" in capsys.readouterr().err)
     # the MoE recipe at CP 2 (TP 4 x PP 2 x CP 2 on 16 GPUs), with EP 2 over the CP ranks too,
     # plans; the trainer's refusals, before any GPU: EP that does not divide DP x CP, EP without experts
     assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "2", "policy.trainer.context_parallel=2"]) == 0

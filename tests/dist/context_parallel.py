@@ -12,7 +12,8 @@ and without full recompute, DeepStack's gradient hand-over) at CP 2 against CP 1
 The tiny Qwen3.5 (its DeltaNet layers split heads over CP) likewise on the packed row, with and
 without full recompute, and the tiny Qwen3.5-MoE on right-padded rows. Core attention by
 all-to-all (context_parallel_comm=a2a) on the Qwen3-VL packed row under full recompute, the
-Qwen3-VL-MoE padded rows and the Qwen3.5 packed row (its attention layers beside the DeltaNet's).
+Qwen3-VL-MoE padded rows and the Qwen3.5 packed row (its attention layers beside the DeltaNet's),
+and a tiny Qwen3-VL with one key/value group for its 2 heads (copied to both ranks) packed.
 
 Run twice with the same OUT: `python tests/dist/context_parallel.py OUT` (one rank, CP 1: writes
 the reference), then `torchrun --nproc-per-node 2 tests/dist/context_parallel.py OUT` (CP 2:
@@ -79,6 +80,21 @@ def vision_patches(trainer) -> list[int]:
     return seen
 
 
+def family_model_dir(kind: str) -> Path:
+    """The tiny model of `kind`; "qwen3vl_kv1": the tiny Qwen3-VL with one key/value group for
+    its 2 query heads (a2a at CP 2 copies it to both ranks), built once beside the cache's."""
+    if kind != "qwen3vl_kv1":
+        return tiny_model_dir(kind)
+    from models.qwen3vl.tiny import make_tiny
+
+    path = tiny_model_dir("qwen3vl").with_name("qwen3vl_kv1-test-v1")
+    if not (path / "config.json").is_file():  # the CP 1 run (one process) builds it, before CP 2's ranks
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        make_tiny(tmp, widths=({"num_key_value_heads": 1}, {}))
+        os.rename(tmp, path)
+    return path
+
+
 def family_runs(kind: str, cp: int, variants: tuple[str, ...], layout: str = "packed") -> dict:
     """A tiny model of another family (`kind`) on an image group, a video group and the longer
     video as one packed row (or right-padded rows: `layout`): at CP 1 without recompute (the
@@ -86,7 +102,7 @@ def family_runs(kind: str, cp: int, variants: tuple[str, ...], layout: str = "pa
     tower ran on this rank and in all."""
     from transformers import AutoProcessor
 
-    path = str(tiny_model_dir(kind))
+    path = str(family_model_dir(kind))
     processor = AutoProcessor.from_pretrained(path)
     got = {}
     for variant in variants if cp > 1 else ("none",):
@@ -124,7 +140,7 @@ def family_runs(kind: str, cp: int, variants: tuple[str, ...], layout: str = "pa
 # positions (models/qwen35/model.py), each sample of a packed row alone.
 FAMILY_RUNS = (("qwen3vl", ("none", "full", "a2a:full"), "packed"), ("policy25", ("none",), "packed"),
                ("qwen3vlmoe", ("none", "a2a:none"), "padded"), ("qwen35", ("none", "full", "a2a:none"), "packed"),
-               ("qwen35moe", ("none",), "padded"))
+               ("qwen35moe", ("none",), "padded"), ("qwen3vl_kv1", ("a2a:none",), "packed"))
 # the DeltaNet's own parameters (Qwen3.5)
 DELTANET = ("conv1d.", "A_log", "dt_bias", "out_norm.")
 

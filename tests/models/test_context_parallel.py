@@ -61,10 +61,12 @@ def test_context_parallel_layouts_are_refused_before_any_rank_starts(tiny_policy
         TrainerConfig(context_parallel=2).check_model(str(tiny_model_dir(kind)), "policy.trainer")
     with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel=4: the DeltaNet's key heads \(2\)"):
         TrainerConfig(context_parallel=4).check_model(str(tiny_model_dir("qwen35moe")), "policy.trainer")
-    # a2a splits a TP rank's heads over CP: the tiny models' 2 heads split 2 ways, not 4
+    # a2a splits a TP rank's heads over CP: the tiny models' 2 heads split 2 ways, not 4; key/value
+    # groups fewer than the ranks are copied (one group at TP 2: a copy on each of 2 CP ranks)
     TrainerConfig(context_parallel=2, context_parallel_comm="a2a").check_model(str(tiny_policy), "policy.trainer")
-    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel_comm=a2a: a TP rank's 2 query heads and "
-                                         r"2 key/value groups .* must divide by context_parallel=4; use all_gather"):
+    with pytest.raises(ValueError, match=r"policy\.trainer\.context_parallel_comm=a2a: a TP rank's 2 query heads must "
+                                         r"divide by context_parallel=4, and its 2 key/value groups divide it or be "
+                                         r"divided by it .*; use all_gather"):
         TrainerConfig(context_parallel=4, context_parallel_comm="a2a").check_model(str(tiny_policy), "policy.trainer")
 
 
@@ -127,7 +129,7 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     # and in Qwen3.5's attention layers
     for kind, recomputes in (("qwen3vl", ("none", "full", "a2a:full")), ("policy25", ("none",)),
                              ("qwen3vlmoe", ("none", "a2a:none")), ("qwen35", ("none", "full", "a2a:none")),
-                             ("qwen35moe", ("none",))):
+                             ("qwen35moe", ("none",)), ("qwen3vl_kv1", ("a2a:none",))):
         assert r[f"{kind}/image_tokens"] > 0 and r[f"{kind}/video_tokens"] > 0 and r[f"{kind}/tokens"] % 4, r
         for recompute in recomputes:
             run = f"{kind}-{recompute}"

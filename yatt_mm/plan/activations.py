@@ -65,7 +65,7 @@ class Block:
     # and layers
     kv_tokens: int = 0
     mask_elems: int = 0
-    heads_exchanged: bool = False  # context parallelism by all-to-all (a2a): whole rows, 1/cp of the heads
+    heads_exchanged: int = 0  # context parallelism by all-to-all (a2a): its CP size (whole rows, 1/cp of the heads)
     # mixture of experts: experts per layer (0: a dense MLP of width `ffn`) and top-k; `ffn` is
     # then one expert's width
     experts: int = 0
@@ -88,7 +88,8 @@ def _core_attention_bytes(b: Block, e: int) -> int:
       and each chunk's output (apart from their concatenation, the projection's input); this
       rank's own K and V are not kept, and the masks are made once per micro-batch (`_saved_bytes`);
     - a2a: Q, K and V of the whole rows for 1/cp of the heads (as many elements as this rank's
-      positions of every head) and the output, which the exchange back copies;
+      positions of every head; with fewer key/value groups than ranks, one group's K and V of the
+      whole rows) and the output, which the exchange back copies;
     and with Qwen3's q/k norms, whose inputs are views of the fused QKV output, that output
     whole. (Measured at CP 2 on bench_long_context.py's model: the plan 5% under the saved
     bytes both ways.)"""
@@ -96,7 +97,8 @@ def _core_attention_bytes(b: Block, e: int) -> int:
     if b.kv_tokens:
         kept = 2 * b.tokens * b.q + b.kv_tokens * 2 * b.kv
     elif b.heads_exchanged:
-        kept = b.tokens * (b.q + 2 * b.kv) + b.tokens * b.q
+        kv = max(b.kv, b.heads_exchanged * b.head_dim)  # fewer groups than ranks: a group's copy each
+        kept = b.tokens * (b.q + 2 * kv) + b.tokens * b.q
     else:
         return _recomputed_core_bytes(b, e) + lse
     return (kept + (b.tokens * (b.q + 2 * b.kv) if b.qk_norm else 0)) * e + lse
@@ -177,7 +179,7 @@ def language_block(spec, shape: MicroBatchShape, tp: int, cp: int = 1, cp_comm: 
                  rms=True, rope_rows=shape.tokens, qk_norm=getattr(spec, "qk_norm", False),
                  kv_tokens=shape.tokens * cp if gathers else 0,
                  mask_elems=_chunk_mask_elems(shape.seq * cp, cp) if gathers else 0,
-                 heads_exchanged=cp > 1 and cp_comm == "a2a",
+                 heads_exchanged=cp if cp > 1 and cp_comm == "a2a" else 0,
                  experts=experts, topk=getattr(spec, "num_experts_per_tok", 0))
 
 
