@@ -13,7 +13,8 @@ The tiny Qwen3.5 (its DeltaNet layers split heads over CP) likewise on the packe
 without full recompute, and the tiny Qwen3.5-MoE on right-padded rows. Core attention by
 all-to-all (context_parallel_comm=a2a) on the Qwen3-VL packed row under full recompute, the
 Qwen3-VL-MoE padded rows and the Qwen3.5 packed row (its attention layers beside the DeltaNet's),
-and a tiny Qwen3-VL with one key/value group for its 2 heads (copied to both ranks) packed.
+and a tiny Qwen3-VL with one key/value group for its 2 heads (copied to both ranks) packed, with
+and without selective recompute (core attention, its all-to-alls included, run again).
 
 Run twice with the same OUT: `python tests/dist/context_parallel.py OUT` (one rank, CP 1: writes
 the reference), then `torchrun --nproc-per-node 2 tests/dist/context_parallel.py OUT` (CP 2:
@@ -140,7 +141,7 @@ def family_runs(kind: str, cp: int, variants: tuple[str, ...], layout: str = "pa
 # positions (models/qwen35/model.py), each sample of a packed row alone.
 FAMILY_RUNS = (("qwen3vl", ("none", "full", "a2a:full"), "packed"), ("policy25", ("none",), "packed"),
                ("qwen3vlmoe", ("none", "a2a:none"), "padded"), ("qwen35", ("none", "full", "a2a:none"), "packed"),
-               ("qwen35moe", ("none",), "padded"), ("qwen3vl_kv1", ("a2a:none",), "packed"))
+               ("qwen35moe", ("none",), "padded"), ("qwen3vl_kv1", ("a2a:none", "a2a:selective"), "packed"))
 # the DeltaNet's own parameters (Qwen3.5)
 DELTANET = ("conv1d.", "A_log", "dt_bias", "out_norm.")
 

@@ -129,7 +129,7 @@ def test_context_parallel_2_matches_cp_1_padded_and_packed(tmp_path):
     # and in Qwen3.5's attention layers
     for kind, recomputes in (("qwen3vl", ("none", "full", "a2a:full")), ("policy25", ("none",)),
                              ("qwen3vlmoe", ("none", "a2a:none")), ("qwen35", ("none", "full", "a2a:none")),
-                             ("qwen35moe", ("none",)), ("qwen3vl_kv1", ("a2a:none",))):
+                             ("qwen35moe", ("none",)), ("qwen3vl_kv1", ("a2a:none", "a2a:selective"))):
         assert r[f"{kind}/image_tokens"] > 0 and r[f"{kind}/video_tokens"] > 0 and r[f"{kind}/tokens"] % 4, r
         for recompute in recomputes:
             run = f"{kind}-{recompute}"
