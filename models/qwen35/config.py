@@ -50,6 +50,10 @@ class Qwen35Spec(Qwen3VLSpec):
         """The leading part of each attention head that the rotary embedding turns."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    # every full-attention layer's output is gated by sigmoid of a second query projection
+    # (checked in from_hf_config); the plan's activations read it
+    attention_output_gate = True
+
     @property
     def linear_layers(self) -> tuple[bool, ...]:
         """Per language layer: whether it is a gated DeltaNet (else gated full attention)."""

@@ -152,12 +152,10 @@ def test_the_command_exits_2_on_an_impossible_cluster():
 # the tiny models' parameter counts, and the bytes autograd keeps for one forward
 # of an image micro-batch with a scored response span, as the trainer computes its logprobs,
 # without recompute and with full recompute.
-# Qwen2-VL, Qwen2.5-VL, Qwen3-VL (DeepStack, q/k norms, position table), Qwen3-VL-MoE (4 experts, top-2)
-KINDS = ["policy", "policy25", "qwen3vl", "qwen3vlmoe"]
-# Qwen3.5 and Qwen3.5-MoE (gated DeltaNet and gated attention layers, a shared expert): their
-# parameter counts only. Their activations are planned as attention layers' (an estimate: the
-# tiny ones' autograd keeps 2.1x the planned bytes, the DeltaNet's chunked rule keeps more).
-COUNT_ONLY = ["qwen35", "qwen35moe"]
+# Qwen2-VL, Qwen2.5-VL, Qwen3-VL (DeepStack, q/k norms, position table), Qwen3-VL-MoE (4 experts,
+# top-2), Qwen3.5 and Qwen3.5-MoE (gated DeltaNet and gated attention layers, a shared expert)
+KINDS = ["policy", "policy25", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe"]
+COUNT_ONLY: list[str] = []  # kinds whose parameters are counted but not their activations
 WORKER = r"""
 import json, sys
 import models, torch
@@ -226,8 +224,12 @@ def test_saved_activations_match_autograd(tiny_measured, kind, recompute):
     # dense MLP's count in its place: 6.7 MB, 21%, short). With full recompute (each layer's input
     # kept, the vision towers' blocks too): within 0.8% (Qwen2-VL 0.78% short, the others 0.17%
     # over); when Qwen3-VL's tower, run block by block, kept every block's activations under full
-    # recompute, the plan was 35% short of autograd (6.4 of 9.9 MB)
-    tolerance = (1e-3 if kind == "qwen3vlmoe" else 5e-4) if recompute == "none" else 1e-2
+    # recompute, the plan was 35% short of autograd (6.4 of 9.9 MB). Qwen3.5 (its DeltaNet layers
+    # through Megatron's pure-torch rule, a measured constant; gated attention) and Qwen3.5-MoE
+    # (a shared expert too): 0.1-0.33% short without recompute (autograd's count moves by 128 kB
+    # from run to run), 0.2% over with full; when the DeltaNet layers were planned as attention
+    # layers, autograd kept 2.1x the plan
+    tolerance = {"qwen3vlmoe": 1e-3, "qwen35": 5e-3, "qwen35moe": 5e-3}.get(kind, 5e-4) if recompute == "none" else 1e-2
     assert abs(planned - measured) <= tolerance * measured, (planned, measured)
 
 
@@ -542,7 +544,10 @@ def test_qwen35_recipe_uses_gspo_and_fits_16x141_not_16x80(capsys):
     assert "MiB of linear-attention state" in out
     small = make_plan(cfg, Cluster(gpus_per_node=8, nodes=2, gpu_memory_gib=80))
     assert not small.fits and any(p.startswith("phase sync") for p in small.problems), small.problems
+    # the header's 32-GPU option: with full recompute (selective leaves the DeltaNet layers whole)
     more = load(RLConfig, ROOT / QWEN35_RECIPE, ["rollout.engine.gpu_memory_utilization=0.6"])
+    assert not make_plan(more, Cluster(gpus_per_node=8, nodes=4, gpu_memory_gib=80)).fits
+    more = load(RLConfig, ROOT / QWEN35_RECIPE, ["rollout.engine.gpu_memory_utilization=0.6", "policy.trainer.recompute=full"])
     assert make_plan(more, Cluster(gpus_per_node=8, nodes=4, gpu_memory_gib=80)).fits
     # expert parallelism beside TP (the header's 80 GB option): the experts' weights and state split over EP 4
     ep = load(RLConfig, ROOT / QWEN35_RECIPE, ["policy.trainer.pipeline_parallel=2", "policy.trainer.expert_parallel=4",

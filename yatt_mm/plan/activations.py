@@ -31,15 +31,24 @@ from yatt_mm.plan.constants import ACTIVATION_CALIBRATION
 class Kernels:
     """The kernels whose memory differs between CUDA and CPU (torch 2.13): torch.rms_norm keeps
     its input and rstd on CUDA (fused kernel) but fp32 copies of the input and the normalised
-    input on CPU (composite). (Adam runs fused on both, models/optimizer.py: updates in place,
-    no temporaries the size of the state.)"""
+    input on CPU (composite). Qwen3.5's gated DeltaNet: fla's chunked delta rule and
+    causal_conv1d's conv with its SiLU fused on CUDA, Megatron's pure-torch fallbacks on CPU.
+    (Adam runs fused on both, models/optimizer.py: updates in place, no temporaries the size of
+    the state.)"""
 
     name: str
     fused_rms_norm: bool
+    fla: bool = False  # the gated delta rule and the conv from fla / causal_conv1d
 
 
-CUDA = Kernels("cuda", fused_rms_norm=True)
+CUDA = Kernels("cuda", fused_rms_norm=True, fla=True)
 CPU = Kernels("cpu", fused_rms_norm=False)
+
+# Megatron's pure-torch gated delta rule (no fla: the CPU) keeps its chunk-wise intermediates in
+# fp32, whatever the model's dtype: measured 2456 elements per value head and token on
+# bench_long_context.py's Qwen3.5 (head dims 64, chunks of 64; 2k and 4k tokens alike). A
+# constant of that fallback at those dims, not a formula; fla's kernel is (`deltanet_mixer_bytes`).
+TORCH_DELTA_RULE_ELEMS_PER_HEAD = 2456
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class Block:
     # then one expert's width
     experts: int = 0
     topk: int = 0
+    shared_ffn: int = 0  # a shared expert's width on this rank (Qwen3.5-MoE; 0: none)
+    output_gate: bool = False  # attention's output gated by sigmoid of a second query projection (Qwen3.5)
 
 
 def _norm_bytes(n: int, h: int, e: int, rms: bool, kernels: Kernels) -> int:
@@ -131,8 +142,11 @@ def layer_bytes(b: Block, e: int, kernels: Kernels, recompute: str) -> int:
     mlp = _mlp_bytes(b, e)
     # (the rotary cos and sin are one pair for all layers: `_rotary_bytes`); the q/k norms run
     # before core attention, so selective recompute keeps theirs
+    # gated attention: the fused QKV output holds the gate too, and the gating keeps the gate's
+    # sigmoid and the attention output
+    gate = 3 * b.tokens * b.q * e if b.output_gate and recompute != "full" else 0
     return (2 * _norm_bytes(b.tokens, b.hidden, e, b.rms, kernels) + core + b.tokens * b.q * e + mlp
-            + _qk_norm_bytes(b, e, kernels))
+            + _qk_norm_bytes(b, e, kernels) + gate)
 
 
 def _mlp_bytes(b: Block, e: int) -> int:
@@ -146,7 +160,9 @@ def _mlp_bytes(b: Block, e: int) -> int:
     routed = b.tokens * b.topk
     router = b.tokens * b.experts * 9  # fp32 logits and scores, the bool routing map (its input: the norm's output)
     indexes = routed * 32  # int64 top-k and permutation indexes, fp32 top-k and permuted probabilities
-    return router + dispatched_bytes(b, e) + 6 * routed * b.ffn * e + indexes
+    # a shared expert: a dense SwiGLU MLP's tensors, its output and its sigmoid gate kept by their product
+    shared = (5 * b.shared_ffn + b.hidden + 2) * b.tokens * e if b.shared_ffn else 0
+    return router + dispatched_bytes(b, e) + 6 * routed * b.ffn * e + indexes + shared
 
 
 def dispatched_bytes(b: Block, e: int) -> int:
@@ -154,6 +170,72 @@ def dispatched_bytes(b: Block, e: int) -> int:
     tokens x top-k x hidden. Under expert parallelism as many arrive as leave when the routing
     is balanced; a skewed routing brings more to the rank of the popular experts."""
     return b.tokens * b.topk * b.hidden * e
+
+
+@dataclass(frozen=True)
+class DeltaNetBlock:
+    """One gated DeltaNet mixer (Qwen3.5's linear-attention layers) on one TP rank."""
+
+    tokens: int  # this rank's positions (under CP the rank runs 1/CP of the heads over every
+    # position: as many elements)
+    chunked_tokens: int  # the same, each row padded to whole chunks of 64 (the pure-torch rule pads)
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+
+def deltanet_block(spec, shape: MicroBatchShape, tp: int) -> DeltaNetBlock:
+    return DeltaNetBlock(tokens=shape.tokens, chunked_tokens=shape.rows * -(-shape.seq // 64) * 64,
+                         key_heads=spec.linear_num_key_heads // tp,
+                         value_heads=spec.linear_num_value_heads // tp, key_dim=spec.linear_key_head_dim,
+                         value_dim=spec.linear_value_head_dim)
+
+
+def deltanet_mixer_bytes(d: DeltaNetBlock, e: int, kernels: Kernels) -> int:
+    """What Megatron's GatedDeltaNet.forward keeps between its input projection's input and its
+    output projection (run eagerly), per token:
+    - the conv's input, a contiguous copy of in_proj's q, k and v (and on CPU the conv's output,
+      which the separate SiLU keeps; causal_conv1d fuses it);
+    - the q/k L2 norm's q and k (Megatron's: its inputs; fla's: its outputs) and the decay and
+      beta's small fp32 terms;
+    - the delta rule: fla keeps q and k (copied out to the value heads where they are more), v,
+      g's fp32 cumulative sum and the chunk-local A (64 a head and token); the CPU fallback
+      `TORCH_DELTA_RULE_ELEMS_PER_HEAD` in fp32;
+    - its output, the gated norm's rstd, z and SiLU(z) in fp32, the normalised output, and the
+      output projection's input.
+    Measured on CPU (bench_long_context.py's Qwen3.5, fp32, T 2k-4k): every part but the CPU
+    delta rule within 1% of these terms. fla's part is read from its save_for_backward, not
+    measured (no GPU has run it)."""
+    hk, h = d.key_heads, d.value_heads
+    qk, v = hk * d.key_dim, h * d.value_dim
+    conv = (2 * qk + v) * e * (1 if kernels.fla else 2)
+    norms = 2 * qk * e + h * (8 + e)
+    out = v * (3 * e + 8) + 4 * h
+    if kernels.fla:
+        rule = ((2 * h * d.key_dim if h > hk else 0) + v + 64 * h) * e + 4 * h
+        return d.tokens * (conv + norms + rule + out)
+    return d.tokens * (conv + norms + out) + d.chunked_tokens * 4 * h * TORCH_DELTA_RULE_ELEMS_PER_HEAD
+
+
+def deltanet_layer_bytes(lm: Block, d: DeltaNetBlock, e: int, kernels: Kernels, recompute: str) -> int:
+    """A Qwen3.5 DeltaNet layer: its two norms and MLP as an attention layer's (`lm`), the mixer
+    in place of attention. Selective recompute reruns core attention only: none of the mixer."""
+    if recompute == "full":
+        return lm.tokens * lm.hidden * e
+    return 2 * _norm_bytes(lm.tokens, lm.hidden, e, lm.rms, kernels) + deltanet_mixer_bytes(d, e, kernels) + _mlp_bytes(lm, e)
+
+
+def _stage_layer_kinds(spec, pp: int, stage: int, layers: tuple[int, ...]) -> tuple[int, int]:
+    """(attention layers, DeltaNet layers) of pipeline `stage` (Qwen3.5 mixes them as its
+    `layer_types` say; the other families have only attention)."""
+    counts = stage_layers(spec.num_layers, pp, layers)
+    linear = tuple(getattr(spec, "linear_layers", ()))
+    if not linear:
+        return counts[stage], 0
+    first = sum(counts[:stage])
+    n_linear = sum(linear[first:first + counts[stage]])
+    return counts[stage] - n_linear, n_linear
 
 
 def _rotary_bytes(b: Block, e: int, recompute: str) -> int:
@@ -180,7 +262,9 @@ def language_block(spec, shape: MicroBatchShape, tp: int, cp: int = 1, cp_comm: 
                  kv_tokens=shape.tokens * cp if gathers else 0,
                  mask_elems=_chunk_mask_elems(shape.seq * cp, cp) if gathers else 0,
                  heads_exchanged=cp if cp > 1 and cp_comm == "a2a" else 0,
-                 experts=experts, topk=getattr(spec, "num_experts_per_tok", 0))
+                 experts=experts, topk=getattr(spec, "num_experts_per_tok", 0),
+                 shared_ffn=getattr(spec, "shared_expert_intermediate_size", 0) // tp,
+                 output_gate=getattr(spec, "attention_output_gate", False))
 
 
 def vision_block(spec, shape: MicroBatchShape, tp: int) -> Block:
@@ -218,14 +302,17 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
     rank's share (batch.context_share)."""
     lm, vis = language_block(spec, shape, tp, cp, cp_comm), vision_block(spec, shape, tp)
     n, first, last = shape.tokens, stage == 0, stage == pp - 1
-    n_layers = stage_layers(spec.num_layers, pp, layers)[stage]
-    saved = n_layers * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
+    n_attention, n_linear = _stage_layer_kinds(spec, pp, stage, layers)
+    saved = n_attention * layer_bytes(lm, e, kernels, recompute) + _rotary_bytes(lm, e, recompute)
+    if n_linear:
+        saved += n_linear * deltanet_layer_bytes(lm, deltanet_block(spec, shape, tp), e, kernels, recompute)
     saved += 9 * n * cp  # token ids, media mask: the whole rows on every CP rank
     saved += lm.mask_elems * e  # CP: the chunks' additive masks, made once per micro-batch (models/context.py)
     if last:
         saved += _norm_bytes(n, spec.hidden_size, e, True, kernels)  # the final norm
     if recompute == "full":
-        saved += n * spec.head_dim * 4  # the rotary angles, kept once as an input of every checkpoint
+        # the rotary angles, kept once as an input of every checkpoint (Qwen3.5: over its rotary part)
+        saved += n * getattr(spec, "rotary_dim", spec.head_dim) * 4
     if shape.media_tokens and first:
         patches = vis.tokens
         # Qwen2.5-VL: the angles in window order and in frame order, each kept once
@@ -252,11 +339,15 @@ def _vision_extras_bytes(spec, patches: int, hv: int, e: int, kernels: Kernels) 
 def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
                             vision: bool = True, cp: int = 1, cp_comm: str = "all_gather") -> int:
     """What comes back during one layer's backward under recompute: the whole layer (full), its
-    core attention (selective); the largest of the language and (with `vision`) vision layers."""
+    core attention (selective); the largest of the language (Qwen3.5: DeltaNet layers too) and
+    (with `vision`) vision layers."""
     blocks = [language_block(spec, shape, tp, cp, cp_comm)] + ([vision_block(spec, shape, tp)] if shape.media_tokens and vision
                                                       else [])
     if recompute == "full":
-        return max(layer_bytes(b, e, kernels, "none") for b in blocks)
+        whole = [layer_bytes(b, e, kernels, "none") for b in blocks]
+        if any(getattr(spec, "linear_layers", ())):
+            whole.append(deltanet_layer_bytes(blocks[0], deltanet_block(spec, shape, tp), e, kernels, "none"))
+        return max(whole)
     if recompute == "selective":  # the attention output and its log-sum-exp come back
         return max(_core_attention_bytes(b, e) - _recomputed_core_bytes(b, e) + b.tokens * b.q * e for b in blocks)
     return 0
