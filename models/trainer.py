@@ -171,7 +171,6 @@ class VLMTrainer:
         if groups.cp_size != cfg.context_parallel:
             raise ValueError(f"context_parallel={cfg.context_parallel} but init_parallel made CP groups of "
                              f"{groups.cp_size} ranks")
-        cfg.check_context(self.spec, "TrainerConfig")  # the launchers check first, naming the config's section
         module = build_module(hf_dir, self.spec, cfg)
         self.module = module
         self.config = module.config
@@ -374,6 +373,7 @@ def build_module(hf_dir: str, spec, cfg: TrainerConfig) -> torch.nn.Module:
     pipeline stage, on the training device."""
     from megatron.core import parallel_state
 
+    cfg.check_context(spec, "TrainerConfig")  # the launchers check first, naming the config's section
     family = family_of(spec)
     module = family.build_model(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
                                 cfg.recompute, cfg.pipeline_parallel, tuple(cfg.pipeline_layers), **cfg.expert_kwargs)

