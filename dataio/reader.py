@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -40,9 +41,33 @@ STATE_VERSION = 1
 
 
 @dataclass
+class BlendSource:
+    """One dataset of a blend (`data.blend`, dataio/blend.py): its shards and its share."""
+
+    name: str = ""  # names its metrics (data/<name>/...), lineage lines and quarantined samples
+    shards: list[str] = field(default_factory=list)  # tar files, directories or globs
+    index: str | None = None  # parquet index; default: index.parquet beside the shards, else built
+    weight: float = 1.0  # its share of the draws: weight / the sum of the blend's weights
+
+    RANGES = {"weight": "> 0"}
+
+    def validate(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
+            raise ValueError(f"a blend source needs a name of letters, digits, '_', '.' or '-' (it names its "
+                             f"metrics), got {self.name!r}")
+        if not self.shards and not self.index:
+            raise ValueError(f"blend source {self.name!r}: give its shards (or an index)")
+        if not self.weight > 0:
+            raise ValueError(f"blend source {self.name!r}: weight must be > 0, got {self.weight}")
+
+
+@dataclass
 class DataConfig:
     shards: list[str] = field(default_factory=list)  # tar files, directories or globs
     index: str | None = None  # parquet index; default: index.parquet beside the shards, else built
+    # several datasets drawn in fixed shares instead of `shards` (dataio/blend.py): a list of
+    # {name, shards, weight}; every other data setting applies to each of them
+    blend: list[BlendSource] = field(default_factory=list)
     seed: int = 0  # seeds the slice shuffle and per-rank shuffle buffer (with epoch, dp_rank)
     shuffle: bool = True  # false: every rank reads its range in index order (no slice or buffer shuffle)
     slice_size: int = 64  # consecutive samples kept together when shuffling the global order
@@ -83,9 +108,22 @@ class DataConfig:
             raise ValueError(f"data.max_sample_tokens must be >= 0, got {self.max_sample_tokens}")
         if self.decode_timeout_s <= 0:
             raise ValueError(f"data.decode_timeout_s must be > 0, got {self.decode_timeout_s}")
-        if not self.shards and not self.index:
+        if self.blend:
+            if self.shards or self.index:
+                raise ValueError("data.blend lists the datasets to draw from; data.shards and data.index must then "
+                                 f"be empty, got shards={self.shards!r} index={self.index!r}")
+            for source in self.blend:
+                source.validate()
+            names = [s.name for s in self.blend]
+            if len(set(names)) != len(names):
+                raise ValueError(f"data.blend: source names must differ, got {names}")
+        elif not self.shards and not self.index:
             raise ValueError("data.shards is empty and data.index is not set: give shard paths or an index")
         self.media.validate()
+
+    def all_shards(self) -> list[str]:
+        """The shards of every dataset it reads (a blend's, in its order)."""
+        return list(self.shards) + [p for s in self.blend for p in s.shards]
 
 
 @dataclass
@@ -100,6 +138,8 @@ class Sample:
     videos: list  # uint8 numpy arrays [T, H, W, 3] at their Qwen2-VL size
     ignored: list[str] = field(default_factory=list)  # extensions of members not decoded (never unpickled)
     frames_dropped: int = 0  # video frames left out to fit data.max_sample_tokens
+    epoch: int = 0  # the reader's epoch it was read in
+    source: str = ""  # the blend's source it came from (data.blend); "" outside a blend
 
 
 @dataclass
@@ -228,13 +268,17 @@ class DataReader:
     """One DP rank's endless, resumable stream of decoded samples."""
 
     def __init__(self, cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, index: Index | None = None,
-                 budget: TokenBudget | None = None):
+                 budget: TokenBudget | None = None, source: str = ""):
         """`budget`: how data.max_sample_tokens counts (the model's media sizes, the response
         limit, the tokenizer); by default from `cfg` alone (data.media.factor, 2 frames a
-        temporal group, no response, the prompt's bytes)."""
+        temporal group, no response, the prompt's bytes). `source`: the blend's name for this
+        dataset (dataio/blend.py), stamped on its samples and quarantine lines."""
         cfg.validate()
+        if cfg.blend:
+            raise ValueError("data.blend is set: read it with dataio.blend.open_reader (a BlendedReader)")
         check_split(dp_rank, dp_size)
         self.cfg = cfg
+        self.source = source
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.index = index if index is not None else open_dataset(cfg.shards, cfg.index)
         if len(self.index) == 0:
@@ -302,6 +346,7 @@ class DataReader:
                 self._record_skip(res)
                 continue
             self.samples_yielded += 1
+            res.epoch, res.source = epoch, self.source
             self.ignored_members.update(res.ignored)
             if res.frames_dropped:
                 self.budget_fitted += 1
@@ -330,6 +375,8 @@ class DataReader:
         if self.cfg.quarantine_log:
             rec = {"time": time.time(), "reason": s.reason, "shard": s.shard, "key": s.key, "index": s.index,
                    "detail": s.detail, "epoch": self.epoch, "dp_rank": self.dp_rank}
+            if self.source:
+                rec["source"] = self.source
             os.makedirs(os.path.dirname(os.path.abspath(self.cfg.quarantine_log)), exist_ok=True)
             with open(self.cfg.quarantine_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -360,6 +407,8 @@ class DataReader:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") == "blend":
+            raise ValueError("data state was saved by a blend of datasets (data.blend): resume with the same data.blend")
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')} is not {STATE_VERSION}")
         c = self.cfg

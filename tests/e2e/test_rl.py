@@ -45,17 +45,19 @@ def _tiny_rl(run_dir, train_dir, *settings: str, policy="tiny:policy", audit=Fal
 @pytest.fixture(scope="module")
 def rl_run(tmp_path_factory, warm_policy):
     """3 steps from the warm start with everything on: the untrained judge beside the rule, a KL
-    penalty to the reference, 4 PPO mini-batches per step, eval after every step, and an offline
-    Weights & Biases run (in the run dir). Returns the run dir and what the terminal showed (stdout
+    penalty to the reference, 4 PPO mini-batches per step, eval after every step, an offline
+    Weights & Biases run (in the run dir), and the data a blend of two datasets in equal shares. Returns the run dir and what the terminal showed (stdout
     and stderr, interleaved)."""
     base = tmp_path_factory.mktemp("rl")
-    write_shards(str(base / "train"), images=16, videos=0, samples_per_shard=7, seed=3, tasks=["colour"])
+    for name, n, seed in (("train_a", 10, 3), ("train_b", 6, 5)):  # the same keys (s00000000 ...) in both
+        write_shards(str(base / name), images=n, videos=0, samples_per_shard=7, seed=seed, tasks=["colour"])
     write_shards(str(base / "eval"), images=4, videos=0, samples_per_shard=4, seed=4, tasks=["colour"])
     run_dir = base / "run"
-    cmd = _tiny_rl(run_dir, base / "train", "run.steps=3", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
+    blend = f"data.blend=[{{name: a, shards: [{base / 'train_a'}]}}, {{name: b, shards: [{base / 'train_b'}]}}]"
+    cmd = _tiny_rl(run_dir, base / "train_a", "run.steps=3", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
                    "eval.num_prompts=2", "eval.max_tokens=4", "rollout.prompts_per_step=4", "algorithm.kl_coef=0.05",
                    "algorithm.mini_batches=4", UNTRAINED_JUDGE, "metrics.wandb.project=yatt-e2e",
-                   "metrics.wandb.mode=offline", policy=warm_policy, audit=True)
+                   "metrics.wandb.mode=offline", "data.shards=[]", blend, policy=warm_policy, audit=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, **offline_env(base)})
     assert proc.returncode == 0, proc.stdout[-8000:]
@@ -157,14 +159,31 @@ def test_judge_scores_every_response_and_its_agreement_with_the_rule_is_logged(r
 
 
 def test_every_sample_of_an_epoch_is_consumed_exactly_once_across_dp_groups(rl_run):
+    """Each dataset of the blend is read epoch by epoch on its own: its first epoch's samples
+    each drawn once, by one controller (their keys collide across the datasets: the lineage
+    names the source)."""
     run_dir, _ = rl_run
-    consumed = [json.loads(ln) for f in sorted(run_dir.glob("consumed_rank*.jsonl"))
-                for ln in f.read_text().splitlines()]
-    epoch0 = Counter(c["key"] for c in consumed if c["epoch"] == 0)
-    assert len(epoch0) == 16 and set(epoch0.values()) == {1}  # 3 steps x 2 ranks x 4 > 16: a full epoch
-    per_rank = [{json.loads(ln)["key"] for ln in f.read_text().splitlines() if json.loads(ln)["epoch"] == 0}
-                for f in sorted(run_dir.glob("consumed_rank*.jsonl"))]
-    assert len(per_rank) == 2 and not (per_rank[0] & per_rank[1])
+    per_rank = [[json.loads(ln) for ln in f.read_text().splitlines()] for f in sorted(run_dir.glob("consumed_rank*.jsonl"))]
+    epoch0 = Counter((c["source"], c["key"]) for consumed in per_rank for c in consumed if c["epoch"] == 0)
+    # 3 steps x 2 ranks x 4 prompts, half from each: more than either dataset's 10 and 6 samples
+    assert Counter(source for source, _ in epoch0) == {"a": 10, "b": 6} and set(epoch0.values()) == {1}
+    firsts = [{(c["source"], c["key"]) for c in consumed if c["epoch"] == 0} for consumed in per_rank]
+    assert len(firsts) == 2 and not (firsts[0] & firsts[1])
+
+
+def test_a_blends_sources_are_drawn_in_their_shares_and_reported_apart(rl_run):
+    steps = _steps(rl_run[0])
+    for r in steps:  # 4+ groups a rank and step, within one of half each on either rank
+        share = r["data/a/groups_share"]
+        assert share + r["data/b/groups_share"] == pytest.approx(1.0)
+        assert abs(share - 0.5) <= 2 / r["rollout/groups_generated"], r
+        for source in "ab":
+            assert 0 <= r[f"data/{source}/reward_mean"] <= 1 and 0 <= r[f"data/{source}/valid_group_rate"] <= 1
+        assert r["data/skipped"] == r["data/a/skipped"] == r["data/b/skipped"] == r["data/skipped_no_question"] == 0
+    # the sources' rewards average to the step's (each response counted once)
+    for r in steps:
+        a, b = r["data/a/groups_share"], r["data/b/groups_share"]
+        assert r["rollout/reward_mean"] == pytest.approx(a * r["data/a/reward_mean"] + b * r["data/b/reward_mean"])
 
 
 def test_plot_writes_reward_curve_and_timeline(rl_run):

@@ -34,10 +34,14 @@ def colour_shards(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sft_dp2(colour_shards, tmp_path_factory):
+    """30 steps on 2 ranks from a blend (data.blend) of the 400 samples and 100 others, 3:1."""
+    from dataio.synth import write_shards
+
     run = tmp_path_factory.mktemp("sft_run")
+    write_shards(str(run / "extra"), images=100, videos=0, seed=2)
+    blend = f"data.blend=[{{name: main, shards: [{colour_shards}], weight: 3}}, {{name: extra, shards: [{run / 'extra'}]}}]"
     result = _run([sys.executable, "-m", "yatt_mm.cli", "sft", "--config", "configs/tiny_sft.yaml", "--nproc", "2",
-                   f"data.shards=[{colour_shards}]", "steps=30", "eval.every=0", f"run_dir={run}",
-                   f"output_dir={run / 'hf'}"])
+                   "data.shards=[]", blend, "steps=30", "eval.every=0", f"run_dir={run}", f"output_dir={run / 'hf'}"])
     return result, run
 
 
@@ -51,6 +55,8 @@ def test_sft_dp2_lowers_loss_raises_heldout_accuracy(sft_dp2):
     step_lines = [ln for ln in lines if "train/loss" in ln]
     assert len(step_lines) == 30 and all(ln["train/tokens_per_s"] > 0 for ln in step_lines)
     assert result["skipped"].get("other_task", 0) > 0  # count questions filtered out, counted
+    summary = json.loads((run / "sft_summary.json").read_text())
+    assert summary["reader_skipped"] == {}  # the blend's two readers, summed
 
 
 def test_export_loads_in_transformers_and_vllm(sft_dp2):

@@ -17,6 +17,7 @@ from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
 from yatt_mm.rl.placement import PhaseRunner, full_colocation
 from yatt_mm.rl.samples import Prompt, SampleBuilder
+from yatt_mm.rl.sources import PromptSource
 
 
 class ScriptedEngine:
@@ -48,7 +49,7 @@ class ScriptedEngine:
         return GenerationResult(responses, 0.01, 0, sum(len(r.token_ids) for g in responses for r in g))
 
 
-class ListSource:
+class ListSource(PromptSource):
     def __init__(self, prompts):
         self.prompts = list(prompts)
 

@@ -47,7 +47,9 @@ def full_run(tmp_path_factory, rollout_engine):
     phases = PhaseRunner(full_colocation(), {}, timeline)
     phases.split = SplitRunner(SplitConfig(), "full", judges, timeline)
 
-    class Source:
+    from yatt_mm.rl.sources import PromptSource
+
+    class Source(PromptSource):
         def take(self, n):
             return [Prompt(f"p{i}", "What colour is it?", "red", images=[Image.new("RGB", (56, 56), "red")])
                     for i in range(n)]

@@ -27,6 +27,7 @@ from yatt_mm.rl.placement import Phase, PhaseRunner, partial_colocation
 from yatt_mm.rl.samples import Prompt, SampleBuilder
 from yatt_mm.rl.split import SplitConfig, cpu_cores
 from yatt_mm.rl.split_runner import SplitRunner
+from yatt_mm.rl.sources import PromptSource
 
 pytestmark = [pytest.mark.slow,  # a judge server start (20-60 s) and a few steps
               pytest.mark.usefixtures("two_cores")]
@@ -53,7 +54,7 @@ def server():
         yield s
 
 
-class Prompts:
+class Prompts(PromptSource):
     def __init__(self):
         self.n = 0
 

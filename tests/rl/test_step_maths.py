@@ -62,6 +62,37 @@ def test_rollout_stats_sum_across_groups_into_metrics():
     assert "rollout/reward_mean" not in from_buffer and from_buffer["rollout/from_buffer"] == 4
 
 
+def test_a_blends_sources_are_counted_apart_and_summed_across_groups():
+    from types import SimpleNamespace
+
+    from yatt_mm.rl.dynamic_sampling import is_valid
+
+    def group(source, rewards):
+        return SimpleNamespace(prompt=SimpleNamespace(source=source), rewards=rewards,
+                               responses=[SimpleNamespace(token_ids=[1], finish_reason="stop", weight_updates=0)] * 2,
+                               reward_parts={})
+
+    def stats(rank):
+        s = RolloutStats.for_sources(["charts", "video"])  # rank 1 draws no video: the same keys all the same
+        groups = [group("charts", [1.0, 0.0]), group("video", [1.0, 1.0])] if rank == 0 else [group("charts", [0.0, 0.0])]
+        s.add_wave(groups, 1.0)
+        s.add_sources(groups, is_valid)
+        s.data_counts = {"skipped": float(rank), "skipped_no_question": 0.0, "charts/skipped": float(rank),
+                         "video/skipped": 0.0}
+        return s
+
+    totals = on_ranks(2, lambda rank, group: stats(rank).summed(group=group))
+    m = totals[0].metrics([], [])
+    assert totals[0] == totals[1]
+    assert m["data/charts/groups_share"] == pytest.approx(2 / 3) and m["data/video/groups_share"] == pytest.approx(1 / 3)
+    assert m["data/charts/reward_mean"] == pytest.approx(1 / 4) and m["data/video/reward_mean"] == 1.0
+    assert m["data/charts/valid_group_rate"] == 0.5 and m["data/video/valid_group_rate"] == 0.0
+    assert m["data/skipped"] == 1.0 and m["data/charts/skipped"] == 1.0 and m["data/video/skipped"] == 0.0
+    alone = RolloutStats.for_sources([])  # no blend: no per-source keys
+    alone.add_sources([group("", [1.0, 0.0])], is_valid)
+    assert not alone.by_source and not any(k.startswith("data/") for k in alone.metrics([], []))
+
+
 def test_sync_guard_stops_when_vllm_sampled_with_other_weights():
     from types import SimpleNamespace
 

@@ -197,10 +197,10 @@ class RLConfig:
 
     def resolve_models(self, resolve) -> None:
         """Replace model names (tiny:, warmstart:) by directories; `resolve(name, data_shards)`."""
-        self.policy.model = resolve(self.policy.model, self.data.shards)
+        self.policy.model = resolve(self.policy.model, self.data.all_shards())
         for wj in self.reward.judges:
             if wj.judge.model:
-                wj.judge.model = resolve(wj.judge.model, self.data.shards)
+                wj.judge.model = resolve(wj.judge.model, self.data.all_shards())
 
     def fix_run_dir(self) -> Path:
         self.run.run_dir = self.run.run_dir or f"runs/{self.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"

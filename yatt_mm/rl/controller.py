@@ -96,6 +96,7 @@ class Controller:
         groups = [self._shape_length(Group(p, rs, total, parts, version=version))
                   for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds, own, result.prompt_tokens)
+        stats.add_sources(groups, self.sampler.is_valid)
         return groups
 
     def _shape_length(self, group: Group) -> Group:
@@ -138,7 +139,7 @@ class Controller:
     def step(self, step: int, target: int) -> tuple[list[list[TrainSample]], RolloutStats]:
         """Rollout, reward and dynamic sampling until `target` groups, then their training
         samples with advantages; and what it took (this DP group's counts)."""
-        stats = RolloutStats()
+        stats = RolloutStats.for_sources(self.source.names)
         self._waves, self._wave_seconds = [], 0.0
         if self.max_staleness:  # buffered groups the weights of `step` would train more than k versions off
             stats.stale_dropped += self.sampler.drop_older(step - self.max_staleness)
@@ -149,6 +150,7 @@ class Controller:
         if self.probe_prompt is None and chosen.groups:
             self.probe_prompt = chosen.groups[0].prompt
         stats.reward_counts = self.rewarder.take_counts()
+        stats.data_counts = self.source.data_counts()
         with self.phases.phase("prepare", step):
             return self.train_samples(chosen, step), stats
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from yatt_mm.rl.checkpoint import controller_state
 from yatt_mm.rl.distributed import sum_across
+from yatt_mm.rl.sources import Consumed
 
 
 class RolloutAhead:
@@ -59,7 +60,7 @@ class RolloutAhead:
         self.checkpoint_every = checkpoint_every
         self._thread: threading.Thread | None = None
         self._ahead: tuple[int, tuple | None, BaseException | None] | None = None  # (step, result, error)
-        self.consumed: list[tuple[int, str]] = []  # the lineage of the step being trained
+        self.consumed: list[Consumed] = []  # the lineage of the step being trained
         self.snapshot = None  # the controller's state as of that step, when it checkpoints
 
     def take(self, step: int):

@@ -33,6 +33,7 @@ class Prompt:
     metadata: dict = field(default_factory=dict)
     # where in the data stream it was drawn ("epoch/shard/key"): unique to this draw; seeds it
     origin: str = ""
+    source: str = ""  # the blend's dataset it came from (data.blend); "" outside a blend
 
     def sampling_seed(self, run_seed: int | None, purpose: str = "rollout") -> int | None:
         """The seed of this prompt's requests in a run sampling with `run_seed` (None: unseeded): a
@@ -40,6 +41,12 @@ class Prompt:
         it lands in), so a rerun or a resumed run samples the same responses to it, and distinct
         prompts draw independent streams. `purpose` keeps the rollout's and the judges' apart."""
         return derived_seed(run_seed, self.origin or self.key, purpose)
+
+    @property
+    def group_id(self) -> str:
+        """Names its group of responses in a step: unique to this draw (a key alone may recur: in
+        another epoch, or in another dataset of a blend, whose media then differ)."""
+        return self.origin or self.key
 
     def request(self, seed: int | None = None) -> Request:
         parts = [{"type": "image"} for _ in self.images] + [{"type": "video"} for _ in self.videos]
@@ -131,7 +138,7 @@ class SampleBuilder:
             lp[p - 1 : p - 1 + n] = torch.tensor(response.logprobs, dtype=torch.float32)
             out.append(TrainSample(
                 input_ids=ids, loss_mask=mask, rollout_logprobs=lp, advantage=float(adv), reward=float(reward),
-                group_id=prompt.key, masked=masked, stale=stale, version=group.version, truncated=response.finish_reason == "length",
+                group_id=prompt.group_id, masked=masked, stale=stale, version=group.version, truncated=response.finish_reason == "length",
                 pixel_values=enc.get("pixel_values"), image_grid_thw=enc.get("image_grid_thw"),
                 pixel_values_videos=enc.get("pixel_values_videos"), video_grid_thw=enc.get("video_grid_thw"),
                 second_per_grid_ts=seconds))

@@ -17,40 +17,65 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dataio.blend import BlendedReader
 from dataio.reader import DataReader, Sample
 from yatt_mm.rl.balance import Move
 from yatt_mm.rl.distributed import exchange
 from yatt_mm.rl.samples import Prompt
 
+Consumed = tuple[int, str, str]  # (epoch, key, blend source) of one sample read
 
-def to_prompt(sample: Sample, epoch: int = 0) -> Prompt | None:
+
+def to_prompt(sample: Sample) -> Prompt | None:
     if not sample.prompt or sample.answer is None:
         return None
+    origin = f"{sample.epoch}/{sample.shard}/{sample.key}"  # a blend's sources count their epochs apart
     return Prompt(key=sample.key, question=sample.prompt, answer=str(sample.answer),
                   images=list(sample.images), videos=list(sample.videos), metadata=dict(sample.metadata),
-                  origin=f"{epoch}/{sample.shard}/{sample.key}")
+                  origin=f"{sample.source}/{origin}" if sample.source else origin, source=sample.source)
 
 
-class ParallelSource:
-    def __init__(self, reader: DataReader):
+class PromptSource:
+    """What a controller draws its prompts from: `take(n)`, and what the data left out so far."""
+
+    names: list[str] = []  # a blend's sources (data.blend): the controller counts their groups apart
+
+    def take(self, n: int) -> list[Prompt]:
+        raise NotImplementedError
+
+    def data_counts(self) -> dict[str, float]:
+        """Samples left out so far (undecodable, over the token budget: the reader's skips; no
+        question or answer), a blend's also by source: the same keys on every DP group."""
+        return dict.fromkeys(["skipped", "skipped_no_question"] + [f"{n}/skipped" for n in self.names], 0.0)
+
+
+class ParallelSource(PromptSource):
+    def __init__(self, reader: DataReader | BlendedReader):
         self.reader = reader
         self._it: Iterator[Sample] = iter(reader)
         self.skipped_no_question = 0
-        self.consumed: list[tuple[int, str]] = []  # (epoch, key) since last drained: data lineage
+        self.consumed: list[Consumed] = []  # since last drained: data lineage
+        self.names = list(reader.names) if isinstance(reader, BlendedReader) else []  # a blend's sources
 
     def take(self, n: int) -> list[Prompt]:
         out: list[Prompt] = []
         while len(out) < n:
             sample = next(self._it)
-            self.consumed.append((self.reader.epoch, sample.key))
-            prompt = to_prompt(sample, self.reader.epoch)
+            self.consumed.append((sample.epoch, sample.key, sample.source))
+            prompt = to_prompt(sample)
             if prompt is None:
-                self.skipped_no_question += 1  # counted; reported in metrics
+                self.skipped_no_question += 1  # counted; reported in metrics (data_metrics)
                 continue
             out.append(prompt)
         return out
 
-    def drain_consumed(self) -> list[tuple[int, str]]:
+    def data_counts(self) -> dict[str, float]:
+        counts = {"skipped": float(sum(self.reader.skips.values())), "skipped_no_question": float(self.skipped_no_question)}
+        if isinstance(self.reader, BlendedReader):
+            counts |= {f"{name}/skipped": float(n) for name, n in self.reader.skips_by_source().items()}
+        return counts
+
+    def drain_consumed(self) -> list[Consumed]:
         out, self.consumed = self.consumed, []
         return out
 
@@ -58,8 +83,9 @@ class ParallelSource:
         """Append what this step consumed (drained now, or `consumed`, drained earlier), a JSON
         line per sample: the exactly-once record."""
         with open(path, "a") as f:
-            for epoch, key in self.drain_consumed() if consumed is None else consumed:
-                f.write(json.dumps({"step": step, "epoch": epoch, "key": key}) + "\n")
+            for epoch, key, source in self.drain_consumed() if consumed is None else consumed:
+                line = {"step": step, "epoch": epoch, "key": key} | ({"source": source} if source else {})
+                f.write(json.dumps(line) + "\n")
 
     def state_dict(self) -> dict:
         return {"reader": self.reader.state_dict()}
@@ -75,7 +101,7 @@ def pack_prompt(p: Prompt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if not tensors:
         tensors["none"] = torch.zeros(1)
     meta = {"key": p.key, "question": p.question, "answer": p.answer, "metadata": json.dumps(p.metadata),
-            "origin": p.origin}
+            "origin": p.origin, "source": p.source}
     return tensors, meta
 
 
@@ -85,13 +111,15 @@ def unpack_prompt(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Pro
     images = [Image.fromarray(tensors[k].numpy()) for k in sorted(t for t in tensors if t.startswith("image."))]
     videos = [tensors[k].numpy() for k in sorted(t for t in tensors if t.startswith("video."))]
     return Prompt(meta["key"], meta["question"], meta["answer"], images, videos, json.loads(meta["metadata"]),
-                  meta.get("origin", ""))  # checkpoints before origins: seeded by the key alone
+                  meta.get("origin", ""), meta.get("source", ""))  # checkpoints before origins: seeded by the key alone
 
 
-class SingleControllerSource:
-    def __init__(self, reader: DataReader | None, rank: int, world: int, group):
+class SingleControllerSource(PromptSource):
+    def __init__(self, reader: DataReader | BlendedReader | None, rank: int, world: int, group,
+                 names: list[str] = ()):
         self.rank, self.world, self.group = rank, world, group  # group: the leaders' CPU group
         self.inner = ParallelSource(reader) if rank == 0 else None  # rank 0 reads for everyone
+        self.names = list(names)  # a blend's sources (data.blend)
 
     def take(self, n: int) -> list[Prompt]:
         held: dict[int, tuple] = {}
@@ -109,6 +137,9 @@ class SingleControllerSource:
             mine = [unpack_prompt(*received[i]) for i in sorted(received)]
         dist.barrier(group=self.group)
         return mine
+
+    def data_counts(self) -> dict[str, float]:
+        return self.inner.data_counts() if self.inner else super().data_counts()  # rank 0 reads for all
 
     def state_dict(self) -> dict:
         return self.inner.state_dict() if self.inner else {}

@@ -15,6 +15,10 @@ from yatt_mm.rl.distributed import sum_across
 from yatt_mm.simulate.replay import busy_seconds
 
 
+SOURCE_COUNTS = ("groups", "responses", "reward_sum", "valid")  # RolloutStats.by_source, per blend source
+COUNT_DICTS = ("reward_counts", "by_source", "data_counts")  # RolloutStats' dicts, summed key by key
+
+
 @dataclass
 class RolloutStats:
     """Everything one DP group generated and chose this step. Reward statistics cover every
@@ -46,6 +50,14 @@ class RolloutStats:
     split_backlog: float = 0.0  # responses still waiting for the judges when generation ended
     split_reason: str = ""  # why the split is what it is next step (this rank's decision; not summed)
     reward_counts: dict[str, float] = field(default_factory=dict)  # the rewarder's; same keys on every group
+    # data.blend: per source, "<name>/groups", "/responses", "/reward_sum", "/valid" (see for_sources)
+    by_source: dict[str, float] = field(default_factory=dict)
+    data_counts: dict[str, float] = field(default_factory=dict)  # samples left out so far (ParallelSource.data_counts)
+
+    @classmethod
+    def for_sources(cls, names: list[str]) -> "RolloutStats":
+        """Empty stats with a blend's per-source counts: the same keys on every DP group."""
+        return cls(by_source={f"{n}/{k}": 0.0 for n in names for k in SOURCE_COUNTS})
 
     def add_wave(self, groups, seconds: float, cpu_seconds: float = 0.0, prompt_tokens: int = 0) -> None:
         self.gen_seconds += seconds
@@ -60,6 +72,16 @@ class RolloutStats:
             self.truncated += sum(r.finish_reason == "length" for r in g.responses)
             self.partial += sum(r.weight_updates > 0 for r in g.responses)
             self.overlong_penalty += sum(g.reward_parts.get("overlong", ()))
+
+    def add_sources(self, groups, is_valid) -> None:
+        """A blend's groups counted by their source (before filtering, like the reward's)."""
+        for g in groups:
+            if not g.prompt.source:
+                continue
+            counts = {"groups": 1.0, "responses": len(g.rewards), "reward_sum": sum(g.rewards),
+                      "valid": float(is_valid(g))}
+            for k, v in counts.items():
+                self.by_source[f"{g.prompt.source}/{k}"] += v
 
     def add_overlap(self, judge_spans: list[dict], generation_end: float) -> None:
         """The union of the judge requests' open intervals, and its part before the end of
@@ -90,10 +112,25 @@ class RolloutStats:
 
     def summed(self, group) -> "RolloutStats":
         """The sum over every DP group (a collective over `group`, the groups' leaders)."""
-        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("reward_counts", "split_reason")}
-        total = sum_across({**numbers, **{f"reward_counts/{k}": v for k, v in self.reward_counts.items()}}, group)
-        counts = {k.split("/", 1)[1]: v for k, v in total.items() if k.startswith("reward_counts/")}
-        return RolloutStats(**{k: total[k] for k in numbers}, reward_counts=counts, split_reason=self.split_reason)
+        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in COUNT_DICTS + ("split_reason",)}
+        counts = {f"{d}/{k}": v for d in COUNT_DICTS for k, v in getattr(self, d).items()}
+        total = sum_across(numbers | counts, group)
+        dicts = {d: {k.split("/", 1)[1]: v for k, v in total.items() if k.startswith(f"{d}/")} for d in COUNT_DICTS}
+        return RolloutStats(**{k: total[k] for k in numbers}, **dicts, split_reason=self.split_reason)
+
+    def data_metrics(self) -> dict[str, float]:
+        """What the data gave: samples left out so far, and a blend's sources side by side (their
+        share of this step's groups, their reward and valid-group rate: which dataset is too easy
+        or too hard for the policy now)."""
+        out = {f"data/{k}": v for k, v in self.data_counts.items()}
+        names = dict.fromkeys(k.rsplit("/", 1)[0] for k in self.by_source)
+        for n in names:
+            groups, responses = self.by_source[f"{n}/groups"], self.by_source[f"{n}/responses"]
+            out[f"data/{n}/groups_share"] = groups / max(self.groups, 1.0)
+            if groups:
+                out[f"data/{n}/reward_mean"] = self.by_source[f"{n}/reward_sum"] / responses
+                out[f"data/{n}/valid_group_rate"] = self.by_source[f"{n}/valid"] / groups
+        return out
 
     def metrics(self, rule_names: list[str], judge_names: list[str]) -> dict[str, float]:
         out = {"rollout/groups_generated": self.groups, "rollout/padded_groups": self.padded,
@@ -107,6 +144,7 @@ class RolloutStats:
                     "placement/judge_units": self.split_judge_units, "placement/resplit": self.split_moves,
                     "placement/judge_backlog": self.split_backlog, "placement/reason": self.split_reason}
         out.update(reward_metrics(self.reward_counts, rule_names, judge_names))
+        out.update(self.data_metrics())
         if not self.responses:  # the whole step came from dynamic sampling's buffer
             return out
         n = self.responses

@@ -17,6 +17,7 @@ import models  # noqa: F401 - CPU runtime hooks before anything imports torchvis
 import torch
 import torch.distributed as dist
 
+from dataio.blend import BlendedReader, open_reader
 from dataio.reader import DataConfig, DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
 from models.comm import comm, init_parallel
@@ -116,10 +117,10 @@ class Run:
         judges = build_judges(cfg.reward.judges, ranks, engine_of=lambda j: self.worker.engine(f"judge:{j.name}"))
         return engine, judges
 
-    def _reader(self, data: DataConfig) -> DataReader:
+    def _reader(self, data: DataConfig) -> DataReader | BlendedReader:
         if data.quarantine_log is None:
             data.quarantine_log = str(self.run_dir / f"quarantine_rank{self.ranks.dp_rank}.jsonl")
-        return DataReader(data, self.ranks.dp_rank, self.ranks.dp_size, budget=self._budget(data))
+        return open_reader(data, self.ranks.dp_rank, self.ranks.dp_size, budget=self._budget(data))
 
     def _budget(self, data: DataConfig):
         """How data.max_sample_tokens counts a sample: the policy's media sizes and the response
@@ -138,7 +139,7 @@ class Run:
         reader = self._reader(cfg.data)
         if cfg.run.controller == "single":
             source = SingleControllerSource(reader if ranks.dp_rank == 0 else None, ranks.dp_rank, ranks.dp_size,
-                                            ranks.leaders_cpu)
+                                            ranks.leaders_cpu, [s.name for s in cfg.data.blend])
         else:
             source = ParallelSource(reader)
         rewarder = Rewarder(cfg.reward, self.judges, cfg.rollout.sampling.seed)

@@ -66,7 +66,7 @@ class SFTConfig:
         self.data.media = media_for_model(self.data.media, self.model, "data.media.factor")
 
     def resolve_models(self, resolve) -> None:
-        self.model = resolve(self.model, self.data.shards)
+        self.model = resolve(self.model, self.data.all_shards())
 
     def fix_run_dir(self) -> Path:
         self.run_dir = self.run_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}"

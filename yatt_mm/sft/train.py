@@ -24,7 +24,7 @@ import models  # noqa: F401 - CPU runtime hooks before anything imports torchvis
 import torch
 import torch.distributed as dist
 
-from dataio.reader import DataReader
+from dataio.blend import open_reader
 from models.hf_io import check_hf_dir, save_hf_dir
 from models.comm import init_parallel
 from models.trainer import VLMTrainer
@@ -58,7 +58,7 @@ class SFTRun:
         build = get_builder(cfg.examples)
         holdout = cfg.eval.holdout_fraction if not cfg.eval.shards else 0.0
         self.eval_batches = self._held_out(build.eval_builder, holdout)
-        self.reader = DataReader(cfg.data, self.dp_rank, self.dp_size)
+        self.reader = open_reader(cfg.data, self.dp_rank, self.dp_size)
         self.examples = ExampleStream(self.reader, build, cfg.tasks, cfg.seed + self.dp_rank,
                                       lambda k: not is_held_out(k, holdout))
         self.history: list[dict] = []
@@ -72,9 +72,9 @@ class SFTRun:
         cfg = self.cfg
         if not cfg.eval.samples:
             return []
-        data = replace(cfg.data, shards=cfg.eval.shards, index=None, shuffle=False) if cfg.eval.shards \
+        data = replace(cfg.data, shards=cfg.eval.shards, index=None, blend=[], shuffle=False) if cfg.eval.shards \
             else replace(cfg.data, shuffle=False)
-        reader = DataReader(data, self.dp_rank, self.dp_size)
+        reader = open_reader(data, self.dp_rank, self.dp_size)  # a blend: each source's held-out share
         keep = (lambda k: True) if cfg.eval.shards else (lambda k: is_held_out(k, holdout))
         held = ExampleStream(reader.iter_epoch(), build, cfg.tasks, cfg.seed + 10_000 + self.dp_rank, keep) \
             .take(cfg.eval.samples)  # one pass at most
