@@ -12,12 +12,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _eval_rule(run: Path) -> str:
-    """The rule that scored the held-out prompts, from the run's saved config (if any)."""
+def _eval_rules(run: Path) -> dict[str, str]:
+    """The rule that scored each eval set's prompts ("": eval.shards' own, or all of them), from
+    the run's saved config (if any)."""
+    import yaml
+
     try:
-        return str(json.loads((run / "config.json").read_text())["eval"]["reward"])
-    except (OSError, KeyError, ValueError):
-        return ""
+        cfg = yaml.safe_load((run / "config.yaml").read_text())["eval"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return {}
+    return {"": str(cfg.get("reward", ""))} | {s["name"]: str(s.get("reward") or cfg.get("reward", ""))
+                                               for s in cfg.get("sets", [])}
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -33,9 +38,14 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    eval_rule = _eval_rule(run)
+    rules = _eval_rules(run)
+    sets = sorted({k.split("/")[1] for r in records for k in r if k.startswith("eval/") and k.count("/") == 2})
     curves = [("rollout/reward_mean", "training rollouts: total reward (all groups, unfiltered)", "-"),
-              ("eval/reward_mean", f"held-out prompts, greedy{f': {eval_rule}' if eval_rule else ''}", "-")]
+              ("eval/reward_mean", "held-out prompts, greedy" + (" (all sets)" if sets else
+                                                                 f": {rules['']}" if rules.get("") else ""), "-")]
+    # with eval.sets, each set's own curve
+    curves += [(f"eval/{name}/reward_mean", f"held-out {name}, greedy{f': {rules[name]}' if rules.get(name) else ''}",
+                ":") for name in sets]
     # with several reward parts (rules, judges), each part's mean on the training rollouts
     parts = sorted({k for r in records for k in r if k.startswith("reward/")})
     if len(parts) > 1:

@@ -46,15 +46,19 @@ def _tiny_rl(run_dir, train_dir, *settings: str, policy="tiny:policy", audit=Fal
 def rl_run(tmp_path_factory, warm_policy):
     """3 steps from the warm start with everything on: the untrained judge beside the rule, a KL
     penalty to the reference, 4 PPO mini-batches per step, eval after every step, an offline
-    Weights & Biases run (in the run dir), and the data a blend of two datasets in equal shares. Returns the run dir and what the terminal showed (stdout
+    Weights & Biases run (in the run dir), the data a blend of two datasets in equal shares, and
+    two eval sets. Returns the run dir and what the terminal showed (stdout
     and stderr, interleaved)."""
     base = tmp_path_factory.mktemp("rl")
     for name, n, seed in (("train_a", 10, 3), ("train_b", 6, 5)):  # the same keys (s00000000 ...) in both
         write_shards(str(base / name), images=n, videos=0, samples_per_shard=7, seed=seed, tasks=["colour"])
     write_shards(str(base / "eval"), images=4, videos=0, samples_per_shard=4, seed=4, tasks=["colour"])
+    write_shards(str(base / "eval_b"), images=2, videos=0, samples_per_shard=4, seed=6, tasks=["colour"])
     run_dir = base / "run"
     blend = f"data.blend=[{{name: a, shards: [{base / 'train_a'}]}}, {{name: b, shards: [{base / 'train_b'}]}}]"
-    cmd = _tiny_rl(run_dir, base / "train_a", "run.steps=3", f"eval.shards=[{base / 'eval'}]", "eval.every=1",
+    sets = (f"eval.sets=[{{name: colour, shards: [{base / 'eval'}]}}, "
+            f"{{name: colour_b, shards: [{base / 'eval_b'}], num_prompts: 1, max_tokens: 3}}]")
+    cmd = _tiny_rl(run_dir, base / "train_a", "run.steps=3", "eval.shards=[]", sets, "eval.every=1",
                    "eval.num_prompts=2", "eval.max_tokens=4", "rollout.prompts_per_step=4", "algorithm.kl_coef=0.05",
                    "algorithm.mini_batches=4", UNTRAINED_JUDGE, "metrics.wandb.project=yatt-e2e",
                    "metrics.wandb.mode=offline", "data.shards=[]", blend, policy=warm_policy, audit=True)
@@ -117,7 +121,11 @@ def test_two_rank_run_completes_with_metrics_and_final_policy(rl_run, warm_polic
         assert r["memory/rss_gb"] > 0.1
         assert r["balance/imbalance_after"] <= r["balance/imbalance_before"] + 1e-9
         assert not any(k.startswith("moe/") for k in r), r  # a dense model logs no expert load
-    assert sum("eval/reward_mean" in r for r in records) == 4  # before the first step, then after each
+    evals = [r for r in records if "eval/reward_mean" in r]
+    assert len(evals) == 4  # before the first step, then after each
+    for r in evals:  # each set's own mean; the overall one over all 2 x (2 + 1) prompts
+        assert 0 <= r["eval/colour/reward_mean"] <= 1 and 0 <= r["eval/colour_b/reward_mean"] <= 1
+        assert r["eval/reward_mean"] == pytest.approx((4 * r["eval/colour/reward_mean"] + 2 * r["eval/colour_b/reward_mean"]) / 6)
     final, start = load_file(run_dir / "final" / "model.safetensors"), load_file(warm_policy / "model.safetensors")
     assert final.keys() == start.keys() and any(not final[k].equal(start[k]) for k in start)
     assert (run_dir / "final" / "config.json").is_file()
@@ -197,8 +205,12 @@ def test_plot_writes_reward_curve_and_timeline(rl_run):
     curve = Image.open(run_dir / "reward_curve.png").convert("RGB")
     assert curve.size == (840, 480)  # 7 x 4 inches at 120 dpi
     colours = {c for _, c in curve.getcolors(maxcolors=1 << 20)}
-    # matplotlib's first colours, one a curve: training reward, held-out reward, then each reward part
-    assert {(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)} <= colours
+    # matplotlib's first colours, one a curve: training reward, held-out reward, each eval set's, then
+    # each reward part
+    assert {(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)} <= colours
+    from yatt_mm.plot import _eval_rules
+
+    assert _eval_rules(run_dir) == {"": "exact_match", "colour": "exact_match", "colour_b": "exact_match"}  # the labels'
 
 
 def test_the_offline_wandb_run_holds_every_step_the_config_and_the_plots(rl_run):

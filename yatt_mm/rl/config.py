@@ -3,6 +3,7 @@ is the config of the component that uses it; this file holds the loop's own and 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,12 +84,39 @@ class SyncConfig:
 
 
 @dataclass
+class EvalSet:
+    """One named held-out benchmark (eval.sets); unset settings are eval's own."""
+
+    name: str = ""  # its metric: eval/<name>/reward_mean
+    shards: list[str] = field(default_factory=list)  # its held-out shards
+    num_prompts: int | None = None  # per DP group; null: eval.num_prompts
+    max_tokens: int | None = None  # longest greedy answer; null: eval.max_tokens
+    reward: str | None = None  # its rule reward; null: eval.reward
+
+    RANGES = {"num_prompts": ">= 1", "max_tokens": ">= 1"}
+
+    def validate(self) -> None:
+        from yatt_mm.reward.rules import get_rule
+
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
+            raise ValueError(f"an eval set needs a name of letters, digits, '_', '.' or '-' (it names its metric), "
+                             f"got {self.name!r}")
+        if not self.shards:
+            raise ValueError(f"eval set {self.name!r}: give its shards")
+        if self.reward is not None:
+            get_rule(self.reward)
+
+
+@dataclass
 class EvalConfig:
     every: int = 5  # steps; 0 disables
-    shards: list[str] = field(default_factory=list)  # held-out data; empty: no eval
+    shards: list[str] = field(default_factory=list)  # held-out data; empty: no eval (unless sets)
     num_prompts: int = 32  # per DP group
     max_tokens: int = 16  # longest greedy answer
     reward: str = "exact_match"  # a rule reward, unfiltered and greedy
+    # several named held-out sets instead of shards, each with its own metric (eval/<name>/reward_mean)
+    # and optionally its own num_prompts, max_tokens and reward; eval/reward_mean is over all of them
+    sets: list[EvalSet] = field(default_factory=list)
 
     RANGES = {"every": ">= 0", "num_prompts": ">= 1", "max_tokens": ">= 1"}
 
@@ -96,6 +124,20 @@ class EvalConfig:
         from yatt_mm.reward.rules import get_rule
 
         get_rule(self.reward)
+        if self.sets and self.shards:
+            raise ValueError(f"eval.sets lists the held-out sets; eval.shards must then be empty, got {self.shards!r}")
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.sets: set names must differ, got {names}")
+
+    def resolved(self) -> list[EvalSet]:
+        """The held-out sets with every setting filled in (eval.shards: one set named ""); none
+        when eval is off."""
+        if not self.every:
+            return []
+        sets = self.sets or ([EvalSet(name="", shards=self.shards)] if self.shards else [])
+        return [EvalSet(s.name, s.shards, s.num_prompts or self.num_prompts, s.max_tokens or self.max_tokens,
+                        s.reward or self.reward) for s in sets]
 
 
 @dataclass

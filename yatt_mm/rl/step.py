@@ -9,9 +9,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+from yatt_mm.reward.rules import RuleFn
+from yatt_mm.rl.config import EvalSet
 from yatt_mm.rl.distributed import balance_groups, broadcast_samples, sum_across
 from yatt_mm.rl.rollout_ahead import staleness_metrics
+from yatt_mm.rl.samples import Prompt
 from yatt_mm.rl.stats import time_metrics
 
 
@@ -133,14 +137,30 @@ def probe_sync(run, step: int) -> dict[str, float]:
         return run.actor.check_sync(broadcast_samples(probe, run.ranks.leader_rank, run.ranks.mp_cpu))
 
 
+@dataclass
+class HeldOut:
+    """One eval set as its DP group's controller holds it (eval.resolved(): every setting filled)."""
+
+    spec: EvalSet
+    rule: RuleFn
+    prompts: list[Prompt]
+
+
 def evaluate(run, step: int) -> dict[str, float]:
-    """Greedy held-out reward, over every DP group (a collective over the leaders)."""
-    if not (run.cfg.eval.every and run.cfg.eval.shards):
+    """Greedy held-out reward over every DP group (a collective over the leaders): over all the
+    eval sets' prompts, and each named set's own."""
+    if not run.cfg.eval.resolved():
         return {}
     if not run.ranks.leader:
         follow(run)
         return {}
+    counts = {}
     with run.engine.lead():
-        score, n = run.controller.evaluate(run.eval_prompts, run.eval_rule, run.cfg.eval.max_tokens, step)
-    total = sum_across({"s": score, "n": n}, run.ranks.leaders_cpu)
-    return {"eval/reward_mean": total["s"] / max(total["n"], 1)}
+        for held in run.evals:
+            score, n = run.controller.evaluate(held.prompts, held.rule, held.spec.max_tokens, step)
+            counts |= {f"{held.spec.name}/score": score, f"{held.spec.name}/n": n}
+    total = sum_across(counts, run.ranks.leaders_cpu)
+    out = {"eval/reward_mean": sum(v for k, v in total.items() if k.endswith("/score"))
+                               / max(sum(v for k, v in total.items() if k.endswith("/n")), 1)}
+    return out | {f"eval/{h.spec.name}/reward_mean": total[f"{h.spec.name}/score"] / max(total[f"{h.spec.name}/n"], 1)
+                  for h in run.evals if h.spec.name}

@@ -1,0 +1,36 @@
+"""eval.sets without a launch: what a config may say and what each set is filled in with. The
+run itself (two sets, their metrics and the overall mean): tests/e2e/test_rl.py's rl_run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from yatt_mm.config import load
+from yatt_mm.rl.config import EvalSet, RLConfig
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "tiny_demo.yaml"
+
+
+def test_each_set_takes_evals_own_settings_where_it_says_nothing():
+    cfg = load(RLConfig, DEMO, ["eval.shards=[]", "eval.num_prompts=8", "eval.max_tokens=12", "eval.reward=exact_match",
+                                "eval.sets=[{name: charts, shards: [c]}, {name: geo, shards: [g], num_prompts: 3, "
+                                "max_tokens: 64, reward: math_verify}]"])
+    assert cfg.eval.resolved() == [EvalSet("charts", ["c"], 8, 12, "exact_match"), EvalSet("geo", ["g"], 3, 64, "math_verify")]
+    one = load(RLConfig, DEMO, ["eval.shards=[held]", "eval.num_prompts=5"]).eval
+    assert one.resolved() == [EvalSet("", ["held"], 5, one.max_tokens, one.reward)]  # eval.shards: one unnamed set
+    assert load(RLConfig, DEMO, ["eval.every=0"]).eval.resolved() == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.shards=[a]", "eval.sets=[{name: x, shards: [b]}]"], "eval.sets lists the held-out sets; eval.shards must then be empty"),
+    (["eval.shards=[]", "eval.sets=[{name: x, shards: [a]}, {name: x, shards: [b]}]"], "set names must differ"),
+    (["eval.shards=[]", "eval.sets=[{name: x, shards: [a], reward: exact_mach}]"], "exact_mach"),
+    (["eval.shards=[]", "eval.sets=[{name: x}]"], "eval.sets[0]: eval set 'x': give its shards"),
+    (["eval.shards=[]", "eval.sets=[{name: 'x/y', shards: [a]}]"], "an eval set needs a name"),
+    (["eval.shards=[]", "eval.sets=[{name: x, shards: [a], num_prompts: 0}]"], "eval.sets[0].num_prompts must be >= 1"),
+])
+def test_bad_eval_sets_are_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load(RLConfig, DEMO, overrides)
