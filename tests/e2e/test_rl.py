@@ -57,7 +57,7 @@ def rl_run(tmp_path_factory, warm_policy):
     run_dir = base / "run"
     blend = f"data.blend=[{{name: a, shards: [{base / 'train_a'}]}}, {{name: b, shards: [{base / 'train_b'}]}}]"
     sets = (f"eval.sets=[{{name: colour, shards: [{base / 'eval'}]}}, "
-            f"{{name: colour_b, shards: [{base / 'eval_b'}], num_prompts: 1, max_tokens: 3}}]")
+            f"{{name: colour_b, shards: [{base / 'eval_b'}], num_prompts: 1, max_tokens: 3, samples: 3, temperature: 1}}]")
     cmd = _tiny_rl(run_dir, base / "train_a", "run.steps=3", "eval.shards=[]", sets, "eval.every=1",
                    "eval.num_prompts=2", "eval.max_tokens=4", "rollout.prompts_per_step=4", "algorithm.kl_coef=0.05",
                    "algorithm.mini_batches=4", UNTRAINED_JUDGE, "metrics.wandb.project=yatt-e2e",
@@ -125,6 +125,8 @@ def test_two_rank_run_completes_with_metrics_and_final_policy(rl_run, warm_polic
     assert len(evals) == 4  # before the first step, then after each
     for r in evals:  # each set's own mean; the overall one over all 2 x (2 + 1) prompts
         assert 0 <= r["eval/colour/reward_mean"] <= 1 and 0 <= r["eval/colour_b/reward_mean"] <= 1
+        # colour_b: 3 sampled answers a prompt, their mean (avg@3) and each prompt's best (pass@3)
+        assert r["eval/colour_b/reward_mean"] <= r["eval/colour_b/pass_at_3"] <= 1 and "eval/colour/pass_at_1" not in r
         assert r["eval/reward_mean"] == pytest.approx((4 * r["eval/colour/reward_mean"] + 2 * r["eval/colour_b/reward_mean"]) / 6)
     final, start = load_file(run_dir / "final" / "model.safetensors"), load_file(warm_policy / "model.safetensors")
     assert final.keys() == start.keys() and any(not final[k].equal(start[k]) for k in start)

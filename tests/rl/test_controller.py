@@ -24,13 +24,14 @@ class ScriptedEngine:
     """Answers each prompt with the texts its script gives for that prompt's key."""
 
     def __init__(self, tokenizer, script: dict[str, list[str]]):
-        self.tokenizer, self.script, self.calls = tokenizer, script, []
+        self.tokenizer, self.script, self.calls, self.seeds = tokenizer, script, [], []
 
     def prompt_text(self, request) -> str:
         return self.tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
 
     def generate(self, requests, sampling: SamplingConfig, on_finished=None, on_sample=None) -> GenerationResult:
         self.calls.append(len(requests))
+        self.seeds.append([r.seed for r in requests])
         keys = [r.messages[0]["content"][-1]["text"].split("#")[-1] for r in requests]
         responses = []
         for p, key in enumerate(keys):
@@ -138,8 +139,16 @@ def test_starved_step_pads_with_masked_groups(processor):
     assert all(s.masked and s.advantage == 0 for g in groups for s in g)
 
 
-def test_evaluate_scores_greedy_answers_with_the_rule(processor):
+def test_evaluate_scores_greedy_or_k_sampled_answers_with_the_rule(processor):
     prompts = [_prompt("a", "red"), _prompt("b", "blue")]
-    ctrl, _, timeline = _controller(processor, [], {"a": ["red"], "b": ["green"]})
-    assert ctrl.evaluate(prompts, exact_match, max_tokens=4, step=0) == (1.0, 2)
+    ctrl, _, timeline = _controller(processor, [], {"a": ["red", "blue", "red"], "b": ["green", "blue", "green"]})
+    assert ctrl.evaluate(prompts, exact_match, SamplingConfig(n=1, max_tokens=4, temperature=0.0), step=0) == (1.0, 1.0, 2)
     assert any(p["phase"] == "eval" for p in timeline.spans)
+    # 3 answers each: the sums over prompts of the mean (2/3 + 1/3) and of the best (1 + 1)
+    sampled = SamplingConfig(n=3, max_tokens=4, temperature=1.0)
+    mean, best, n = ctrl.evaluate(prompts, exact_match, sampled, step=0)
+    assert (mean, best, n) == (pytest.approx(1.0), 2.0, 2)
+    # greedy asks for no seed; sampled answers are seeded by the prompt alone: the same draw at every eval
+    ctrl.evaluate(prompts, exact_match, sampled, step=5)
+    greedy, first, again = ctrl.engine.seeds
+    assert greedy == [None, None] and None not in first and len(set(first)) == 2 and again == first

@@ -16,10 +16,11 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "tiny_demo.yaml"
 def test_each_set_takes_evals_own_settings_where_it_says_nothing():
     cfg = load(RLConfig, DEMO, ["eval.shards=[]", "eval.num_prompts=8", "eval.max_tokens=12", "eval.reward=exact_match",
                                 "eval.sets=[{name: charts, shards: [c]}, {name: geo, shards: [g], num_prompts: 3, "
-                                "max_tokens: 64, reward: math_verify}]"])
-    assert cfg.eval.resolved() == [EvalSet("charts", ["c"], 8, 12, "exact_match"), EvalSet("geo", ["g"], 3, 64, "math_verify")]
-    one = load(RLConfig, DEMO, ["eval.shards=[held]", "eval.num_prompts=5"]).eval
-    assert one.resolved() == [EvalSet("", ["held"], 5, one.max_tokens, one.reward)]  # eval.shards: one unnamed set
+                                "max_tokens: 64, reward: math_verify, samples: 8, temperature: 0.6}]"])
+    assert cfg.eval.resolved() == [EvalSet("charts", ["c"], 8, 12, "exact_match", 1, 0.0),
+                                   EvalSet("geo", ["g"], 3, 64, "math_verify", 8, 0.6)]
+    one = load(RLConfig, DEMO, ["eval.shards=[held]", "eval.num_prompts=5", "eval.samples=4", "eval.temperature=1"]).eval
+    assert one.resolved() == [EvalSet("", ["held"], 5, one.max_tokens, one.reward, 4, 1.0)]  # eval.shards: one unnamed set
     assert load(RLConfig, DEMO, ["eval.every=0"]).eval.resolved() == []
 
 
@@ -30,6 +31,10 @@ def test_each_set_takes_evals_own_settings_where_it_says_nothing():
     (["eval.shards=[]", "eval.sets=[{name: x}]"], "eval.sets[0]: eval set 'x': give its shards"),
     (["eval.shards=[]", "eval.sets=[{name: 'x/y', shards: [a]}]"], "an eval set needs a name"),
     (["eval.shards=[]", "eval.sets=[{name: x, shards: [a], num_prompts: 0}]"], "eval.sets[0].num_prompts must be >= 1"),
+    (["eval.samples=4"], "eval: samples=4 answers per prompt at temperature 0 are all the same greedy answer: set "
+                         "eval.temperature > 0"),
+    (["eval.shards=[]", "eval.temperature=1", "eval.sets=[{name: x, shards: [a], samples: 2, temperature: 0}]"],
+     "eval.sets[x].temperature > 0"),
 ])
 def test_bad_eval_sets_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

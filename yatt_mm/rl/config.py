@@ -92,8 +92,10 @@ class EvalSet:
     num_prompts: int | None = None  # per DP group; null: eval.num_prompts
     max_tokens: int | None = None  # longest greedy answer; null: eval.max_tokens
     reward: str | None = None  # its rule reward; null: eval.reward
+    samples: int | None = None  # answers per prompt; null: eval.samples
+    temperature: float | None = None  # null: eval.temperature
 
-    RANGES = {"num_prompts": ">= 1", "max_tokens": ">= 1"}
+    RANGES = {"num_prompts": ">= 1", "max_tokens": ">= 1", "samples": ">= 1", "temperature": ">= 0"}
 
     def validate(self) -> None:
         from yatt_mm.reward.rules import get_rule
@@ -113,12 +115,19 @@ class EvalConfig:
     shards: list[str] = field(default_factory=list)  # held-out data; empty: no eval (unless sets)
     num_prompts: int = 32  # per DP group
     max_tokens: int = 16  # longest greedy answer
-    reward: str = "exact_match"  # a rule reward, unfiltered and greedy
+    reward: str = "exact_match"  # a rule reward, unfiltered
+    # answers per prompt: above 1 (with temperature > 0) the reward is their mean (avg@k) and
+    # pass_at_k the mean of each prompt's best answer (pass@k for a 0/1 rule)
+    samples: int = 1
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0  # seeds sampled answers: a prompt draws the same at every eval, so curves move with the weights
     # several named held-out sets instead of shards, each with its own metric (eval/<name>/reward_mean)
-    # and optionally its own num_prompts, max_tokens and reward; eval/reward_mean is over all of them
+    # and optionally its own num_prompts, max_tokens, reward, samples and temperature;
+    # eval/reward_mean is over all of them
     sets: list[EvalSet] = field(default_factory=list)
 
-    RANGES = {"every": ">= 0", "num_prompts": ">= 1", "max_tokens": ">= 1"}
+    RANGES = {"every": ">= 0", "num_prompts": ">= 1", "max_tokens": ">= 1", "samples": ">= 1", "temperature": ">= 0",
+              "seed": ">= 0"}
 
     def validate(self) -> None:
         from yatt_mm.reward.rules import get_rule
@@ -129,15 +138,22 @@ class EvalConfig:
         names = [s.name for s in self.sets]
         if len(set(names)) != len(names):
             raise ValueError(f"eval.sets: set names must differ, got {names}")
+        for s in self._filled():
+            if s.samples > 1 and s.temperature == 0:
+                where = f"eval.sets[{s.name}]" if s.name else "eval"
+                raise ValueError(f"{where}: samples={s.samples} answers per prompt at temperature 0 are all the same "
+                                 f"greedy answer: set {where}.temperature > 0 (e.g. 0.6), or samples: 1")
 
     def resolved(self) -> list[EvalSet]:
         """The held-out sets with every setting filled in (eval.shards: one set named ""); none
         when eval is off."""
-        if not self.every:
-            return []
+        return self._filled() if self.every else []
+
+    def _filled(self) -> list[EvalSet]:
         sets = self.sets or ([EvalSet(name="", shards=self.shards)] if self.shards else [])
         return [EvalSet(s.name, s.shards, s.num_prompts or self.num_prompts, s.max_tokens or self.max_tokens,
-                        s.reward or self.reward) for s in sets]
+                        s.reward or self.reward, s.samples or self.samples,
+                        self.temperature if s.temperature is None else s.temperature) for s in sets]
 
 
 @dataclass

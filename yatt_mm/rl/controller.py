@@ -154,14 +154,19 @@ class Controller:
         with self.phases.phase("prepare", step):
             return self.train_samples(chosen, step), stats
 
-    def evaluate(self, prompts: list[Prompt], rule: RuleFn, max_tokens: int, step: int) -> tuple[float, int]:
-        """Greedy answers to held-out prompts, scored by a rule (unfiltered): (score sum, count)."""
+    def evaluate(self, prompts: list[Prompt], rule: RuleFn, sampling: SamplingConfig, step: int,
+                 seed: int = 0) -> tuple[float, float, int]:
+        """Answers to held-out prompts (greedy, or sampling.n of them seeded by `seed` and the
+        prompt alone: the same draw at every eval), scored by a rule, unfiltered: the sums over
+        prompts of the mean and of the best answer's score, and the number of prompts."""
         if not prompts:
-            return 0.0, 0
+            return 0.0, 0.0, 0
+        seeded = sampling.temperature > 0
         with self.phases.phase("eval", step):
-            result = self.engine.generate([p.request() for p in prompts],
-                                          SamplingConfig(n=1, max_tokens=max_tokens, temperature=0.0))
-        return sum(rule(g[0].text, p.answer, p.metadata) for p, g in zip(prompts, result.responses)), len(prompts)
+            result = self.engine.generate([p.request(p.sampling_seed(seed, "eval") if seeded else None) for p in prompts],
+                                          sampling)
+        scores = [[rule(r.text, p.answer, p.metadata) for r in rs] for p, rs in zip(prompts, result.responses)]
+        return sum(sum(s) / len(s) for s in scores), sum(max(s) for s in scores), len(prompts)
 
     def probe(self) -> list[TrainSample]:
         """The engine's greedy answer to the probe prompt, as a training sample carrying vLLM's

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from yatt_mm.engines.engine import SamplingConfig
 from yatt_mm.reward.rules import RuleFn
 from yatt_mm.rl.config import EvalSet
 from yatt_mm.rl.distributed import balance_groups, broadcast_samples, sum_across
@@ -157,10 +158,18 @@ def evaluate(run, step: int) -> dict[str, float]:
     counts = {}
     with run.engine.lead():
         for held in run.evals:
-            score, n = run.controller.evaluate(held.prompts, held.rule, held.spec.max_tokens, step)
-            counts |= {f"{held.spec.name}/score": score, f"{held.spec.name}/n": n}
+            spec = held.spec
+            sampling = SamplingConfig(n=spec.samples, max_tokens=spec.max_tokens, temperature=spec.temperature)
+            mean, best, n = run.controller.evaluate(held.prompts, held.rule, sampling, step, run.cfg.eval.seed)
+            counts |= {f"{spec.name}/mean": mean, f"{spec.name}/best": best, f"{spec.name}/n": n}
     total = sum_across(counts, run.ranks.leaders_cpu)
-    out = {"eval/reward_mean": sum(v for k, v in total.items() if k.endswith("/score"))
+    out = {"eval/reward_mean": sum(v for k, v in total.items() if k.endswith("/mean"))
                                / max(sum(v for k, v in total.items() if k.endswith("/n")), 1)}
-    return out | {f"eval/{h.spec.name}/reward_mean": total[f"{h.spec.name}/score"] / max(total[f"{h.spec.name}/n"], 1)
-                  for h in run.evals if h.spec.name}
+    for held in run.evals:
+        name, prompts = held.spec.name, max(total[f"{held.spec.name}/n"], 1)
+        prefix = f"eval/{name}/" if name else "eval/"
+        if name:
+            out[f"{prefix}reward_mean"] = total[f"{name}/mean"] / prompts
+        if held.spec.samples > 1:  # avg@k above; the best of each prompt's k answers (pass@k for a 0/1 rule)
+            out[f"{prefix}pass_at_{held.spec.samples}"] = total[f"{name}/best"] / prompts
+    return out
