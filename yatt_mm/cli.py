@@ -36,6 +36,35 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import json
+    import time
+    from pathlib import Path
+
+    from yatt_mm.config import ConfigError, load
+    from yatt_mm.launch import resolve_model
+    from yatt_mm.rl.config import RLConfig
+
+    overrides = list(args.overrides) + ([f"policy.model={args.model}"] if args.model else [])
+    try:
+        cfg = load(RLConfig, args.config, overrides)
+        if not cfg.eval.filled():
+            raise ConfigError("the config has no eval set: give eval.shards=[DIR] or eval.sets=[{name, shards}]")
+        if cfg.rollout.engine.tensor_parallel_size > 1:
+            raise ConfigError("yatt-mm eval runs one engine in this process: set rollout.engine.tensor_parallel_size=1 "
+                              f"(now {cfg.rollout.engine.tensor_parallel_size}); a run's own eval covers TP engines")
+        cfg.policy.model = resolve_model(cfg.policy.model, cfg.data.all_shards())
+    except (ConfigError, ValueError) as e:
+        print(f"yatt-mm eval: {e}", file=sys.stderr)
+        return 2
+    from yatt_mm.rl.evaluation import evaluate_policy
+
+    out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(json.dumps(evaluate_policy(cfg, out)))
+    print(f"wrote {out / 'eval.json'} and {out / 'answers.jsonl'}", file=sys.stderr)
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from yatt_mm.plan import Assumptions, Cluster, run_plan
 
@@ -159,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-tokens", type=int, default=cluster.judge_tokens, help="GPU: judge answer tokens per vote")
     p.add_argument("--votes", type=int, default=cluster.votes, help="GPU: judge votes per response")
     p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("eval", help="score a saved policy on an RL config's eval sets (eval.sets or eval.shards) "
+                       "in one process: the run's eval metrics, and every answer")
+    p.add_argument("--config", required=True, help="an RL config: its eval, data.media and rollout.engine settings")
+    p.add_argument("--model", default=None, help="the policy's HF directory, e.g. RUN_DIR/final (default: the "
+                   "config's policy.model)")
+    p.add_argument("--out", default=None, help="directory for eval.json, answers.jsonl and logs/ (default: "
+                   "runs/eval-TIME)")
+    p.add_argument("overrides", nargs="*", help="key=value settings, e.g. eval.samples=8 eval.temperature=0.6")
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("plot", help="write PNGs of a run: reward curve, phase timeline per rank")
     p.add_argument("run_dir")

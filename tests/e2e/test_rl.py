@@ -133,6 +133,37 @@ def test_two_rank_run_completes_with_metrics_and_final_policy(rl_run, warm_polic
     assert (run_dir / "final" / "config.json").is_file()
 
 
+def test_yatt_mm_eval_of_the_final_policy_gives_the_runs_last_eval(rl_run, tmp_path):
+    """`yatt-mm eval` on the run's saved config and final policy, in one process: the same prompts
+    (the run's two DP groups' shares read as one), seeds and weights give the run's last eval
+    metrics, and every answer is kept with its score."""
+    import yaml
+
+    run_dir, _ = rl_run
+    sets = yaml.safe_load((run_dir / "config.yaml").read_text())["eval"]["sets"]
+    for s in sets:  # one group reading both groups' first prompts of each set
+        s["num_prompts"] = 2 * (s["num_prompts"] or 2)
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "eval", "--config", str(run_dir / "config.yaml"),
+                           "--model", str(run_dir / "final"), "--out", str(out), f"eval.sets={json.dumps(sets)}"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved = json.loads((out / "eval.json").read_text())
+    assert Path(saved.pop("model")).resolve() == (run_dir / "final").resolve() and saved == got
+    last = [r for r in _metrics(run_dir) if "eval/reward_mean" in r][-1]
+    keys = ["eval/reward_mean", "eval/colour/reward_mean", "eval/colour_b/reward_mean", "eval/colour_b/pass_at_3"]
+    assert {k: got[k] for k in keys} == pytest.approx({k: last[k] for k in keys}), (got, last)
+    answers = [json.loads(ln) for ln in (out / "answers.jsonl").read_text().splitlines()]
+    assert [(a["set"], len(a["answers"])) for a in answers] == [("colour", 1)] * 4 + [("colour_b", 3)] * 2
+    colour = [a["scores"][0] for a in answers if a["set"] == "colour"]
+    assert got["eval/colour/reward_mean"] == pytest.approx(sum(colour) / 4)
+    assert "eval colour: 4 prompts x 1, reward" in proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "eval", "--config", str(run_dir / "config.yaml"),
+                          "eval.sets=[]", "eval.shards=[]"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "the config has no eval set" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_kl_to_the_reference_starts_at_zero_and_grows(rl_run):
     kl = [r["train/kl"] for r in _steps(rl_run[0])]
     assert kl[0] == 0.0  # step 1 samples with the reference weights themselves

@@ -17,6 +17,8 @@ from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
 from yatt_mm.rl.placement import PhaseRunner, full_colocation
 from yatt_mm.rl.samples import Prompt, SampleBuilder
+from yatt_mm.rl.config import EvalSet
+from yatt_mm.rl.evaluation import HeldOut, metrics
 from yatt_mm.rl.sources import PromptSource
 
 
@@ -142,13 +144,15 @@ def test_starved_step_pads_with_masked_groups(processor):
 def test_evaluate_scores_greedy_or_k_sampled_answers_with_the_rule(processor):
     prompts = [_prompt("a", "red"), _prompt("b", "blue")]
     ctrl, _, timeline = _controller(processor, [], {"a": ["red", "blue", "red"], "b": ["green", "blue", "green"]})
-    assert ctrl.evaluate(prompts, exact_match, SamplingConfig(n=1, max_tokens=4, temperature=0.0), step=0) == (1.0, 1.0, 2)
+    greedy = HeldOut(EvalSet("", ["x"], 2, 4, "exact_match", 1, 0.0), exact_match, prompts)
+    assert ctrl.evaluate(greedy, step=0) == {"/mean": 1.0, "/best": 1.0, "/n": 2.0}
     assert any(p["phase"] == "eval" for p in timeline.spans)
     # 3 answers each: the sums over prompts of the mean (2/3 + 1/3) and of the best (1 + 1)
-    sampled = SamplingConfig(n=3, max_tokens=4, temperature=1.0)
-    mean, best, n = ctrl.evaluate(prompts, exact_match, sampled, step=0)
-    assert (mean, best, n) == (pytest.approx(1.0), 2.0, 2)
+    sampled = HeldOut(EvalSet("geo", ["x"], 2, 4, "exact_match", 3, 1.0), exact_match, prompts)
+    assert ctrl.evaluate(sampled, step=0) == {"geo/mean": pytest.approx(1.0), "geo/best": 2.0, "geo/n": 2.0}
+    m = metrics([greedy, sampled], {"/mean": 1.0, "/best": 1.0, "/n": 2.0, "geo/mean": 1.0, "geo/best": 2.0, "geo/n": 2.0})
+    assert m == {"eval/reward_mean": 0.5, "eval/geo/reward_mean": 0.5, "eval/geo/pass_at_3": 1.0}
     # greedy asks for no seed; sampled answers are seeded by the prompt alone: the same draw at every eval
-    ctrl.evaluate(prompts, exact_match, sampled, step=5)
-    greedy, first, again = ctrl.engine.seeds
-    assert greedy == [None, None] and None not in first and len(set(first)) == 2 and again == first
+    ctrl.evaluate(sampled, step=5)
+    no_seed, first, again = ctrl.engine.seeds
+    assert no_seed == [None, None] and None not in first and len(set(first)) == 2 and again == first

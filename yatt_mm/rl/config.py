@@ -138,7 +138,7 @@ class EvalConfig:
         names = [s.name for s in self.sets]
         if len(set(names)) != len(names):
             raise ValueError(f"eval.sets: set names must differ, got {names}")
-        for s in self._filled():
+        for s in self.filled():
             if s.samples > 1 and s.temperature == 0:
                 where = f"eval.sets[{s.name}]" if s.name else "eval"
                 raise ValueError(f"{where}: samples={s.samples} answers per prompt at temperature 0 are all the same "
@@ -147,9 +147,10 @@ class EvalConfig:
     def resolved(self) -> list[EvalSet]:
         """The held-out sets with every setting filled in (eval.shards: one set named ""); none
         when eval is off."""
-        return self._filled() if self.every else []
+        return self.filled() if self.every else []
 
-    def _filled(self) -> list[EvalSet]:
+    def filled(self) -> list[EvalSet]:
+        """The held-out sets with every setting filled in, whatever eval.every (yatt-mm eval)."""
         sets = self.sets or ([EvalSet(name="", shards=self.shards)] if self.shards else [])
         return [EvalSet(s.name, s.shards, s.num_prompts or self.num_prompts, s.max_tokens or self.max_tokens,
                         s.reward or self.reward, s.samples or self.samples,

@@ -12,11 +12,11 @@ import torch
 
 from yatt_mm.engines.engine import RolloutEngine, SamplingConfig
 from yatt_mm.reward.rewarder import Rewarder
-from yatt_mm.reward.rules import RuleFn
-from yatt_mm.rl import cpu_pinning
+from yatt_mm.rl import cpu_pinning, evaluation
 from yatt_mm.rl.advantages import advantages, overlong_penalty
 from yatt_mm.rl.algorithms import AlgorithmConfig
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, StepGroups
+from yatt_mm.rl.evaluation import HeldOut
 from yatt_mm.rl.placement import PhaseRunner
 from yatt_mm.rl.samples import Group, Prompt, SampleBuilder, TrainSample
 from yatt_mm.rl.stats import RolloutStats
@@ -154,19 +154,10 @@ class Controller:
         with self.phases.phase("prepare", step):
             return self.train_samples(chosen, step), stats
 
-    def evaluate(self, prompts: list[Prompt], rule: RuleFn, sampling: SamplingConfig, step: int,
-                 seed: int = 0) -> tuple[float, float, int]:
-        """Answers to held-out prompts (greedy, or sampling.n of them seeded by `seed` and the
-        prompt alone: the same draw at every eval), scored by a rule, unfiltered: the sums over
-        prompts of the mean and of the best answer's score, and the number of prompts."""
-        if not prompts:
-            return 0.0, 0.0, 0
-        seeded = sampling.temperature > 0
+    def evaluate(self, held: HeldOut, step: int, seed: int = 0) -> dict[str, float]:
+        """One eval set's answers scored by its rule, unfiltered (rl/evaluation.py): its counts."""
         with self.phases.phase("eval", step):
-            result = self.engine.generate([p.request(p.sampling_seed(seed, "eval") if seeded else None) for p in prompts],
-                                          sampling)
-        scores = [[rule(r.text, p.answer, p.metadata) for r in rs] for p, rs in zip(prompts, result.responses)]
-        return sum(sum(s) / len(s) for s in scores), sum(max(s) for s in scores), len(prompts)
+            return evaluation.counts(held, evaluation.answer(self.engine, held, seed) if held.prompts else [])
 
     def probe(self) -> list[TrainSample]:
         """The engine's greedy answer to the probe prompt, as a training sample carrying vLLM's

@@ -9,14 +9,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from yatt_mm.engines.engine import SamplingConfig
-from yatt_mm.reward.rules import RuleFn
-from yatt_mm.rl.config import EvalSet
+from yatt_mm.rl import evaluation
 from yatt_mm.rl.distributed import balance_groups, broadcast_samples, sum_across
 from yatt_mm.rl.rollout_ahead import staleness_metrics
-from yatt_mm.rl.samples import Prompt
 from yatt_mm.rl.stats import time_metrics
 
 
@@ -138,17 +134,8 @@ def probe_sync(run, step: int) -> dict[str, float]:
         return run.actor.check_sync(broadcast_samples(probe, run.ranks.leader_rank, run.ranks.mp_cpu))
 
 
-@dataclass
-class HeldOut:
-    """One eval set as its DP group's controller holds it (eval.resolved(): every setting filled)."""
-
-    spec: EvalSet
-    rule: RuleFn
-    prompts: list[Prompt]
-
-
 def evaluate(run, step: int) -> dict[str, float]:
-    """Greedy held-out reward over every DP group (a collective over the leaders): over all the
+    """Held-out reward over every DP group (a collective over the leaders): over all the
     eval sets' prompts, and each named set's own."""
     if not run.cfg.eval.resolved():
         return {}
@@ -158,18 +145,5 @@ def evaluate(run, step: int) -> dict[str, float]:
     counts = {}
     with run.engine.lead():
         for held in run.evals:
-            spec = held.spec
-            sampling = SamplingConfig(n=spec.samples, max_tokens=spec.max_tokens, temperature=spec.temperature)
-            mean, best, n = run.controller.evaluate(held.prompts, held.rule, sampling, step, run.cfg.eval.seed)
-            counts |= {f"{spec.name}/mean": mean, f"{spec.name}/best": best, f"{spec.name}/n": n}
-    total = sum_across(counts, run.ranks.leaders_cpu)
-    out = {"eval/reward_mean": sum(v for k, v in total.items() if k.endswith("/mean"))
-                               / max(sum(v for k, v in total.items() if k.endswith("/n")), 1)}
-    for held in run.evals:
-        name, prompts = held.spec.name, max(total[f"{held.spec.name}/n"], 1)
-        prefix = f"eval/{name}/" if name else "eval/"
-        if name:
-            out[f"{prefix}reward_mean"] = total[f"{name}/mean"] / prompts
-        if held.spec.samples > 1:  # avg@k above; the best of each prompt's k answers (pass@k for a 0/1 rule)
-            out[f"{prefix}pass_at_{held.spec.samples}"] = total[f"{name}/best"] / prompts
-    return out
+            counts |= run.controller.evaluate(held, step, run.cfg.eval.seed)
+    return evaluation.metrics(run.evals, sum_across(counts, run.ranks.leaders_cpu))

@@ -31,10 +31,10 @@ from yatt_mm.plot import plot_run
 from yatt_mm.reward.genrm import InProcessJudge
 from yatt_mm.reward.judges import build_judges
 from yatt_mm.reward.rewarder import Rewarder
-from yatt_mm.reward.rules import get_rule
 from yatt_mm.rl.actor import Actor
 from yatt_mm.rl.checkpoint import Checkpointer
-from yatt_mm.rl.config import EvalSet, RLConfig
+from yatt_mm.rl.config import RLConfig
+from yatt_mm.rl.evaluation import read_held_out
 from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.dynamic_sampling import DynamicSampler
 from yatt_mm.rl.placement import PLANS, RESIDENT_ROLES, PhaseRunner
@@ -43,7 +43,7 @@ from yatt_mm.rl.samples import SampleBuilder
 from yatt_mm.rl.split_runner import SplitRunner
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource
 from yatt_mm.rl.stats import progress_line
-from yatt_mm.rl.step import HeldOut, evaluate, rl_step, serves_rollout, sync_weights
+from yatt_mm.rl.step import evaluate, rl_step, serves_rollout, sync_weights
 
 
 class Run:
@@ -97,7 +97,7 @@ class Run:
         self.controller, self.evals = None, []
         if ranks.leader:
             self.controller = self._controller(SampleBuilder(processor, self.engine.prompt_text, self.engine.processor_media))
-            self.evals = [self._held_out(s) for s in cfg.eval.resolved()]
+            self.evals = [read_held_out(s, cfg.data, ranks.dp_rank, ranks.dp_size) for s in cfg.eval.resolved()]
             firsts = [h.prompts[0] for h in self.evals if h.prompts]
             self.controller.probe_prompt = firsts[0] if firsts else None
 
@@ -145,16 +145,6 @@ class Run:
         rewarder = Rewarder(cfg.reward, self.judges, cfg.rollout.sampling.seed)
         return Controller(source, self.engine, rewarder, DynamicSampler(cfg.dynamic_sampling), cfg.rollout.sampling,
                           builder, cfg.algorithm, self.phases, cfg.run.max_staleness)
-
-    def _held_out(self, spec: EvalSet) -> HeldOut:
-        """This DP group's prompts of one eval set: the first num_prompts of its share, read once."""
-        cfg = self.cfg
-        data = DataConfig(shards=spec.shards, shuffle=False, workers=cfg.data.workers, media=cfg.data.media,
-                          video_isolation=cfg.data.video_isolation)
-        reader = DataReader(data, self.ranks.dp_rank, self.ranks.dp_size)
-        prompts = ParallelSource(reader).take(spec.num_prompts)
-        reader.close()
-        return HeldOut(spec, get_rule(spec.reward), prompts)
 
 
 def attempt_id() -> str:
