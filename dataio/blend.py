@@ -8,8 +8,8 @@
 Each source is a `DataReader` of its own (its own order, epochs, skips and decode workers; every
 other `data` setting applies to each). Which source the next sample comes from is not random: the
 one furthest behind its share, as Megatron's blended datasets choose, so after n draws every source
-has given within one sample of its weight's share of n, on every rank, and the choice is a pure
-function of the counts drawn so far. The state is those counts plus each source's reader state, so
+has given its weight's share of n to within about a sample, on every rank, and the choice is a
+pure function of the counts drawn so far. The state is those counts plus each source's reader state, so
 a resume continues exactly. Sources are matched by name on resume: a changed weight, or an added or
 removed source, is taken up from that point (the shares start counting afresh; an added source
 reads from its beginning), which is how a curriculum changes its mix mid-run.
@@ -59,6 +59,11 @@ class BlendedReader:
                                            dp_size, budget=budget, source=s.name) for s in cfg.blend}
         self.drawn = [0] * len(self.names)  # samples each source gave since the shares last changed
         self._streams: dict[str, Iterator[Sample]] = {}
+        for name, reader in self.readers.items():  # every rank draws from every source
+            if not len(reader.order(0)):
+                self.close()
+                raise ValueError(f"data.blend[{name}]: its {len(reader.index)} samples leave DP rank {dp_rank} of "
+                                 f"{dp_size} none to read; give it more samples or run fewer DP groups")
 
     def __iter__(self) -> Iterator[Sample]:
         while True:
@@ -71,9 +76,20 @@ class BlendedReader:
             yield sample
 
     def iter_epoch(self) -> Iterator[Sample]:
-        """One pass over every source in turn (held-out scans), not in the blend's shares."""
-        for name in self.names:
-            yield from self.readers[name].iter_epoch()
+        """The rest of every source's epoch, interleaved in the blend's shares while they last
+        (held-out scans, which may stop early, see every source)."""
+        streams = {i: self.readers[n].iter_epoch() for i, n in enumerate(self.names)}
+        drawn = [0] * len(self.names)
+        while streams:
+            live = list(streams)
+            i = live[next_source([self.weights[j] for j in live], [drawn[j] for j in live])]
+            try:
+                sample = next(streams[i])
+            except StopIteration:
+                del streams[i]
+                continue
+            drawn[i] += 1
+            yield sample
 
     # the sources' counts together, as a single reader reports them
     @property
@@ -126,8 +142,9 @@ class BlendedReader:
             if name in saved:
                 reader.load_state_dict(saved[name])
         mix = dict(zip(state["names"], state["weights"]))
-        if mix == dict(zip(self.names, self.weights)):
-            self.drawn = [int(n) for n in state["drawn"]]
+        if mix == dict(zip(self.names, self.weights)):  # the same sources and weights, perhaps listed in another order
+            drawn = dict(zip(state["names"], state["drawn"]))
+            self.drawn = [int(drawn[n]) for n in self.names]
             return
         added = [n for n in self.names if n not in saved]
         removed = [n for n in saved if n not in self.readers]

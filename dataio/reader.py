@@ -40,6 +40,13 @@ from dataio.split import check_split, rank_order
 STATE_VERSION = 1
 
 
+def check_metric_name(name: str, what: str) -> None:
+    """ValueError unless `name` can name metrics (data/<name>/..., eval/<name>/...)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name or ""):
+        raise ValueError(f"{what} needs a name of letters, digits, '_', '.' or '-' (it names its metrics), "
+                         f"got {name!r}")
+
+
 @dataclass
 class BlendSource:
     """One dataset of a blend (`data.blend`, dataio/blend.py): its shards and its share."""
@@ -52,9 +59,7 @@ class BlendSource:
     RANGES = {"weight": "> 0"}
 
     def validate(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
-            raise ValueError(f"a blend source needs a name of letters, digits, '_', '.' or '-' (it names its "
-                             f"metrics), got {self.name!r}")
+        check_metric_name(self.name, "a blend source")
         if not self.shards and not self.index:
             raise ValueError(f"blend source {self.name!r}: give its shards (or an index)")
         if not self.weight > 0:
@@ -279,10 +284,11 @@ class DataReader:
         check_split(dp_rank, dp_size)
         self.cfg = cfg
         self.source = source
+        self._where = f"data.blend[{source}]: " if source else ""  # names a blend's source in errors
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.index = index if index is not None else open_dataset(cfg.shards, cfg.index)
         if len(self.index) == 0:
-            raise ValueError(f"data.shards: the dataset {cfg.shards or cfg.index!r} has no samples")
+            raise ValueError(f"{self._where or 'data.shards: '}the dataset {cfg.shards or cfg.index!r} has no samples")
         if budget is None and cfg.max_sample_tokens:
             budget = TokenBudget(cfg.max_sample_tokens, factor=cfg.media.side)
         self.budget = budget
@@ -366,7 +372,7 @@ class DataReader:
                 yield s
             if not got and whole_epoch:
                 raise RuntimeError(
-                    f"data: rank {self.dp_rank}/{self.dp_size} got no usable sample in epoch {self.epoch - 1} "
+                    f"{self._where or 'data: '}rank {self.dp_rank}/{self.dp_size} got no usable sample in epoch {self.epoch - 1} "
                     f"({len(self.order(self.epoch - 1))} in its range, skips {dict(self.skips)}); "
                     "see data.quarantine_log")
 
@@ -417,7 +423,7 @@ class DataReader:
                 "shuffle_buffer": c.shuffle_buffer}
         for k, v in mine.items():
             if state[k] != v:
-                raise ValueError(f"data state was saved with {k}={state[k]!r} but this reader has {k}={v!r}: "
+                raise ValueError(f"{self._where}data state was saved with {k}={state[k]!r} but this reader has {k}={v!r}: "
                                  f"resume with the same {k} (only `workers` and decode settings may change)")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

@@ -50,6 +50,8 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = load(RLConfig, args.config, overrides)
         if not cfg.eval.filled():
             raise ConfigError("the config has no eval set: give eval.shards=[DIR] or eval.sets=[{name, shards}]")
+        if args.dp_size < 1:
+            raise ConfigError(f"--dp-size must be >= 1, got {args.dp_size}")
         if cfg.rollout.engine.tensor_parallel_size > 1:
             raise ConfigError("yatt-mm eval runs one engine in this process: set rollout.engine.tensor_parallel_size=1 "
                               f"(now {cfg.rollout.engine.tensor_parallel_size}); a run's own eval covers TP engines")
@@ -60,7 +62,7 @@ def _eval(args: argparse.Namespace) -> int:
     from yatt_mm.rl.evaluation import evaluate_policy
 
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(json.dumps(evaluate_policy(cfg, out)))
+    print(json.dumps(evaluate_policy(cfg, out, args.dp_size)))
     print(f"wrote {out / 'eval.json'} and {out / 'answers.jsonl'}", file=sys.stderr)
     return 0
 
@@ -196,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "config's policy.model)")
     p.add_argument("--out", default=None, help="directory for eval.json, answers.jsonl and logs/ (default: "
                    "runs/eval-TIME)")
+    p.add_argument("--dp-size", type=int, default=1, help="read each set's prompts as a run of this many DP "
+                   "groups did (their shares, together): a run's own eval, reproduced")
     p.add_argument("overrides", nargs="*", help="key=value settings, e.g. eval.samples=8 eval.temperature=0.6")
     p.set_defaults(func=_eval)
 

@@ -12,17 +12,23 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _eval_rules(run: Path) -> dict[str, str]:
-    """The rule that scored each eval set's prompts ("": eval.shards' own, or all of them), from
-    the run's saved config (if any)."""
+def _eval_labels(run: Path) -> dict[str, str]:
+    """How each eval set was answered and scored ("": eval.shards' own, or all of them), from the
+    run's saved config (if any): "greedy, exact_match", "avg@8 at T=0.6, math_verify"."""
     import yaml
 
     try:
         cfg = yaml.safe_load((run / "config.yaml").read_text())["eval"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return {}
-    return {"": str(cfg.get("reward", ""))} | {s["name"]: str(s.get("reward") or cfg.get("reward", ""))
-                                               for s in cfg.get("sets", [])}
+
+    def label(s: dict) -> str:
+        samples, temperature = s.get("samples") or cfg.get("samples", 1), s.get("temperature")
+        temperature = cfg.get("temperature", 0.0) if temperature is None else temperature
+        how = f"avg@{samples} at T={temperature:g}" if samples > 1 else "greedy"
+        return f"{how}, {s.get('reward') or cfg.get('reward', '')}"
+
+    return {"": label({})} | {s["name"]: label(s) for s in cfg.get("sets") or []}
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -38,14 +44,14 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    rules = _eval_rules(run)
+    labels = _eval_labels(run)
     sets = sorted({k.split("/")[1] for r in records for k in r if k.startswith("eval/") and k.count("/") == 2})
     curves = [("rollout/reward_mean", "training rollouts: total reward (all groups, unfiltered)", "-"),
-              ("eval/reward_mean", "held-out prompts, greedy" + (" (all sets)" if sets else
-                                                                 f": {rules['']}" if rules.get("") else ""), "-")]
+              ("eval/reward_mean", "held-out prompts" + (" (all sets)" if sets else
+                                                         f": {labels['']}" if labels.get("") else ""), "-")]
     # with eval.sets, each set's own curve
-    curves += [(f"eval/{name}/reward_mean", f"held-out {name}, greedy{f': {rules[name]}' if rules.get(name) else ''}",
-                ":") for name in sets]
+    curves += [(f"eval/{name}/reward_mean", f"held-out {name}{f': {labels[name]}' if labels.get(name) else ''}", ":")
+               for name in sets]
     # with several reward parts (rules, judges), each part's mean on the training rollouts
     parts = sorted({k for r in records for k in r if k.startswith("reward/")})
     if len(parts) > 1:

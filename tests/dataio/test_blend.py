@@ -169,3 +169,34 @@ def test_misconfigured_blends_name_the_setting(tmp_path, datasets):
         DataReader(blend_cfg(root, {"charts": 1}))
     blended.close()
     single.close()
+
+
+def test_resume_with_the_sources_listed_in_another_order_continues_exactly(datasets):
+    root, _ = datasets
+    whole = BlendedReader(blend_cfg(root, {"charts": 3, "video": 1}, workers=0))
+    expected = draw(whole, 20)
+    first = BlendedReader(blend_cfg(root, {"charts": 3, "video": 1}, workers=0))
+    head = draw(first, 6)
+    swapped = BlendedReader(blend_cfg(root, {"video": 1, "charts": 3}, workers=0))
+    swapped.load_state_dict(first.state_dict())
+    tail = draw(swapped, 14)
+    for r in (whole, first, swapped):
+        r.close()
+    assert Counter(s for s, _, _ in head + tail) == Counter(s for s, _, _ in expected)  # the same shares ...
+    for name in ("charts", "video"):  # ... and each source where it stopped
+        assert [x for x in head + tail if x[0] == name] == [x for x in expected if x[0] == name]
+
+
+def test_a_source_too_small_for_the_dp_groups_is_refused_by_name_and_held_out_scans_see_every_source(tmp_path, datasets):
+    root, _ = datasets
+    write_shards(str(tmp_path / "two"), images=2, videos=0, samples_per_shard=2, seed=9, tasks=["colour"])
+    cfg = DataConfig(blend=[BlendSource("charts", [str(root / "charts")]), BlendSource("two", [str(tmp_path / "two")])],
+                     workers=0, video_isolation="none")
+    with pytest.raises(ValueError, match=r"data.blend\[two\]: its 2 samples leave DP rank 0 of 3 none to read"):
+        BlendedReader(cfg, 0, 3)
+    reader = BlendedReader(cfg, 0, 1)  # one pass over both, interleaved: a scan stopping early sees both
+    first = [s.source for s in reader.iter_epoch()]
+    reader.close()
+    assert first[:4] == ["charts", "two", "charts", "two"] and Counter(first) == {"charts": 11, "two": 2}
+    with pytest.raises(ValueError, match=r"data.blend\[charts\]: data state was saved with dp_size=1"):
+        BlendedReader(cfg, 0, 2).load_state_dict(BlendedReader(cfg, 0, 1).state_dict())

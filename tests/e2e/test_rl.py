@@ -137,15 +137,10 @@ def test_yatt_mm_eval_of_the_final_policy_gives_the_runs_last_eval(rl_run, tmp_p
     """`yatt-mm eval` on the run's saved config and final policy, in one process: the same prompts
     (the run's two DP groups' shares read as one), seeds and weights give the run's last eval
     metrics, and every answer is kept with its score."""
-    import yaml
-
     run_dir, _ = rl_run
-    sets = yaml.safe_load((run_dir / "config.yaml").read_text())["eval"]["sets"]
-    for s in sets:  # one group reading both groups' first prompts of each set
-        s["num_prompts"] = 2 * (s["num_prompts"] or 2)
     out = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "eval", "--config", str(run_dir / "config.yaml"),
-                           "--model", str(run_dir / "final"), "--out", str(out), f"eval.sets={json.dumps(sets)}"],
+                           "--model", str(run_dir / "final"), "--out", str(out), "--dp-size", "2"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-5000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -241,9 +236,10 @@ def test_plot_writes_reward_curve_and_timeline(rl_run):
     # matplotlib's first colours, one a curve: training reward, held-out reward, each eval set's, then
     # each reward part
     assert {(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)} <= colours
-    from yatt_mm.plot import _eval_rules
+    from yatt_mm.plot import _eval_labels
 
-    assert _eval_rules(run_dir) == {"": "exact_match", "colour": "exact_match", "colour_b": "exact_match"}  # the labels'
+    assert _eval_labels(run_dir) == {"": "greedy, exact_match", "colour": "greedy, exact_match",
+                                     "colour_b": "avg@3 at T=1, exact_match"}  # the curves' labels
 
 
 def test_the_offline_wandb_run_holds_every_step_the_config_and_the_plots(rl_run):

@@ -3,13 +3,12 @@ is the config of the component that uses it; this file holds the loop's own and 
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from dataio.reader import DataConfig
+from dataio.reader import DataConfig, check_metric_name
 from models.family import read_spec
 from models.trainer import TrainerConfig
 from yatt_mm.engines.engine import EngineConfig, SamplingConfig
@@ -90,7 +89,7 @@ class EvalSet:
     name: str = ""  # its metric: eval/<name>/reward_mean
     shards: list[str] = field(default_factory=list)  # its held-out shards
     num_prompts: int | None = None  # per DP group; null: eval.num_prompts
-    max_tokens: int | None = None  # longest greedy answer; null: eval.max_tokens
+    max_tokens: int | None = None  # longest answer; null: eval.max_tokens
     reward: str | None = None  # its rule reward; null: eval.reward
     samples: int | None = None  # answers per prompt; null: eval.samples
     temperature: float | None = None  # null: eval.temperature
@@ -100,9 +99,7 @@ class EvalSet:
     def validate(self) -> None:
         from yatt_mm.reward.rules import get_rule
 
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
-            raise ValueError(f"an eval set needs a name of letters, digits, '_', '.' or '-' (it names its metric), "
-                             f"got {self.name!r}")
+        check_metric_name(self.name, "an eval set")
         if not self.shards:
             raise ValueError(f"eval set {self.name!r}: give its shards")
         if self.reward is not None:
@@ -114,7 +111,7 @@ class EvalConfig:
     every: int = 5  # steps; 0 disables
     shards: list[str] = field(default_factory=list)  # held-out data; empty: no eval (unless sets)
     num_prompts: int = 32  # per DP group
-    max_tokens: int = 16  # longest greedy answer
+    max_tokens: int = 16  # longest answer
     reward: str = "exact_match"  # a rule reward, unfiltered
     # answers per prompt: above 1 (with temperature > 0) the reward is their mean (avg@k) and
     # pass_at_k the mean of each prompt's best answer (pass@k for a 0/1 rule)
@@ -140,11 +137,11 @@ class EvalConfig:
             raise ValueError(f"eval.sets: set names must differ, got {names}")
         for s in self.filled():
             if s.samples > 1 and s.temperature == 0:
-                where = f"eval.sets[{s.name}]" if s.name else "eval"
-                raise ValueError(f"{where}: samples={s.samples} answers per prompt at temperature 0 are all the same "
-                                 f"greedy answer: set {where}.temperature > 0 (e.g. 0.6), or samples: 1")
+                what = f"the temperature of eval set {s.name!r}" if s.name else "eval.temperature"
+                raise ValueError(f"samples={s.samples} answers per prompt at temperature 0 are all the same greedy "
+                                 f"answer: set {what} > 0 (e.g. 0.6), or samples: 1")
 
-    def resolved(self) -> list[EvalSet]:
+    def active(self) -> list[EvalSet]:
         """The held-out sets with every setting filled in (eval.shards: one set named ""); none
         when eval is off."""
         return self.filled() if self.every else []
@@ -167,7 +164,7 @@ class RLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantages and the policy loss
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # valid groups only
     sync: SyncConfig = field(default_factory=SyncConfig)  # trainer -> rollout engine weight sync
-    eval: EvalConfig = field(default_factory=EvalConfig)  # greedy held-out reward
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out reward: greedy, or k sampled answers
     split: SplitConfig = field(default_factory=SplitConfig)  # how the phases' roles share a node's devices (rl/split.py)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # TensorBoard and Weights & Biases beside metrics.jsonl
 

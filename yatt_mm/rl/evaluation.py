@@ -18,12 +18,12 @@ from yatt_mm.engines.engine import Response, SamplingConfig
 from yatt_mm.reward.rules import RuleFn, get_rule
 from yatt_mm.rl.config import EvalSet, RLConfig
 from yatt_mm.rl.samples import Prompt
-from yatt_mm.rl.sources import ParallelSource
+from yatt_mm.rl.sources import to_prompt
 
 
 @dataclass
 class HeldOut:
-    """One eval set as a DP group holds it (every setting filled in: EvalConfig.resolved)."""
+    """One eval set as a DP group holds it (every setting filled in: EvalConfig.filled)."""
 
     spec: EvalSet
     rule: RuleFn
@@ -36,12 +36,18 @@ class HeldOut:
 
 def read_held_out(spec: EvalSet, data: DataConfig, dp_rank: int = 0, dp_size: int = 1) -> HeldOut:
     """This DP group's prompts of one eval set: the first num_prompts of its share, in order, read
-    once with the run's decoding settings."""
+    with the run's decoding settings in one pass at most (a share smaller than num_prompts is read
+    whole, each prompt once; an empty one gives none)."""
     cfg = DataConfig(shards=spec.shards, shuffle=False, workers=data.workers, media=data.media,
                      video_isolation=data.video_isolation)
     reader = DataReader(cfg, dp_rank, dp_size)
+    prompts: list[Prompt] = []
     try:
-        prompts = ParallelSource(reader).take(spec.num_prompts)
+        for sample in reader.iter_epoch():
+            if (prompt := to_prompt(sample)) is not None:
+                prompts.append(prompt)
+            if len(prompts) == spec.num_prompts:
+                break
     finally:
         reader.close()
     return HeldOut(spec, get_rule(spec.reward), prompts)
@@ -82,30 +88,34 @@ def metrics(evals: list[HeldOut], total: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def evaluate_policy(cfg: RLConfig, out_dir: Path) -> dict[str, float]:
+def evaluate_policy(cfg: RLConfig, out_dir: Path, dp_size: int = 1) -> dict[str, float]:
     """`yatt-mm eval`: every eval set of `cfg` (eval.every ignored) answered by cfg.policy.model on
-    one in-process engine (rollout.engine's settings); writes OUT/eval.json (the metrics) and
+    one in-process engine (rollout.engine's settings); each set's prompts are those `dp_size` DP
+    groups of a run read (their shares, together). Writes OUT/eval.json (the metrics) and
     OUT/answers.jsonl (a line per prompt: its set, key, reference, answers and scores)."""
     from yatt_mm.engines.engine import RolloutEngine
     from yatt_mm.launch import route_logs
 
     out_dir.mkdir(parents=True, exist_ok=True)
     route_logs(out_dir, 0)
-    evals = [read_held_out(spec, cfg.data) for spec in cfg.eval.filled()]
+    evals = []
+    for spec in cfg.eval.filled():
+        shares = [read_held_out(spec, cfg.data, rank, dp_size) for rank in range(dp_size)]
+        evals.append(HeldOut(spec, shares[0].rule, [p for share in shares for p in share.prompts]))
     cfg.rollout.engine.model = cfg.policy.model
     engine = RolloutEngine(cfg.rollout.engine)
     total: dict[str, float] = {}
     with open(out_dir / "answers.jsonl", "w") as lines:
         for held in evals:
             start = time.time()
-            answers = answer(engine, held, cfg.eval.seed)
+            answers = answer(engine, held, cfg.eval.seed) if held.prompts else []
             total |= counts(held, answers)
             for p, a in zip(held.prompts, answers):
                 lines.write(json.dumps({"set": held.spec.name, "key": p.key, "origin": p.origin, "reference": p.answer,
                                         "answers": [r.text for r, _ in a], "scores": [s for _, s in a]}) + "\n")
-            mean = total[f"{held.spec.name}/mean"] / max(total[f"{held.spec.name}/n"], 1)
+            reward = metrics([held], total)["eval/reward_mean"]
             print(f"eval {held.spec.name or 'eval.shards'}: {len(held.prompts)} prompts x {held.spec.samples}, "
-                  f"reward {mean:.3f} ({held.spec.reward}), {time.time() - start:.1f}s", file=sys.stderr, flush=True)
+                  f"reward {reward:.3f} ({held.spec.reward}), {time.time() - start:.1f}s", file=sys.stderr, flush=True)
     out = metrics(evals, total)
     (out_dir / "eval.json").write_text(json.dumps({"model": cfg.policy.model, **out}, indent=1) + "\n")
     return out

@@ -38,7 +38,7 @@ def to_prompt(sample: Sample) -> Prompt | None:
 class PromptSource:
     """What a controller draws its prompts from: `take(n)`, and what the data left out so far."""
 
-    names: list[str] = []  # a blend's sources (data.blend): the controller counts their groups apart
+    names: tuple[str, ...] | list[str] = ()  # a blend's sources (data.blend): the controller counts their groups apart
 
     def take(self, n: int) -> list[Prompt]:
         raise NotImplementedError
@@ -88,10 +88,11 @@ class ParallelSource(PromptSource):
                 f.write(json.dumps(line) + "\n")
 
     def state_dict(self) -> dict:
-        return {"reader": self.reader.state_dict()}
+        return {"reader": self.reader.state_dict(), "skipped_no_question": self.skipped_no_question}
 
     def load_state_dict(self, state: dict) -> None:
         self.reader.load_state_dict(state["reader"])
+        self.skipped_no_question = int(state.get("skipped_no_question", 0))  # counted so far, like the reader's skips
         self._it = iter(self.reader)
 
 

@@ -137,7 +137,7 @@ def probe_sync(run, step: int) -> dict[str, float]:
 def evaluate(run, step: int) -> dict[str, float]:
     """Held-out reward over every DP group (a collective over the leaders): over all the
     eval sets' prompts, and each named set's own."""
-    if not run.cfg.eval.resolved():
+    if not run.cfg.eval.active():
         return {}
     if not run.ranks.leader:
         follow(run)

@@ -97,7 +97,7 @@ class Run:
         self.controller, self.evals = None, []
         if ranks.leader:
             self.controller = self._controller(SampleBuilder(processor, self.engine.prompt_text, self.engine.processor_media))
-            self.evals = [read_held_out(s, cfg.data, ranks.dp_rank, ranks.dp_size) for s in cfg.eval.resolved()]
+            self.evals = [read_held_out(s, cfg.data, ranks.dp_rank, ranks.dp_size) for s in cfg.eval.active()]
             firsts = [h.prompts[0] for h in self.evals if h.prompts]
             self.controller.probe_prompt = firsts[0] if firsts else None
 
