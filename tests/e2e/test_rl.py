@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dataio.index import open_dataset
 from dataio.synth import write_shards
 from wandb_offline import assert_holds_metrics_jsonl, offline_env, read_offline_run
 
@@ -352,6 +353,21 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     calls = _assert_collectives_name_their_groups(run_dir)
     # the trainer's TP collectives (logprobs over the vocabulary, the weight gather) on the device's group
     assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
+
+
+def test_the_single_controller_baseline_reads_the_whole_dataset_for_every_group(tmp_path):
+    """run.controller=single (verl's driver, the benchmarks' baseline): rank 0 reads every group's
+    prompts from the whole dataset and sends them; its lineage lists them all, once per epoch."""
+    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.controller=single", "run.steps=2", "eval.every=0",
+                   "reward.judges=[]", "run.save_final=false", "dynamic_sampling.enabled=false")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert [r["step"] for r in _steps(run_dir)] == [1, 2]
+    drawn = _consumed(run_dir)
+    assert list(drawn) == ["consumed_rank0.jsonl"]  # 2 steps x 2 groups x 2 prompts: the 8 samples' epoch
+    assert sorted(drawn["consumed_rank0.jsonl"]) == sorted((0, k) for k in open_dataset([str(tmp_path / "train")]).sample_key)
 
 
 @pytest.mark.slow  # ~50 s; the trainer's PP equality and parity tests run in make test

@@ -79,7 +79,7 @@ class ParallelSource(PromptSource):
         out, self.consumed = self.consumed, []
         return out
 
-    def write_lineage(self, path: Path, step: int, consumed: list[tuple[int, str]] | None = None) -> None:
+    def write_lineage(self, path: Path, step: int, consumed: list[Consumed] | None = None) -> None:
         """Append what this step consumed (drained now, or `consumed`, drained earlier), a JSON
         line per sample: the exactly-once record."""
         with open(path, "a") as f:
@@ -141,6 +141,14 @@ class SingleControllerSource(PromptSource):
 
     def data_counts(self) -> dict[str, float]:
         return self.inner.data_counts() if self.inner else super().data_counts()  # rank 0 reads for all
+
+    def drain_consumed(self) -> list[Consumed]:
+        return self.inner.drain_consumed() if self.inner else []
+
+    def write_lineage(self, path: Path, step: int, consumed: list[Consumed] | None = None) -> None:
+        """Rank 0 drew every group's samples: its lineage file lists them all, the others none."""
+        if self.inner:
+            self.inner.write_lineage(path, step, consumed)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict() if self.inner else {}

@@ -117,10 +117,10 @@ class Run:
         judges = build_judges(cfg.reward.judges, ranks, engine_of=lambda j: self.worker.engine(f"judge:{j.name}"))
         return engine, judges
 
-    def _reader(self, data: DataConfig) -> DataReader | BlendedReader:
+    def _reader(self, data: DataConfig, dp_rank: int, dp_size: int) -> DataReader | BlendedReader:
         if data.quarantine_log is None:
             data.quarantine_log = str(self.run_dir / f"quarantine_rank{self.ranks.dp_rank}.jsonl")
-        return open_reader(data, self.ranks.dp_rank, self.ranks.dp_size, budget=self._budget(data))
+        return open_reader(data, dp_rank, dp_size, budget=self._budget(data))
 
     def _budget(self, data: DataConfig):
         """How data.max_sample_tokens counts a sample: the policy's media sizes and the response
@@ -136,12 +136,12 @@ class Run:
 
     def _controller(self, builder: SampleBuilder) -> Controller:
         cfg, ranks = self.cfg, self.ranks
-        reader = self._reader(cfg.data)
-        if cfg.run.controller == "single":
-            source = SingleControllerSource(reader if ranks.dp_rank == 0 else None, ranks.dp_rank, ranks.dp_size,
-                                            ranks.leaders_cpu, [s.name for s in cfg.data.blend])
+        if cfg.run.controller == "single":  # rank 0 reads the whole dataset for every group
+            reader = self._reader(cfg.data, 0, 1) if ranks.dp_rank == 0 else None
+            source = SingleControllerSource(reader, ranks.dp_rank, ranks.dp_size, ranks.leaders_cpu,
+                                            [s.name for s in cfg.data.blend])
         else:
-            source = ParallelSource(reader)
+            source = ParallelSource(self._reader(cfg.data, ranks.dp_rank, ranks.dp_size))
         rewarder = Rewarder(cfg.reward, self.judges, cfg.rollout.sampling.seed)
         return Controller(source, self.engine, rewarder, DynamicSampler(cfg.dynamic_sampling), cfg.rollout.sampling,
                           builder, cfg.algorithm, self.phases, cfg.run.max_staleness)
