@@ -50,9 +50,7 @@ class BlendedReader:
         cfg.validate()
         if not cfg.blend:
             raise ValueError("BlendedReader needs data.blend (a list of {name, shards, weight})")
-        self.cfg = cfg
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.budget = budget
+        self.budget = budget  # as a DataReader's: SFT reports the frames it dropped when set
         self.names = [s.name for s in cfg.blend]
         self.weights = [float(s.weight) for s in cfg.blend]
         self.readers = {s.name: DataReader(replace(cfg, shards=list(s.shards), index=s.index, blend=[]), dp_rank,

@@ -75,6 +75,16 @@ def test_resume_continues_exactly_with_other_workers(datasets, stop):
         first.close()
     resumed = open_reader(blend_cfg(root, weights, workers=0, worker_kind="thread"), 0, 2)
     resumed.load_state_dict(state)
+    if stop == 7:  # through the RL controller's source too, with its own count of question-less samples
+        from yatt_mm.rl.sources import ParallelSource
+
+        source = ParallelSource(BlendedReader(blend_cfg(root, weights, workers=0), 0, 2))
+        source.skipped_no_question = 3
+        again = ParallelSource(BlendedReader(blend_cfg(root, weights, workers=0), 0, 2))
+        again.load_state_dict(json.loads(json.dumps(source.state_dict())))
+        assert again.skipped_no_question == 3 and again.data_counts()["skipped_no_question"] == 3.0
+        source.reader.close()
+        again.reader.close()
     try:
         assert head + draw(resumed, 30 - stop) == expected
         assert resumed.samples_yielded == 30 and not resumed.skips

@@ -157,7 +157,7 @@ class Controller:
     def evaluate(self, held: HeldOut, step: int, seed: int = 0) -> dict[str, float]:
         """One eval set's answers scored by its rule, unfiltered (rl/evaluation.py): its counts."""
         with self.phases.phase("eval", step):
-            return evaluation.counts(held, evaluation.answer(self.engine, held, seed) if held.prompts else [])
+            return evaluation.counts(held, evaluation.answer(self.engine, held, seed))
 
     def probe(self) -> list[TrainSample]:
         """The engine's greedy answer to the probe prompt, as a training sample carrying vLLM's

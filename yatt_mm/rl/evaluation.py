@@ -56,6 +56,8 @@ def read_held_out(spec: EvalSet, data: DataConfig, dp_rank: int = 0, dp_size: in
 def answer(engine, held: HeldOut, seed: int = 0) -> list[list[tuple[Response, float]]]:
     """Each prompt's answers with their scores: greedy, or `samples` of them seeded by `seed` and
     the prompt alone (the same draw at every eval: the curve moves with the weights)."""
+    if not held.prompts:  # a DP group whose share of the set is empty
+        return []
     sampling = held.sampling
     seeded = sampling.temperature > 0
     requests = [p.request(p.sampling_seed(seed, "eval") if seeded else None) for p in held.prompts]
@@ -108,7 +110,7 @@ def evaluate_policy(cfg: RLConfig, out_dir: Path, dp_size: int = 1) -> dict[str,
     with open(out_dir / "answers.jsonl", "w") as lines:
         for held in evals:
             start = time.time()
-            answers = answer(engine, held, cfg.eval.seed) if held.prompts else []
+            answers = answer(engine, held, cfg.eval.seed)
             total |= counts(held, answers)
             for p, a in zip(held.prompts, answers):
                 lines.write(json.dumps({"set": held.spec.name, "key": p.key, "origin": p.origin, "reference": p.answer,
