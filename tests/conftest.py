@@ -75,6 +75,28 @@ def rollout_engine(tiny_policy):
 
 
 @pytest.fixture(scope="session")
+def warm_tools_policy(tmp_path_factory):
+    """The tiny policy warm-started to call the `zoom` tool, then answer from the zoomed image
+    (about 15 s once, then cached): multi-turn rollouts with a real tool call in most responses."""
+    from dataio.synth import write_shards
+    from yatt_mm.demo.warmstart import warm_start
+
+    data = tmp_path_factory.mktemp("warm-tools-data") / "train"
+    write_shards(str(data), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
+    return _timed("warm tools policy", lambda: warm_start("tools", data, quiet=True))
+
+
+@pytest.fixture(scope="session")
+def tools_engine(warm_tools_policy):
+    """An in-process engine of the tool-calling policy with `zoom` (session scope, as every
+    in-process engine: vLLM's teardown of one takes down state the others share)."""
+    from yatt_mm.engines.engine import EngineConfig, RolloutEngine
+    from yatt_mm.engines.tools import ToolsConfig
+
+    return RolloutEngine(EngineConfig(model=str(warm_tools_policy), tools=ToolsConfig(names=["zoom"], max_turns=3)))
+
+
+@pytest.fixture(scope="session")
 def warm_policy(tmp_path_factory):
     """The tiny policy after its short SFT warm start (about 15 s once, then cached): its groups
     get different rewards, so RL tests have real advantages, gradients and weight changes."""

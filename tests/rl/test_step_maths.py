@@ -65,11 +65,12 @@ def test_rollout_stats_sum_across_groups_into_metrics():
 def test_a_blends_sources_are_counted_apart_and_summed_across_groups():
     from types import SimpleNamespace
 
+    from yatt_mm.engines.engine import Response
     from yatt_mm.rl.dynamic_sampling import is_valid
 
     def group(source, rewards):
         return SimpleNamespace(prompt=SimpleNamespace(source=source), rewards=rewards,
-                               responses=[SimpleNamespace(token_ids=[1], finish_reason="stop", weight_updates=0)] * 2,
+                               responses=[Response([1], "", [0.0], "stop")] * 2,
                                reward_parts={})
 
     def stats(rank):

@@ -72,3 +72,26 @@ def judge_example(sample, rng: random.Random, compare_only: bool = False) -> Exa
 @example_builder()
 def judge_compare_example(sample, rng: random.Random) -> Example | str:
     return judge_example(sample, rng, compare_only=True)
+
+
+ZOOM_CALL = '<tool_call>{"name": "zoom"}</tool_call>'
+
+
+@example_builder()
+def zoom_example(sample, rng: random.Random) -> Example | str:
+    """The tool-using policy's warm start (`warmstart:tools`, for multi-turn rollouts with the
+    built-in `zoom` tool): half the examples teach the first turn (question -> a zoom call), half
+    the second (question, the call, the tool's reply with the zoomed image -> the answer). The
+    reply is the one `zoom` gives, rendered as the rollout engine renders it."""
+    from yatt_mm.engines.tools import zoom
+
+    if len(sample.images) != 1 or sample.videos:
+        return "not_one_image"
+    question = [{"type": "image"}, {"type": "text", "text": sample.prompt}]
+    if rng.random() < 0.5:
+        return Example(sample.key, [{"role": "user", "content": question}], sample.images, [], f"{ZOOM_CALL}<|im_end|>")
+    reply = zoom(list(sample.images))
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": ZOOM_CALL},
+                {"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": f"<tool_response>\n{reply.text}\n</tool_response>"}]}]
+    return Example(sample.key, messages, [*sample.images, *reply.images], [], f"{sample.answer}<|im_end|>")

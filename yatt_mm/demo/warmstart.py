@@ -60,6 +60,8 @@ SETTINGS = {
     # the tiny Qwen3-VL (tiny:qwen3vl), for RL tests of that family: the same weak start
     # (it learns faster: 8 steps give what 12 give the Qwen2-VL one, greedy accuracy 0.62)
     "qwen3vl": [{"examples": "answer", "steps": 8, "lr": 3e-4, "batch_size": 16}],
+    # the tiny policy that calls the `zoom` tool, then answers (multi-turn rollouts, tests)
+    "tools": [{"examples": "zoom", "steps": 40, "lr": 1e-3, "batch_size": 16}],
     # the comparison is learnt suddenly, after a plateau whose length varies with the numerics
     # (library versions, thread counts, float rounding: 700 to 1400 steps seen here, once 2400):
     # the first stage runs until its held-out accuracy reaches stop_at, within a generous cap
@@ -67,6 +69,7 @@ SETTINGS = {
                "eval_every": 100, "stop_at": 0.98},
               {"examples": "judge", "steps": 200, "lr": 5e-4, "batch_size": 16}],
 }
+BASE = {"tools": "policy"}  # the tiny model a kind starts from, where it is not tiny:KIND
 TASKS = ["image/colour"]
 
 
@@ -115,7 +118,7 @@ def warm_start(kind: str, data_dir: str | Path, cache_dir: str | Path | None = N
             return out
         run_dir = cache / f".{out.name}.run"
         t0 = time.time()
-        model = f"tiny:{kind}"
+        model = f"tiny:{BASE.get(kind, kind)}"
         for i, stage in enumerate(stages):
             last = i == len(stages) - 1
             stage_out = out if last else run_dir / f"stage{i}-hf"

@@ -21,6 +21,7 @@ import torch
 from models import runtime
 from models.comm import broadcast_packed
 from yatt_mm.engines.media import has_timed_videos, processor_media, vllm_video
+from yatt_mm.engines.tools import MAX_REPLY_IMAGES, ToolBox, ToolsConfig
 from yatt_mm.engines.vllm_fixes import apply_cpu_fixes, engine_fixes
 
 
@@ -65,6 +66,11 @@ class EngineConfig:
     # (the tiny CPU engine holds ~2 GB). shutdown: freed, re-created on acquire. auto: sleep on
     # GPUs, keep on CPU.
     release: Literal["auto", "sleep", "keep", "shutdown"] = "auto"
+    # multi-turn rollouts: tools the policy may call between its turns (yatt_mm/engines/tools.py)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+
+    def __post_init__(self):
+        self.tools = ToolsConfig.of(self.tools)  # a dict where the config came as one (an engine worker)
 
     RANGES = {"max_model_len": ">= 1", "tensor_parallel_size": ">= 1", "gpu_memory_utilization": "(0, 1)",
               "limit_mm_per_prompt": ">= 0", "seed": ">= 0", "max_num_seqs": ">= 1"}
@@ -91,6 +97,20 @@ class Response:
     # weight updates that reached the engine while this response generated (partial rollout: its
     # tokens come from more than one policy version); 0 for a response of one version
     weight_updates: int = 0
+    # A multi-turn response (tools): `token_ids` and `logprobs` run from the prompt's end to the
+    # last turn's, the tools' replies included (logprob 0); `tool_mask` marks the reply tokens
+    # (None: every token was sampled), `images` are what the replies showed, in order; `text` is
+    # the last turn's (the answer the reward reads).
+    tool_mask: list[bool] | None = None
+    images: list[Any] = field(default_factory=list)
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the policy generated (not the tools' replies)."""
+        return len(self.token_ids) - sum(self.tool_mask or ())
 
 
 @dataclass
@@ -136,10 +156,13 @@ def engine_dtype(model_dir: str | Path | None) -> str:
 
 def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     """vLLM settings. The CPU branch is the in-process, eager engine (starts in seconds)."""
+    limits = dict(cfg.limit_mm_per_prompt)
+    if cfg.tools.active:  # each tool reply may show an image, within the same request
+        limits["image"] = limits.get("image", 0) + (cfg.tools.max_turns - 1) * MAX_REPLY_IMAGES
     kwargs: dict[str, Any] = dict(
         model=cfg.model,
         max_model_len=cfg.max_model_len,
-        limit_mm_per_prompt=cfg.limit_mm_per_prompt,
+        limit_mm_per_prompt=limits,
         seed=cfg.seed,
         max_num_seqs=cfg.max_num_seqs,
     )
@@ -198,6 +221,8 @@ class RolloutEngine:
         self.llm = None
         self.startup_seconds = self._start()
         self.tokenizer = self.llm.get_tokenizer()
+        self.tools = ToolBox(cfg.tools, self.tokenizer) if cfg.tools.active else None
+        self._image_processor = None  # the HF one, for the length of a tool reply's image (tools only)
         # what the placement holds of this engine: "all", "weights" (KV cache asleep) or "none".
         # Tracked whatever the release mode, so a call out of order fails on CPU as on a GPU.
         self.level = "all"
@@ -320,8 +345,8 @@ class RolloutEngine:
 
     def prompt_text(self, request: Request) -> str:
         return self.tokenizer.apply_chat_template(
-            request.messages, tokenize=False, add_generation_prompt=True
-        )
+            request.messages, tokenize=False, add_generation_prompt=True,
+            **({"tools": self.tools.schemas} if self.tools else {}))
 
     def processor_media(self, request: Request) -> dict[str, Any]:
         """An HF processor call's media kwargs for `request`, videos described as vLLM gets them
@@ -336,6 +361,8 @@ class RolloutEngine:
             videos = [vllm_video(v, self.timed_videos) for v in request.videos]
             mm["video"] = videos if len(videos) > 1 else videos[0]
         item: dict[str, Any] = {"prompt": self.prompt_text(request)}
+        if self.tools:  # token ids, which the next turns extend with the sampled tokens as they are
+            item = {"prompt_token_ids": self.tokenizer.encode(item["prompt"], add_special_tokens=False)}
         if mm:
             item["multi_modal_data"] = mm
         return item
@@ -356,7 +383,7 @@ class RolloutEngine:
             payload = _requests_to(requests, sampling, streaming=on_finished is not None)
             broadcast_packed(payload, self._spmd[1], self._spmd[0])
             requests = _requests_from(payload[0], json.loads(payload[1]["call"]))  # exactly what they got
-        if (on_sample is not None or between_steps is not None) and on_finished is None:
+        if (on_sample is not None or between_steps is not None or self.tools) and on_finished is None:
             on_finished = _ignore
         return self._generate(requests, sampling, on_finished, on_sample, between_steps)
 
@@ -377,6 +404,8 @@ class RolloutEngine:
         ) for r in requests]
         start = time.perf_counter()
         inputs = [self._vllm_input(r) for r in requests]
+        if on_finished is None and self.tools:  # the next turns are added as the last ones end
+            on_finished = _ignore
         if on_finished is None:
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
             responses = [[_to_response(c) for c in out.outputs] for out in outputs]
@@ -389,9 +418,39 @@ class RolloutEngine:
             responses=responses,
             seconds=seconds,
             prompt_tokens=prompt_tokens,
-            generated_tokens=sum(len(r.token_ids) for group in responses for r in group),
+            generated_tokens=sum(r.sampled_tokens for group in responses for r in group),
         )
 
+
+    def _next_turn(self, conversation: "_Conversation", turn: Response, turn_prompt_tokens: int) -> dict | None:
+        """Adds the turn that ended to its conversation; the next turn's vLLM input when the turn
+        called a tool and the conversation may go on, else None (the response is complete)."""
+        conversation.add_turn(turn)
+        response = conversation.response
+        if response.turns >= self.cfg.tools.max_turns or turn.finish_reason != "stop":
+            return None
+        reply = self.tools.call(turn.text, conversation.images)
+        if reply is None:  # no call: this turn is the answer
+            return None
+        eos = self.tokenizer.eos_token_id
+        reply_ids = self.tools.reply_tokens(reply, ended_with_eos=bool(turn.token_ids) and turn.token_ids[-1] == eos)
+        # the next turn's prompt, its images expanded as vLLM will, and one token to generate
+        length = (turn_prompt_tokens + len(turn.token_ids) + len(reply_ids)
+                  + sum(self._image_tokens(im) - 1 for im in reply.images) + 1)
+        if length > self.cfg.max_model_len:  # the reply does not fit: the response ends cut off
+            response.finish_reason = "length"
+            return None
+        conversation.add_reply(reply_ids, reply.images, reply.error)
+        return conversation.next_input()
+
+    def _image_tokens(self, image) -> int:
+        """The tokens an image takes in the prompt once vLLM expands its placeholder."""
+        if self._image_processor is None:
+            from transformers import AutoProcessor
+
+            self._image_processor = AutoProcessor.from_pretrained(self.cfg.model).image_processor
+        grid = self._image_processor(images=[image], return_tensors="pt")["image_grid_thw"]
+        return int(grid.prod()) // self._image_processor.merge_size ** 2
 
     def _generate_streaming(self, inputs: list[dict], params: list, on_finished, on_sample,
                             between_steps=None) -> tuple[list[list[Response]], int]:
@@ -417,6 +476,8 @@ class RolloutEngine:
         prompt_tokens = 0
         engine = self.llm.llm_engine
         updates = [[0] * n for _ in inputs]  # weight updates each sample saw while it generated
+        # tools: each sample's conversation so far; a turn that calls a tool is followed by the next
+        conversations = [[_Conversation(x) for _ in range(n)] for x in inputs] if self.tools else None
         while engine.has_unfinished_requests():
             if between_steps is not None and between_steps():
                 for i, row in enumerate(samples):
@@ -425,15 +486,61 @@ class RolloutEngine:
             for out in engine.step():
                 if not out.finished:
                     continue
-                i, j = index[out.request_id]
-                samples[i][j] = response = _to_response(out.outputs[0])
+                i, j = index.pop(out.request_id)
+                response = _to_response(out.outputs[0])
+                first_turn = conversations is None or conversations[i][j].response is None
+                prompt_tokens += len(out.prompt_token_ids or []) if j == 0 and first_turn else 0
+                if conversations is not None:
+                    conversation = conversations[i][j]
+                    follow_up = self._next_turn(conversation, response, len(out.prompt_token_ids or []))
+                    if follow_up is not None:
+                        (request_id,) = self.llm._render_and_add_requests(
+                            [self.llm._preprocess_cmpl_one(follow_up)], [_one_sample(params[i], j)])
+                        index[request_id.rsplit("-", 1)[0]] = (i, j)
+                        continue
+                    response = conversation.response
+                samples[i][j] = response
                 response.weight_updates = updates[i][j]
-                prompt_tokens += len(out.prompt_token_ids or []) if j == 0 else 0
                 done[i] += 1
                 on_sample(i, j, response)
                 if done[i] == n:
                     on_finished(i, list(samples[i]))
         return samples, prompt_tokens
+
+
+class _Conversation:
+    """One sample's turns so far, as the Response they add up to (multi-turn rollouts)."""
+
+    def __init__(self, first: dict):
+        self.prompt_ids = list(first["prompt_token_ids"])  # the first turn's, media unexpanded
+        self.media = dict(first.get("multi_modal_data") or {})
+        images = self.media.get("image", [])
+        self.images = list(images) if isinstance(images, list) else [images]
+        self.response: Response | None = None
+
+    def add_turn(self, turn: Response) -> None:
+        if self.response is None:
+            self.response = turn
+            return
+        r = self.response
+        r.token_ids += turn.token_ids
+        r.logprobs += turn.logprobs
+        r.tool_mask += [False] * len(turn.token_ids)  # a later turn follows a reply, which set the mask
+        r.text, r.finish_reason, r.turns = turn.text, turn.finish_reason, r.turns + 1
+
+    def add_reply(self, token_ids: list[int], images: list, error: bool) -> None:
+        r = self.response
+        r.tool_mask = (r.tool_mask or [False] * len(r.token_ids)) + [True] * len(token_ids)
+        r.token_ids += token_ids
+        r.logprobs += [0.0] * len(token_ids)
+        r.images += images
+        self.images += images
+        r.tool_calls += 1
+        r.tool_errors += int(error)
+
+    def next_input(self) -> dict:
+        return {"prompt_token_ids": self.prompt_ids + self.response.token_ids,
+                "multi_modal_data": {**self.media, "image": list(self.images)}}
 
 
 def _one_sample(params, j: int):

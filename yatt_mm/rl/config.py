@@ -174,6 +174,10 @@ class RLConfig:
         self._check_gpu_shares()
         self._check_rollout_parallel()
         self._check_staleness()
+        if self.rollout.engine.tools.active and self.algorithm.overlong.soft_penalty.buffer:
+            raise ValueError("algorithm.overlong.soft_penalty measures a response against rollout.sampling.max_tokens, "
+                             "which multi-turn rollouts (rollout.engine.tools) apply per turn: set its buffer to 0 "
+                             "(overlong.filter works: it masks responses cut off)")
         if self.run.placement == "partial":
             local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend != "server"]
             if not self.reward.judges or local:

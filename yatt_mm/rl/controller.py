@@ -134,7 +134,7 @@ class Controller:
                         samples=sum(len(r) for r in responses), cpu=cpu)
         for (i, j), finished in sorted(done.items()):
             timeline.record("generated", step, start, finished, prompt=i, sample=j,
-                            tokens=len(responses[i][j].token_ids))
+                            tokens=responses[i][j].sampled_tokens)
 
     def step(self, step: int, target: int) -> tuple[list[list[TrainSample]], RolloutStats]:
         """Rollout, reward and dynamic sampling until `target` groups, then their training

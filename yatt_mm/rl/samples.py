@@ -86,6 +86,9 @@ class TrainSample:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None  # Qwen2.5-VL: seconds per temporal patch, per video
+    # names its media: its group's (the prompt's, shared by the group's samples), or its own where
+    # tools showed it more images (multi-turn); "" is the group's
+    media_id: str = ""
 
     @property
     def text_tokens(self) -> int:
@@ -99,14 +102,15 @@ class TrainSample:
         tensors = {k: getattr(self, k) for k in _TENSORS if getattr(self, k) is not None}
         meta = {"advantage": repr(self.advantage), "reward": repr(self.reward), "group_id": self.group_id,
                 "masked": json.dumps(self.masked), "truncated": json.dumps(self.truncated),
-                "stale": json.dumps(self.stale), "version": str(self.version)}
+                "stale": json.dumps(self.stale), "version": str(self.version), "media_id": self.media_id}
         return tensors, meta
 
     @classmethod
     def unpack(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> "TrainSample":
         return cls(advantage=float(meta["advantage"]), reward=float(meta["reward"]), group_id=meta["group_id"],
                    masked=json.loads(meta["masked"]), truncated=json.loads(meta["truncated"]),
-                   stale=json.loads(meta["stale"]), version=int(meta["version"]), **{k: tensors.get(k) for k in _TENSORS})
+                   stale=json.loads(meta["stale"]), version=int(meta["version"]), media_id=meta["media_id"],
+                   **{k: tensors.get(k) for k in _TENSORS})
 
 
 class SampleBuilder:
@@ -129,20 +133,46 @@ class SampleBuilder:
         seconds = None if seconds is None else torch.as_tensor(seconds, dtype=torch.float64).reshape(-1)
         p = prompt_ids.numel()
         out = []
-        for response, adv, reward in zip(group.responses, advantages, group.rewards):
-            n = len(response.token_ids)
-            ids = torch.cat([prompt_ids, torch.tensor(response.token_ids, dtype=prompt_ids.dtype)])
+        for j, (response, adv, reward) in enumerate(zip(group.responses, advantages, group.rewards)):
+            tokens, sampled, logprobs, replies = self._response_tokens(response)
+            n = len(tokens)
+            ids = torch.cat([prompt_ids, torch.tensor(tokens, dtype=prompt_ids.dtype)])
             mask = torch.zeros(ids.numel(), dtype=torch.float32)
-            mask[p - 1 : p - 1 + n] = 1.0  # logits at t predict token t + 1
+            mask[p - 1 : p - 1 + n] = torch.tensor(sampled, dtype=torch.float32)  # logits at t predict token t + 1
             lp = torch.zeros(ids.numel(), dtype=torch.float32)
-            lp[p - 1 : p - 1 + n] = torch.tensor(response.logprobs, dtype=torch.float32)
+            lp[p - 1 : p - 1 + n] = torch.tensor(logprobs, dtype=torch.float32)
+            pixels, grids = enc.get("pixel_values"), enc.get("image_grid_thw")
+            if replies is not None:  # the images the tools showed, after the prompt's
+                pixels, grids = _cat([pixels, replies["pixel_values"]]), _cat([grids, replies["image_grid_thw"]])
             out.append(TrainSample(
                 input_ids=ids, loss_mask=mask, rollout_logprobs=lp, advantage=float(adv), reward=float(reward),
                 group_id=prompt.group_id, masked=masked, stale=stale, version=group.version, truncated=response.finish_reason == "length",
-                pixel_values=enc.get("pixel_values"), image_grid_thw=enc.get("image_grid_thw"),
+                pixel_values=pixels, image_grid_thw=grids,
                 pixel_values_videos=enc.get("pixel_values_videos"), video_grid_thw=enc.get("video_grid_thw"),
-                second_per_grid_ts=seconds))
+                second_per_grid_ts=seconds, media_id="" if replies is None else f"{prompt.group_id}#{j}"))
         return out
+
+    def _response_tokens(self, response: Response):
+        """(token ids, whether each was sampled, logprobs, the replies' image inputs or None): a
+        multi-turn response's tool replies are context, not sampled, and each image placeholder in
+        them is expanded to the image's tokens, as vLLM expanded it."""
+        if response.tool_mask is None:
+            return response.token_ids, [1.0] * len(response.token_ids), response.logprobs, None
+        replies, counts = None, iter(())
+        if response.images:
+            image_processor = self.processor.image_processor
+            replies = image_processor(images=response.images, return_tensors="pt")
+            counts = iter((replies["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2).tolist())
+        pad = self.processor.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        tokens, sampled, logprobs = [], [], []
+        for token, from_tool, logprob in zip(response.token_ids, response.tool_mask, response.logprobs):
+            k = next(counts) if from_tool and token == pad else 1
+            tokens += [token] * k
+            sampled += [0.0 if from_tool else 1.0] * k
+            logprobs += [logprob] * k
+        if next(counts, None) is not None:
+            raise ValueError("a response's tool replies hold fewer image placeholders than images")
+        return tokens, sampled, logprobs, replies
 
 
 def mini_batches(samples: list[TrainSample], k: int) -> list[list[TrainSample]]:
@@ -183,17 +213,19 @@ def _cat(tensors):
 
 
 def _shared_media(rows: list[TrainSample], pixels: str, grid: str):
-    """The responses of one group share their prompt's media: each group's pixel values once,
-    and for every media occurrence (row by row) the index of its distinct item."""
+    """The responses of one group share their prompt's media: each group's pixel values once
+    (a response shown more images by tools: its own), and for every media occurrence (row by
+    row) the index of its distinct item."""
     distinct, sources, first_of_group = [], [], {}
     for r in rows:
         n = 0 if getattr(r, grid) is None else getattr(r, grid).shape[0]
         if n == 0:
             continue
-        if r.group_id not in first_of_group:
-            first_of_group[r.group_id] = sum(t.shape[0] for _, t in distinct)
+        media = r.media_id or r.group_id
+        if media not in first_of_group:
+            first_of_group[media] = sum(t.shape[0] for _, t in distinct)
             distinct.append((getattr(r, pixels), getattr(r, grid)))
-        sources.extend(range(first_of_group[r.group_id], first_of_group[r.group_id] + n))
+        sources.extend(range(first_of_group[media], first_of_group[media] + n))
     if not distinct:
         return None, None
     return torch.cat([p for p, _ in distinct]), torch.tensor(sources)

@@ -31,6 +31,9 @@ class RolloutStats:
     response_tokens: float = 0.0
     prompt_tokens: float = 0.0  # the generated prompts' tokens, media tokens included (vLLM's count)
     truncated: float = 0.0  # responses cut at the length limit
+    turns: float = 0.0  # assistant turns (rollout.engine.tools: more than one a response)
+    tool_calls: float = 0.0  # tool replies the responses got
+    tool_errors: float = 0.0  # of which errors (a call that could not be read or served)
     overlong_penalty: float = 0.0  # summed DAPO soft penalties (algorithm.overlong.soft_penalty)
     gen_seconds: float = 0.0
     gen_cpu: float = 0.0  # CPU seconds the controller's process used while generating
@@ -68,7 +71,10 @@ class RolloutStats:
             self.responses += len(g.rewards)
             self.reward_sum += sum(g.rewards)
             self.reward_sq_sum += sum(r * r for r in g.rewards)
-            self.response_tokens += sum(len(r.token_ids) for r in g.responses)
+            self.response_tokens += sum(r.sampled_tokens for r in g.responses)  # the tools' replies not counted
+            self.turns += sum(r.turns for r in g.responses)
+            self.tool_calls += sum(r.tool_calls for r in g.responses)
+            self.tool_errors += sum(r.tool_errors for r in g.responses)
             self.truncated += sum(r.finish_reason == "length" for r in g.responses)
             self.partial += sum(r.weight_updates > 0 for r in g.responses)
             self.overlong_penalty += sum(g.reward_parts.get("overlong", ()))
@@ -149,6 +155,9 @@ class RolloutStats:
             return out
         n = self.responses
         mean = self.reward_sum / n
+        if self.turns > n:  # multi-turn responses (tools)
+            out |= {"rollout/turns_mean": self.turns / n, "rollout/tool_calls_mean": self.tool_calls / n,
+                    "rollout/tool_error_rate": self.tool_errors / max(self.tool_calls, 1)}
         return {
             **out,
             "rollout/reward_mean": mean,

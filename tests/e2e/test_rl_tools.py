@@ -1,0 +1,39 @@
+"""Multi-turn RL with a tool, end to end: 2 ranks under torchrun, the tiny policy warm-started to
+call `zoom` and answer from the enlarged crop, real vLLM engines in worker processes (placement
+disaggregated: the conversations, tool images included, cross a process boundary), the trainer
+scoring every turn's tokens with the tool replies' images in the sequence."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dataio.synth import write_shards
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_tool_using_policy_trains_on_whole_conversations_scored_as_vllm_scored_them(tmp_path, warm_tools_policy):
+    for name, n, seed in (("train", 16, 3), ("eval", 4, 4)):
+        write_shards(str(tmp_path / name), images=n, videos=0, samples_per_shard=8, seed=seed, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--nproc", "2", "--config", "configs/tiny_tools.yaml",
+           f"run.run_dir={run_dir}", f"data.shards=[{tmp_path / 'train'}]", f"eval.shards=[{tmp_path / 'eval'}]",
+           f"policy.model={warm_tools_policy}", "run.steps=2", "run.placement=disaggregated", "eval.every=2",
+           "eval.num_prompts=2", "rollout.prompts_per_step=2", "dynamic_sampling.max_waves=1", "data.workers=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "rollout/reward_mean" in s]
+    assert len(steps) == 2
+    for m in steps:
+        # most responses called the tool once and answered after its reply
+        assert 1.5 < m["rollout/turns_mean"] <= 3 and m["rollout/tool_calls_mean"] > 0.5, m
+        assert 0 <= m["rollout/tool_error_rate"] < 0.5
+        # every sampled token of every turn, after the tool's image and text, scored by the
+        # trainer as vLLM scored it (fp32 on CPU): a reply token counted as sampled, an image
+        # placeholder expanded to another length, or the reply's image missing would be far off
+        assert m["train/logprob_diff_vs_rollout"] < 1e-4, m
+        assert m["rollout/reward_mean"] > 0.3  # the answers after the zoom are mostly right
+    assert "eval/reward_mean" in steps[-1]  # eval answered through the tool too
+    assert (run_dir / "final" / "config.json").is_file()
