@@ -36,4 +36,15 @@ def test_a_tool_using_policy_trains_on_whole_conversations_scored_as_vllm_scored
         assert m["train/logprob_diff_vs_rollout"] < 1e-4, m
         assert m["rollout/reward_mean"] > 0.3  # the answers after the zoom are mostly right
     assert "eval/reward_mean" in steps[-1]  # eval answered through the tool too
-    assert (run_dir / "final" / "config.json").is_file()
+    # `yatt-mm eval` of the final policy: the run's last eval again (its conversations, greedy,
+    # in another process layout), and each answer's whole conversation in answers.jsonl
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "eval", "--config", str(run_dir / "config.yaml"),
+                           "--model", str(run_dir / "final"), "--dp-size", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["eval/reward_mean"] == steps[-1]["eval/reward_mean"]
+    lines = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    conversations = [c for line in lines for c in line["conversations"]]
+    assert len(conversations) == 4 and sum("<tool_response>" in c for c in conversations) >= 2
+    assert all(c.endswith(a + "<|im_end|>") for line in lines for c, a in zip(line["conversations"], line["answers"]))

@@ -94,7 +94,8 @@ def evaluate_policy(cfg: RLConfig, out_dir: Path, dp_size: int = 1) -> dict[str,
     """`yatt-mm eval`: every eval set of `cfg` (eval.every ignored) answered by cfg.policy.model on
     one in-process engine (rollout.engine's settings); each set's prompts are those `dp_size` DP
     groups of a run read (their shares, together). Writes OUT/eval.json (the metrics) and
-    OUT/answers.jsonl (a line per prompt: its set, key, reference, answers and scores)."""
+    OUT/answers.jsonl (a line per prompt: its set, key, reference, answers and scores; with tools,
+    each answer's whole conversation)."""
     from yatt_mm.engines.engine import RolloutEngine
     from yatt_mm.launch import route_logs
 
@@ -113,8 +114,11 @@ def evaluate_policy(cfg: RLConfig, out_dir: Path, dp_size: int = 1) -> dict[str,
             answers = answer(engine, held, cfg.eval.seed)
             total |= counts(held, answers)
             for p, a in zip(held.prompts, answers):
-                lines.write(json.dumps({"set": held.spec.name, "key": p.key, "origin": p.origin, "reference": p.answer,
-                                        "answers": [r.text for r, _ in a], "scores": [s for _, s in a]}) + "\n")
+                line = {"set": held.spec.name, "key": p.key, "origin": p.origin, "reference": p.answer,
+                        "answers": [r.text for r, _ in a], "scores": [s for _, s in a]}
+                if engine.tools:  # multi-turn: each answer's whole conversation, the tools' replies included
+                    line["conversations"] = [engine.tokenizer.decode(r.token_ids) for r, _ in a]
+                lines.write(json.dumps(line) + "\n")
             reward = metrics([held], total)["eval/reward_mean"]
             print(f"eval {held.spec.name or 'eval.shards'}: {len(held.prompts)} prompts x {held.spec.samples}, "
                   f"reward {reward:.3f} ({held.spec.reward}), {time.time() - start:.1f}s", file=sys.stderr, flush=True)
