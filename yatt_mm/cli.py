@@ -23,8 +23,11 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from yatt_mm.demo import run_demo
+    from yatt_mm.demo import make_data, run_demo
 
+    if args.data_only:  # the shards the tiny configs read (runs/demo-data), without the run
+        make_data()
+        return 0
     return run_demo(run_dir=args.run_dir, nproc=args.nproc, overrides=args.overrides, verbose=args.verbose)
 
 
@@ -139,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="ranks (DP groups on CPU)")
     p.add_argument("--verbose", action="store_true", help="the libraries' log lines (vLLM, Megatron, torch, "
                    "transformers) on the terminal too, not only in RUN_DIR/logs/")
+    p.add_argument("--data-only", action="store_true", help="only make the demo's shards (runs/demo-data/train "
+                   "and eval, which the tiny configs read), once")
     p.add_argument("overrides", nargs="*", help="key=value settings for the RL config, e.g. run.steps=10")
     p.set_defaults(func=_demo)
 

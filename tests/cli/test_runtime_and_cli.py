@@ -121,3 +121,16 @@ def test_library_logs_go_to_the_run_dir_and_verbose_brings_them_back(tmp_path):
                           timeout=120, env={**env, "YATT_MM_VERBOSE": "1"})
     assert loud.returncode == 0, loud.stderr[-2000:]
     assert loud.stderr.count("a library warning") == 2 and "a python warning" in loud.stderr
+
+
+def test_demo_data_only_makes_the_tiny_configs_shards_once_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """configs/tiny_tools.yaml and the other tiny configs read runs/demo-data: `yatt-mm demo
+    --data-only` makes it without the demo's warm starts and run."""
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["demo", "--data-only"])
+    assert args.func(args) == 0
+    assert len(list((tmp_path / "runs/demo-data/train").glob("*.tar"))) == 4
+    assert len(list((tmp_path / "runs/demo-data/eval").glob("*.tar"))) == 1
+    assert "512 synthetic colour questions" in capsys.readouterr().out
+    assert args.func(args) == 0 and capsys.readouterr().out == ""  # made once
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["demo-data"]  # no run directory

@@ -73,3 +73,31 @@ def test_the_conversation_ends_at_max_turns_or_when_the_reply_would_not_fit(tool
         assert r.finish_reason == "length" and r.turns == 1 and r.tool_calls == 0 and not r.images
     full = tools_engine.generate(requests, sampling)
     assert all(r.turns == 2 and r.finish_reason == "stop" for g in full.responses for r in g)
+
+
+def test_weights_loaded_between_two_engine_steps_mid_conversation(tools_engine):
+    """Partial rollout loads new weights into a generation in flight. vLLM's reload empties the
+    runner's encoder cache but not the scheduler's record of it: a tool reply's next turn (the
+    prompt's image again) was scheduled as cached and the runner failed with "Encoder cache miss".
+    Reloading the engine's own weights every few steps must change nothing."""
+    from safetensors.torch import load_file
+
+    weights = list(load_file(f"{tools_engine.cfg.model}/model.safetensors").items())
+    requests, _ = _requests(4, seed=2)
+    sampling = SamplingConfig(n=2, max_tokens=40, temperature=1.0)
+    steps = []
+
+    def reload_every_third_step():
+        steps.append(len(steps))
+        if len(steps) % 3:
+            return False
+        tools_engine.update_weights(weights, reset_caches=False)  # as the engine worker does mid-generation
+        return True
+
+    reloaded = tools_engine.generate(requests, sampling, between_steps=reload_every_third_step)
+    tools_engine.reset_caches()
+    plain = tools_engine.generate(requests, sampling)
+    responses = [r for g in reloaded.responses for r in g]
+    assert sum(r.turns == 2 for r in responses) >= len(responses) // 2  # the next turns ran after reloads
+    assert all(r.weight_updates > 0 for r in responses)  # every conversation saw a reload
+    assert [[r.token_ids for r in g] for g in reloaded.responses] == [[r.token_ids for r in g] for g in plain.responses]

@@ -318,8 +318,12 @@ class RolloutEngine:
         """Load (HF name, tensor) pairs into the running engine, in place.
 
         vLLM's CPU path keeps pre-packed weight copies, so only its `reload_weights` RPC takes
-        effect; the encoder and prefix caches hold results of the old weights and are dropped
-        (`reset_caches`; vLLM refuses to drop them under running requests: an update in the middle
+        effect. The encoder and prefix caches hold results of the old weights. `reload_weights`
+        empties the model runner's half of the encoder cache but not the scheduler's record of it,
+        which would then schedule a later request's image (a sibling sample waiting its turn, a
+        tool reply's next turn) as cached, and the runner fails with "Encoder cache miss": so the
+        scheduler's record is always dropped with it, also mid-generation. The prefix cache is
+        dropped with `reset_caches` (vLLM refuses under running requests: an update in the middle
         of a generation passes False and calls `reset_caches()` once the generation has ended).
         `partial`: a bucket of a bucketed sync, whole layers only (vLLM keeps the weights of the
         layers it does not name, and would warn about each of them).
@@ -332,6 +336,9 @@ class RolloutEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         if reset_caches:
             self.reset_caches()
+        else:
+            with _quiet_encoder_reset():
+                self.llm.llm_engine.reset_encoder_cache()  # no embedding is ever lost mid-step: between steps
         return {"seconds": time.perf_counter() - start, "bytes": float(nbytes), "tensors": float(len(tensors))}
 
     def weights_loaded(self) -> None:
@@ -577,6 +584,22 @@ def _quiet_partial_reload():
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)
+
+
+@contextmanager
+def _quiet_encoder_reset():
+    """vLLM warns that dropping the encoder cache under running requests may desync its media
+    caches; the caches it means (the processor's) are not touched by it, so nothing desyncs."""
+    import logging
+
+    logger = logging.getLogger("vllm.v1.engine.core")
+    quiet = logging.Filter()
+    quiet.filter = lambda record: "Resetting the encoder cache" not in str(record.msg)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _requests_to(requests: list[Request], sampling: SamplingConfig, streaming: bool):
