@@ -96,6 +96,13 @@ def test_the_reply_is_the_next_user_turn_in_the_chat_template(tiny_policy):
     assert tok.decode(box.reply_tokens(reply, ended_with_eos=False)) == "<|im_end|>" + after_eos
     text_only = box.call('<tool_call>{"name": "crop"}</tool_call>', [_image()])
     assert "<|image_pad|>" not in tok.decode(box.reply_tokens(text_only, ended_with_eos=True))
+    # a template that rewrites earlier turns once another follows (as some reasoning templates drop
+    # old thinking) cannot grow a conversation token by token: refused when the engine starts
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                         "{% if m.role == 'assistant' and not loop.last %}...{% else %}{{ m.content }}{% endif %}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(RuntimeError, match="multi-turn rollouts need a template that appends turns"):
+        ToolBox(box.cfg, tok)
 
 
 def test_tools_are_checked_when_the_config_loads():

@@ -62,6 +62,7 @@ SETTINGS = {
     "qwen3vl": [{"examples": "answer", "steps": 8, "lr": 3e-4, "batch_size": 16}],
     # the tiny policy that calls the `zoom` tool, then answers (multi-turn rollouts, tests)
     "tools": [{"examples": "zoom", "steps": 40, "lr": 1e-3, "batch_size": 16}],
+    "qwen3vl_tools": [{"examples": "zoom", "steps": 40, "lr": 1e-3, "batch_size": 16}],  # the same, Qwen3-VL
     # the comparison is learnt suddenly, after a plateau whose length varies with the numerics
     # (library versions, thread counts, float rounding: 700 to 1400 steps seen here, once 2400):
     # the first stage runs until its held-out accuracy reaches stop_at, within a generous cap
@@ -69,7 +70,7 @@ SETTINGS = {
                "eval_every": 100, "stop_at": 0.98},
               {"examples": "judge", "steps": 200, "lr": 5e-4, "batch_size": 16}],
 }
-BASE = {"tools": "policy"}  # the tiny model a kind starts from, where it is not tiny:KIND
+BASE = {"tools": "policy", "qwen3vl_tools": "qwen3vl"}  # the tiny model a kind starts from, where it is not tiny:KIND
 TASKS = ["image/colour"]
 
 
@@ -99,8 +100,9 @@ def cache_key(kind: str, data_dir: str | Path, steps: int | None, seed: int) -> 
 
 def warm_start(kind: str, data_dir: str | Path, cache_dir: str | Path | None = None, steps: int | None = None,
                seed: int = 0, quiet: bool = False) -> Path:
-    """HF directory of the warm-started tiny `kind` ("policy" or "judge") model, trained on the
-    colour questions of the shards in `data_dir` (`yatt-mm data synth` output); cached.
+    """HF directory of the warm-started tiny `kind` model (a key of SETTINGS: "policy", "judge",
+    "tools", ...), trained on the colour questions of the shards in `data_dir` (`yatt-mm data
+    synth` output); cached.
     `steps` replaces every stage's step count (short runs for tests)."""
     if kind not in SETTINGS:
         raise ValueError(f"warm_start kind must be one of {', '.join(SETTINGS)}, got {kind!r}")

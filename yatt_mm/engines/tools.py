@@ -151,6 +151,7 @@ class ToolBox:
         self.by_call_name = {s["function"]["name"]: self.tools[n] for s, n in zip(self.schemas, self.tools)}
         self.tokenizer = tokenizer
         self._reported: set[str] = set()
+        self._turn_boundary(Reply("", [], False))  # a template that cannot append turns fails at the start
 
     def call(self, turn_text: str, images: list) -> Reply | None:
         """The reply to the turn's tool call; None when the turn makes none (it is the answer)."""
