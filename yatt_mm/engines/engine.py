@@ -569,14 +569,13 @@ def _ignore_sample(i: int, j: int, response: Response) -> None:
 
 
 @contextmanager
-def _quiet_partial_reload():
-    """vLLM warns about every layer a reload leaves out: expected for one bucket of a sync."""
+def _quiet(logger_names: tuple[str, ...], expected: tuple[str, ...]):
+    """Drops the log records of `logger_names` that hold one of the `expected` phrases."""
     import logging
 
-    expected = ("Failed to load weights", "weights were not loaded from checkpoint")
     quiet = logging.Filter()
     quiet.filter = lambda record: not any(e in str(record.msg) for e in expected)
-    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    loggers = [logging.getLogger(name) for name in logger_names]
     for logger in loggers:
         logger.addFilter(quiet)
     try:
@@ -586,20 +585,16 @@ def _quiet_partial_reload():
             logger.removeFilter(quiet)
 
 
-@contextmanager
+def _quiet_partial_reload():
+    """vLLM warns about every layer a reload leaves out: expected for one bucket of a sync."""
+    return _quiet(tuple(f"vllm.model_executor.model_loader.reload.{m}" for m in ("layerwise", "inplace")),
+                  ("Failed to load weights", "weights were not loaded from checkpoint"))
+
+
 def _quiet_encoder_reset():
     """vLLM warns that dropping the encoder cache under running requests may desync its media
     caches; the caches it means (the processor's) are not touched by it, so nothing desyncs."""
-    import logging
-
-    logger = logging.getLogger("vllm.v1.engine.core")
-    quiet = logging.Filter()
-    quiet.filter = lambda record: "Resetting the encoder cache" not in str(record.msg)
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
+    return _quiet(("vllm.v1.engine.core",), ("Resetting the encoder cache",))
 
 
 def _requests_to(requests: list[Request], sampling: SamplingConfig, streaming: bool):
