@@ -51,6 +51,7 @@ class _PatchAfterLoad(importlib.abc.Loader):
 
         runtime.quiet_expected_warnings()  # before: megatron warns while it imports
         self._loader.exec_module(module)
+        runtime.patch_megatron_for_missing_kernels()
         if not runtime.has_gpu():
             runtime.patch_megatron_for_cpu()
 

@@ -36,6 +36,17 @@ def common(dtype: torch.dtype, tp: int, recompute: str = "none") -> dict:
     )
 
 
+def params_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Every floating-point parameter of `model` in `dtype` (its params_dtype). Megatron builds
+    torch's norms (WrappedTorchNorm, when Transformer Engine and Apex are absent) in float32
+    whatever params_dtype says, and leaves the cast to its Float16Module wrapper, which yatt-mm
+    does not use. CUDA's layer_norm refuses bf16 input with a float32 weight ("expected scalar
+    type BFloat16 but found Float"); the CPU's accepts it. Buffers (rotary frequencies) stay."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
 
 def pipeline_settings(pp: int, layers=()) -> dict:
     """Megatron settings of a language model split over `pp` pipeline stages: every micro-batch

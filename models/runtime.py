@@ -1,12 +1,14 @@
-"""The one place where yatt-mm adapts its libraries to a machine without a GPU.
+"""The one place where yatt-mm adapts its libraries to a machine without a GPU, and to Megatron
+without its optional CUDA libraries (Transformer Engine, fla).
 
 Nothing here runs by itself: `models._hooks` calls `fix_torchvision_ops()` right before
-torchvision is first imported, and `quiet_expected_warnings()` and `patch_megatron_for_cpu()` right
-before and after megatron.core is first imported, in every process of the environment (see that
-module for why). The rollout engine calls `set_vllm_cpu_defaults()` (and
-`name_vllm_cpu_shared_memory_per_job()` for a tensor-parallel engine). On a machine with a CUDA GPU
-only the torchvision fix and the filter of megatron's deprecated collectives can act, the former
-only when torchvision's native library cannot load.
+torchvision is first imported, and `quiet_expected_warnings()` before megatron.core is first
+imported, `patch_megatron_for_missing_kernels()` and (without a GPU) `patch_megatron_for_cpu()`
+after it, in every process of the environment (see that module for why). The rollout engine calls
+`set_vllm_cpu_defaults()` (and `name_vllm_cpu_shared_memory_per_job()` for a tensor-parallel
+engine). On a machine with a CUDA GPU only the torchvision fix (when torchvision's native library
+cannot load), the filter of megatron's deprecated collectives and the fallbacks for a missing
+Transformer Engine or fla act.
 
 Each shim below says in one line what it works around.
 """
@@ -438,8 +440,7 @@ def _gated_delta_net_without_fla(gated_delta_net: ModuleType) -> None:
     # numerics match its Qwen3.5), and fla's chunked gated delta rule by Megatron's own
     # torch_chunk_gated_delta_rule (what it runs under deterministic_mode). The depthwise causal
     # conv already falls back to nn.Conv1d without causal_conv1d. Where fla is installed, nothing
-    # changes.
-    _uncompiled(gated_delta_net.GatedDeltaNet, "_apply_gated_norm")
+    # changes. Needed with or without a GPU.
     if gated_delta_net.HAVE_FLA:
         return
     gated_delta_net.l2norm = _l2norm
@@ -570,13 +571,35 @@ _MEGATRON_SHIMS: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.dist_checkpointing.strategies.async_utils": _cpu_checkpoint_worker,
     "megatron.core.dist_checkpointing.strategies.filesystem_async": _cpu_checkpoint_preload,
     # Mixture-of-experts layers (Qwen3-VL-MoE): the token dispatcher's CUDA stream and gloo's
-    # split sizes, and a name moe_utils leaves undefined without Transformer Engine.
+    # split sizes.
     "megatron.core.transformer.moe.token_dispatcher": _cpu_moe_dispatcher,
-    "megatron.core.transformer.moe.moe_utils": _moe_utils_without_te,
-    # Qwen3.5's gated DeltaNet layers: the pure-torch rule and L2 norm where fla is missing.
-    "megatron.core.ssm.gated_delta_net": _gated_delta_net_without_fla,
-    # ... and gated attention's output gate, compiled on first call (see _uncompiled)
+    # Qwen3.5: the gated DeltaNet's gated norm and gated attention's output gate, compiled on
+    # first call (see _uncompiled)
+    "megatron.core.ssm.gated_delta_net": lambda module: _uncompiled(module.GatedDeltaNet, "_apply_gated_norm"),
     "megatron.core.transformer.attention": lambda module: _uncompiled(module.Attention, "_apply_output_gate"),
     # MoE under EP x TP: the dispatcher's all-gather of uneven token counts over TP, which gloo refuses.
     "megatron.core.tensor_parallel.mappings": _uneven_gather_on_gloo,
 }
+
+# Fallbacks for Megatron's optional CUDA libraries, applied on every machine (a GPU one too)
+# where the library is missing: each one is a no-op where it is installed.
+_MEGATRON_FALLBACKS: dict[str, Callable[[ModuleType], None]] = {
+    # MoE: a name moe_utils leaves undefined without Transformer Engine.
+    "megatron.core.transformer.moe.moe_utils": _moe_utils_without_te,
+    # Qwen3.5's gated DeltaNet layers: the pure-torch rule and L2 norm where fla is missing.
+    "megatron.core.ssm.gated_delta_net": _gated_delta_net_without_fla,
+}
+_fallen_back: set[str] = set()
+
+
+def patch_megatron_for_missing_kernels() -> None:
+    """Megatron-Core's pure-torch paths where Transformer Engine or fla is not installed, on any
+    machine: `_MEGATRON_FALLBACKS`. Called once `megatron.core` has been imported. Idempotent."""
+    for name, fallback in _MEGATRON_FALLBACKS.items():
+        if name in _fallen_back:
+            continue
+        try:
+            fallback(importlib.import_module(name))
+        except (ImportError, AttributeError) as exc:
+            raise RuntimeError(f"the fallbacks are written for megatron-core 0.16.1: {exc}") from exc
+        _fallen_back.add(name)

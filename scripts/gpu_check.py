@@ -197,11 +197,15 @@ def comm_stage(cpu: bool) -> dict:
     out: dict = {}
     used = _device_used()  # None on CPU
     if used is not None:
-        out["gpu_used_before_context_gib"] = used / GIB  # nvml: before this process makes a context
+        # NVML, before this process makes a context: on a GPU nobody uses, the driver's reserve
+        # (0.60 GiB on an H200), which NVML counts as used and CUDA leaves out of its total
+        out["gpu_used_before_context_gib"] = used / GIB
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
         free, total = torch.cuda.mem_get_info()  # makes the CUDA context
-        out["cuda_context_gib"] = (total - free - (used or 0)) / GIB
+        # CUDA's own view, as the allocator and the plan see the card (the GPU is otherwise empty
+        # here; subtracting NVML's figure would also subtract the driver's reserve: < 0 on an H200)
+        out["cuda_context_gib"] = (total - free) / GIB
         before = total - free - torch.cuda.memory_reserved()
     else:
         out["cuda"] = "skipped: no CUDA"
@@ -229,7 +233,7 @@ def comm_stage(cpu: bool) -> dict:
         out["rss_after_gib"] = _rss() / GIB
     from yatt_mm.plan import CUDA_CONTEXT_GIB
 
-    out["plan_cuda_context_gib"] = CUDA_CONTEXT_GIB  # the plan's "CUDA context, cuBLAS, NCCL" per process
+    out["plan_cuda_context_gib"] = CUDA_CONTEXT_GIB  # the plan's per process: this, then cuBLAS and kernels
     return out
 
 
@@ -297,19 +301,24 @@ def parity_stage(hf_dir: str, device: torch.device, moe: bool = False) -> dict:
                                   "cudnn_conv": getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision",
                                                         None)}}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            diff, scale = parity(hf_dir, device, dtype)
+            diff, scale, dtypes = parity(hf_dir, device, dtype)
             out[name] = {"max_abs_diff": diff, "max_abs_logit": scale, "rel": diff / scale,
-                         "tolerance_rel": PARITY_TOLERANCE[name + ("_moe" if moe and name == "bf16" else "")]}
+                         "tolerance_rel": PARITY_TOLERANCE[name + ("_moe" if moe and name == "bf16" else "")],
+                         "param_dtypes": dtypes}
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
     out["checks"] = {f"parity_{n}": out[n]["rel"] < out[n]["tolerance_rel"] for n in ("fp32", "bf16")}
+    # every parameter in the model's dtype: CUDA's layer_norm refuses a bf16 input with a float32
+    # weight (the first GPU run's error; the CPU's accepts it), so a norm left in float32 fails here
+    out["checks"] |= {f"params_{n}": out[n]["param_dtypes"] == [str(d)] for n, d in
+                      (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     return out
 
 
-def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(max |logit difference|, max |reference logit|) of Megatron vs transformers over the
-    built-in probes (text, image, two images, video), both in `dtype` on `device`; any family
-    (a family with timed videos gets their metadata, as its own parity does)."""
+def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[float, float, list[str]]:
+    """(max |logit difference|, max |reference logit|, our model's parameter dtypes) of Megatron
+    vs transformers over the built-in probes (text, image, two images, video), both in `dtype` on
+    `device`; any family (a family with timed videos gets their metadata, as its own parity does)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from models.family import family_for_dir, read_spec
@@ -320,6 +329,7 @@ def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[float
     family, spec = family_for_dir(hf_dir), read_spec(hf_dir)
     ours = family.build_model(spec, dtype, 1).to(device).eval()
     family.load_hf_into(ours, hf_dir, 0, 1)
+    dtypes = sorted({str(p.dtype) for p in ours.parameters()})
     hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
     processor = AutoProcessor.from_pretrained(hf_dir)
     timed = spec.model_type in family.timed_video_types
@@ -334,7 +344,7 @@ def parity(hf_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[float
         scale = max(scale, float(ref.abs().max()))
     del ours, hf
     _free(device)
-    return worst, scale
+    return worst, scale, dtypes
 
 
 def family_parity_stage(kind: str, cpu: bool, device: torch.device, tmp: Path) -> dict:
@@ -697,9 +707,8 @@ def plan_vs_measured(stages: dict) -> dict:
         for key, value in entry.items():
             if isinstance(value, dict) and {"plan", "measured"} <= value.keys():
                 out[f"{stage}.{key}"] = [value["plan"], value["measured"]]
-    if "context_plus_nccl_gib" in stages.get("comm", {}):
-        out["comm.context_plus_nccl_gib"] = [stages["comm"]["plan_cuda_context_gib"],
-                                             stages["comm"]["context_plus_nccl_gib"]]
+    # (the plan's CUDA_CONTEXT_GIB is what stays outside the allocator after training, compared in
+    # memory.outside_allocator_gib; comm's context + NCCL right after start is a part of it)
     return out
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from models.inputs import VLMInputs
+from models.megatron_config import params_to
 from models.qwen2vl.config import Qwen2VLSpec, check_layout, language_config, vision_config
 from models.qwen2vl.vision import Qwen2VisionModel
 
@@ -58,6 +59,7 @@ class Qwen2VLModel(nn.Module):
         self.language.rotary_pos_emb.cp_group = None
         # this stage's first language layer in the whole model (Megatron numbers layers from 1)
         self.layer_offset = self.language.decoder.layers[0].layer_number - 1
+        params_to(self, dtype)  # Megatron's torch norms are built in float32
 
     def embed(self, inputs: VLMInputs, cp=None) -> torch.Tensor:
         """Token embeddings with the vision features in place of the media pad tokens: [s, b, h].

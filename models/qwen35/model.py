@@ -24,6 +24,8 @@ value heads divide by TP x CP: `check_context_parallel`), Megatron's own forward
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,6 +70,7 @@ class HeadNormAcrossTP(nn.RMSNorm):
                                       self.eps)
 
 
+@functools.cache  # one class per process: torch.compile's guards on the jit-fused methods key on it
 def _packable_gated_delta_net():
     """Megatron's GatedDeltaNet whose forward also takes a packed row: the row's samples (the
     packed params' cu_seqlens along the sequence dim of an sbhd row) run one by one, each from a

@@ -17,6 +17,7 @@ from models.qwen3vl.config import Qwen3VLSpec, language_config, vision_config
 from models.qwen3vl.vision import Qwen3VisionModel
 
 from models.inputs import VLMInputs
+from models.megatron_config import params_to
 
 
 class InterleavedMRoPE(nn.Module):
@@ -117,6 +118,7 @@ class Qwen3VLModel(nn.Module):
         if self.pre_process:
             for k in range(spec.num_deepstack):
                 self.language.decoder.layers[k].register_forward_hook(self._deepstack_hook(k))
+        params_to(self, dtype)  # Megatron's torch norms are built in float32
 
     def _language_config(self, spec, dtype, tp, recompute, pp, layers):
         return language_config(spec, dtype, tp, recompute, pp, layers)

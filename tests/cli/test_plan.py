@@ -37,7 +37,11 @@ def test_recipe_loads_and_fits_8x80(recipe, capsys):
     assert all(p.total < 80 * GIB for p in plan.phases)
     assert plan.trainer.peak > 10 * GIB  # a real model's trainer, not a tiny one
     assert main(["plan", "--config", str(ROOT / recipe), "--gpus-per-node", "8", "--gpu-memory-gb", "80"]) == 0
-    assert "verdict: fits" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "verdict: fits" in out
+    # the GPU constants say where they were measured; each phase on a GPU carries the context
+    assert "CUDA context 2.44 GiB a process and allocator slack 6%: measured on one NVIDIA H200" in out
+    assert all(any(ln.what == "CUDA context" and ln.nbytes == int(2.44 * GIB) for ln in p.lines) for p in plan.phases)
 
 
 def test_heavy_7b_on_24gb_does_not_fit_and_names_a_setting(capsys):

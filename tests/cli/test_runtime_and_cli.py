@@ -27,6 +27,27 @@ def test_fresh_process_gets_the_fix_without_importing_yatt_mm():
     assert Path(sysconfig.get_paths()["purelib"], "yatt_mm_runtime.pth").is_file()
 
 
+def test_a_gpu_process_gets_the_fallbacks_for_missing_kernels_and_no_cpu_shim():
+    """Where a GPU is present (made to look so before megatron.core is imported), the CPU shims
+    stay off but Megatron still gets its pure-torch paths for a missing Transformer Engine (the
+    MoE router's te_general_gemm: NameError on the first GPU run) and fla (Qwen3.5's DeltaNet:
+    ImportError there)."""
+    code = """
+import torch
+from models import runtime
+runtime.has_gpu = lambda: True
+device = torch.cuda.current_device
+import megatron.core
+from megatron.core.ssm import gated_delta_net
+from megatron.core.transformer.moe import moe_utils
+print(torch.cuda.current_device is device, moe_utils.te_general_gemm is None,
+      gated_delta_net.chunk_gated_delta_rule is gated_delta_net.torch_chunk_gated_delta_rule)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+
+
 def test_help_lists_commands_and_every_model_family():
     from models.family import families
 

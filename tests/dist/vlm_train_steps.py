@@ -143,7 +143,8 @@ def train_case(path: str, tp: int, dtype: str, steps: int) -> dict:
             "losses": losses, "dp_identical": identical, "tp_replica_diff": tp_replica_diff,
             "entropy_tp_consistent": entropy_ok, "entropy_tp_max_diff": entropy_diff,
             "logprob_tp_max_diff": logprob_diff, "entropy_grad_max_diff": entropy_grad_diff,
-            "export_shapes_ok": shapes_ok, "offload": offload}
+            "export_shapes_ok": shapes_ok, "offload": offload,
+            "param_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()})}
 
 
 def main() -> int:

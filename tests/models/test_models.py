@@ -284,6 +284,9 @@ def test_training_steps_lower_loss_and_keep_replicas_identical(tp, dtype, cases)
     result = cases[f"train:{tp}:{dtype}"]
     assert (result["tp"], result["dp"], result["dtype"]) == (tp, 2 // tp, dtype), result
     print(f"train steps, TP {tp}, {dtype}:", result)
+    # every parameter in the trainer's dtype, the norms too (Megatron builds torch's in float32;
+    # CUDA's layer_norm then refuses bf16 activations)
+    assert result["param_dtypes"] == ["torch.bfloat16" if dtype == "bf16" else "torch.float32"], result
     losses = result["losses"]
     # the seeded tiny policy on its seeded batch: the first loss is the model's, whatever the
     # layout (measured 23.5618 at TP 1 and TP 2 in fp32, 23.5294 in bf16), and the first Adam

@@ -9,7 +9,8 @@ from yatt_mm.plan.activations import CUDA, Kernels
 from yatt_mm.plan.architectures import load_spec
 from yatt_mm.plan.batch import MicroBatchShape, rl_micro_batch
 from yatt_mm.plan.cluster import Assumptions, Cluster, check_inputs
-from yatt_mm.plan.constants import GIB, JUDGE_SERVER_MAX_MODEL_LEN, PlanError
+from yatt_mm.plan.constants import (ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, GIB, JUDGE_SERVER_MAX_MODEL_LEN,
+                                    MEASURED_ON, VLLM_RESERVE_GIB, PlanError)
 from yatt_mm.plan.engines import EngineMemory, engine_memory
 from yatt_mm.plan.phases import GpuPhase, Line, gpu_phases, host_lines
 from yatt_mm.plan.trainer import TrainerMemory, trainer_memory
@@ -116,4 +117,6 @@ def _notes(plan: Plan) -> list[str]:
     for j in (wj.judge for wj in cfg.reward.judges):
         if j.backend == "server" and j.server_per == "dp_group" and not j.devices:
             out.append(f"judge {j.name}: server_per=dp_group without devices puts every DP group's server on GPU 0")
+    out.append(f"CUDA context {CUDA_CONTEXT_GIB:g} GiB a process and allocator slack {ALLOCATOR_SLACK:.0%}: "
+               f"measured on {MEASURED_ON}; vLLM's reserve ({VLLM_RESERVE_GIB:g} GiB) and asleep figure estimated")
     return out
