@@ -1,35 +1,25 @@
 #!/usr/bin/env bash
-# The GPU path checked and measured in one command: scripts/gpu_check.py, whose docstring lists
-# the stages (comm, build, parity, rl, memory, offload, qwen3vl, qwen3vl_moe, qwen35, qwen35_moe,
-# speed). As each
-# stage ends, its figures or its error go to $OUT/gpu_check.json (the whole file, rewritten
-# atomically); everything printed also goes to $OUT/gpu_check.log; OUT defaults to
-# runs/gpu_check/ (git-ignored). The last line printed is the report as one JSON object. Exit 0
-# when every stage ran and passed its checks, 1 when one did not, 2 when something is missing,
-# 124 when stopped by the time limit (the stages done by then are in the JSON file).
+# The GPU path checked and measured in one command: scripts/gpu_check.py runs the stages of
+# scripts/gpu_stages/ (comm, build, parity, rl, memory, offload, qwen3vl, qwen3vl_moe, qwen35,
+# qwen35_moe, speed). As each stage ends, its figures or its error go to $OUT/gpu_check.json (the
+# whole file, rewritten atomically); everything printed also goes to $OUT/gpu_check.log; OUT
+# defaults to runs/gpu_check/ (git-ignored). The last line printed is the report as one JSON
+# object. Exit 0 when every stage ran and passed its checks, 1 when one did not, 2 when something
+# is missing, 124 when stopped by the time limit (the stages done by then are in the JSON file).
 #
-#   scripts/gpu_check.sh [--only STAGE,...]   on a GPU machine with Python, torch (CUDA) and
-#                         transformers and no network: what it lacks (megatron-core, einops,
-#                         Pillow) is installed from the wheel folder $YATT_MM_GPU_WHEELS (default
-#                         .gpu_wheels/) into .gpu_site/, nothing else touched; the check stops
-#                         itself after GPU_CHECK_LIMIT_S seconds (default 420: SIGTERM, which
-#                         records the running stage as stopped; SIGKILL 15 s later if it hangs)
-#   scripts/gpu_check.sh --cpu    the same script on this machine's CPU at small sizes, in the
-#                         project's venv (CUDA-only figures say "skipped: no CUDA"); CI runs it
+#   scripts/gpu_check.sh [--only STAGE,...] [--layers N]   on one GPU of a machine with Python,
+#                         torch (CUDA) and transformers: in the project's venv where there is one,
+#                         else the machine's python3; what it lacks (megatron-core, einops, Pillow)
+#                         is installed from the wheel folder $YATT_MM_GPU_WHEELS (default
+#                         .gpu_wheels/) into .gpu_site/, nothing else touched. It stops itself after
+#                         GPU_CHECK_LIMIT_S seconds (default 420: SIGTERM, which records the running
+#                         stage as stopped; SIGKILL 15 s later if it hangs)
+#   scripts/gpu_check.sh --cpu    the same script on a CPU at small sizes, in the project's venv
+#                         (CUDA-only figures say "skipped: no CUDA"); the test suite runs it
 #
-# Exact steps on the lent GPU machine (the `device` tool's `run`: one H200 with Python 3.12,
-# torch and transformers but no megatron-core and no network; 15 minutes of device time in all,
-# the machine's start (1-2 min) included; one command at most 10 minutes; only files under
-# $OUT come back):
-#   1. Here, where PyPI is reachable:  scripts/gpu_wheels.sh
-#      It fills .gpu_wheels/ (git-ignored) with megatron-core 0.16.1's cp312 wheel and einops,
-#      about 3 MB: with the working tree (~2 MB) far inside the 64 MiB a call carries.
-#   2. One call:  run(command="scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=480)
-#      The script's own limit (420 s + 15 s to kill) fires before the call's 480 s, so the
-#      report is always written and returned: $OUT/gpu_check.json and $OUT/gpu_check.log.
-#   3. If a stage failed, rerun just it on the still-warm machine (warm for 30 s after a call):
-#      run(command="scripts/gpu_check.sh --only STAGE", carry=[".gpu_wheels"], timeout_s=480)
-#      (the stages it needs run with it). Then give_back.
+# A GPU machine without network: run scripts/gpu_wheels.sh where PyPI is reachable (it fills
+# .gpu_wheels/, about 3 MB), copy the repo with that folder to the machine, run this script there.
+# A stage that failed reruns alone with --only STAGE (the stages it needs run with it).
 # Extra arguments go to gpu_check.py (--help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,13 +33,12 @@ exec > >(tee -a "$LOG") 2> >(tee -a "$LOG" >&2)
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1  # every model is a local directory; a hub call could only wait for a timeout there
 
+PY=${PYTHON:-.venv/bin/python}  # the project's venv where there is one
+[[ -x $PY ]] || PY=python3
 if [[ " $* " == *" --cpu "* ]]; then
-  PY=${PYTHON:-.venv/bin/python}
-  [[ -x $PY ]] || PY=python3
   exec "$PY" scripts/gpu_check.py "$@"
 fi
 
-PY=${PYTHON:-python3}
 WHEELS=${YATT_MM_GPU_WHEELS:-.gpu_wheels}
 SITE=.gpu_site
 export PYTHONPATH="$PWD/$SITE${PYTHONPATH:+:$PYTHONPATH}"

@@ -2,9 +2,9 @@
 # Fill .gpu_wheels/ (or $1) with what scripts/gpu_check.sh installs on a GPU machine that has
 # Python 3.12, torch, transformers, einops and Pillow but no network: megatron-core (pinned as in
 # pyproject; it imports einops, the one package of its own it needs besides torch, numpy and
-# packaging), and einops as a fallback. About 3 MB: carried with the working tree (64 MiB in all)
-# as `carry=[".gpu_wheels"]` (see scripts/gpu_check.sh's header). Fails if the folder outgrows
-# GPU_WHEELS_MAX_MB (default 48), which would leave too little of the 64 MiB for the tree.
+# packaging), and einops as a fallback. About 3 MB: copy it to the GPU machine with the repo.
+# GPU_PYTHON_VERSION picks the wheels' Python (default 3.12); the script fails if the folder
+# outgrows GPU_WHEELS_MAX_MB (default 48), which would mean it fetched far more than these two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-.gpu_wheels}

@@ -344,22 +344,20 @@ def test_moe_counts_each_ep_ranks_experts_and_shards_their_adam_state_over_exper
 
 
 def test_gpu_check_counts_a_real_batch_by_the_plans_flops():
-    """scripts/gpu_check.py's MFU counts the FLOPs of a real batch (each row's real length, each
+    """The GPU check's MFU (scripts/gpu_stages/speed.py) counts the FLOPs of a real batch (each row's real length, each
     distinct image's patches) with the plan's formula: on rows and images the plan's shape
     describes, the two agree exactly, MoE included (gpu_check's own copy counted all 128 experts
     of Qwen3-VL-30B-A3B a token: 8.1x the plan's figure here; Qwen2-VL and Qwen3-VL: the same
     figures before and after)."""
-    import importlib.util
+    import sys
     from types import SimpleNamespace
 
     import torch
 
     from yatt_mm.plan import train_flops
 
-    module = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(module)
-    module.loader.exec_module(gpu_check)
-    batch_flops = gpu_check.train_flops
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_stages.speed import train_flops as batch_flops
 
     spec = load_spec("Qwen/Qwen3-VL-30B-A3B-Instruct")
     # two rows of 1024 real tokens, each with its own image of 32 x 32 patches (256 merged tokens)
