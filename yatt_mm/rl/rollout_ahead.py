@@ -46,26 +46,49 @@ import torch.distributed as dist
 
 from yatt_mm.rl.checkpoint import controller_state
 from yatt_mm.rl.distributed import sum_across
+from yatt_mm.rl.rollouts import summed_metrics
 from yatt_mm.rl.sources import Consumed
 
 
 class RolloutAhead:
-    """One controller's rollout, one step ahead of its training, driven from a thread of its process."""
+    """One controller's rollout, one step ahead of its training, driven from a thread of its
+    process; the step's calls as rl/rollouts.py lists them."""
 
-    def __init__(self, controller, engine, prompts_per_step: int, steps: int, checkpoint_every: int):
-        self.controller = controller
-        self.engine = engine
-        self.prompts_per_step = prompts_per_step
-        self.steps = steps
-        self.checkpoint_every = checkpoint_every
+    def __init__(self, run):
+        self.run = run
+        self.controller, self.engine, cfg = run.controller, run.engine, run.cfg
+        self.prompts_per_step, self.steps, self.checkpoint_every = (cfg.rollout.prompts_per_step, cfg.run.steps,
+                                                                    cfg.run.checkpoint_every)
+        self.max_staleness, self.partial = cfg.run.max_staleness, cfg.run.partial_rollout
         self._thread: threading.Thread | None = None
         self._ahead: tuple[int, tuple | None, BaseException | None] | None = None  # (step, result, error)
         self.consumed: list[Consumed] = []  # the lineage of the step being trained
         self.snapshot = None  # the controller's state as of that step, when it checkpoints
 
-    def take(self, step: int):
-        """Step `step`'s groups and rollout stats: generated ahead, else now. Then starts the
-        next step's rollout."""
+    def take(self, step: int) -> tuple[list, dict[str, float]]:
+        """Step `step`'s groups (generated ahead, else now) and their rollout and staleness
+        metrics. Then starts the next step's rollout."""
+        groups, rollout = self._take(step)
+        rollout, metrics = summed_metrics(self.run, rollout)
+        metrics |= staleness_metrics(groups, step, self.max_staleness, rollout.stale_dropped, self.run.ranks.leaders_cpu)
+        if self.partial:  # generated responses that took new weights mid-generation
+            metrics["rollout/partial_responses"] = rollout.partial / max(rollout.responses, 1.0)
+        return groups, metrics
+
+    def before_sync(self, step: int) -> None:
+        """Without partial rollout, new weights load into an idle engine: the rollout ahead ends first."""
+        if not self.partial:
+            with self.run.timeline.phase("wait_rollout", step):
+                self.wait()
+
+    def during_sync(self, step: int) -> None:
+        """With partial rollout the weights went into the generation in flight (between two engine
+        steps); it ends before the lineage, the checkpoint, the probe and the eval."""
+        if self.partial:
+            with self.run.timeline.phase("wait_rollout", step):
+                self.wait()
+
+    def _take(self, step: int):
         self.wait()
         if self._ahead is not None and self._ahead[0] == step:
             _, result, error = self._ahead

@@ -4,6 +4,9 @@
  -> balance whole groups across DP groups, then to the TP/CP/PP peers (rl/distributed.py)
  -> actor: old (and reference) logprobs, step-wide advantages, updates  (rl/actor.py)
  -> weight sync -> checkpoint snapshot -> probe check -> eval -> metrics
+
+Where the controller's samples come from, generated in the step or by the rollout running a step
+ahead, is `rollout` (rl/rollouts.py), chosen once per run.
 """
 
 from __future__ import annotations
@@ -12,30 +15,17 @@ import time
 
 from yatt_mm.rl import evaluation
 from yatt_mm.rl.distributed import balance_groups, broadcast_samples, sum_across
-from yatt_mm.rl.rollout_ahead import staleness_metrics
 from yatt_mm.rl.stats import time_metrics
 
 
-def rl_step(run, step: int, ahead=None) -> dict[str, float]:
-    """`ahead`: a controller's RolloutAhead (run.max_staleness >= 1; rl/rollout_ahead.py), whose
-    thread generates the next step's samples while this one trains; None: synchronous."""
+def rl_step(run, step: int, rollout) -> dict[str, float]:
     cfg, ranks, phases = run.cfg, run.ranks, run.phases
     start = time.time()
     metrics: dict[str, float] = {}
     groups = []
     if ranks.leader:  # each DP group on its own, then only metadata and moved groups cross
-        if ahead is None:
-            with run.engine.lead():
-                groups, rollout = run.controller.step(step, cfg.rollout.prompts_per_step)
-        else:
-            groups, rollout = ahead.take(step)
-        rollout = rollout.summed(ranks.leaders_cpu)
-        metrics |= rollout.metrics(run.rule_names, run.judges.names)
-        if ahead is not None:
-            metrics |= staleness_metrics(groups, step, cfg.run.max_staleness, rollout.stale_dropped,
-                                         ranks.leaders_cpu)
-            if cfg.run.partial_rollout:  # generated responses that took new weights mid-generation
-                metrics["rollout/partial_responses"] = rollout.partial / max(rollout.responses, 1.0)
+        groups, rollout_metrics = rollout.take(step)
+        metrics |= rollout_metrics
         if cfg.run.balance and ranks.dp_size > 1:
             with phases.phase("balance", step):
                 groups, moved = balance_groups(groups, cfg.run.patch_weight, ranks.leaders_cpu)
@@ -50,28 +40,18 @@ def rl_step(run, step: int, ahead=None) -> dict[str, float]:
         metrics |= run.actor.batch_advantages(minis)
     with phases.phase("train", step):
         metrics |= run.actor.update(minis)
-    partial = ahead is not None and cfg.run.partial_rollout
-    if ahead is not None and not partial:
-        with run.timeline.phase("wait_rollout", step):
-            ahead.wait()  # the engine idle before new weights load into it
+    rollout.before_sync(step)
     with phases.phase("sync", step):
-        metrics |= push_weights(run)  # partial rollout: into the generation in flight, between two engine steps
-        lineage = run.run_dir / f"consumed_rank{ranks.rank}.jsonl"
+        metrics |= push_weights(run)
         if ranks.leader:
             run.controller.policy_version = step + 1  # what the waves starting from now sample with
-        if partial:  # the rollout ends before the lineage, the checkpoint, the probe and the eval
-            with run.timeline.phase("wait_rollout", step):
-                ahead.wait()
+        rollout.during_sync(step)
         if ranks.leader:
-            if ahead is not None:
-                ahead.write_lineage(lineage, step + 1)
-            else:
-                run.controller.source.write_lineage(lineage, step + 1)
+            rollout.write_lineage(run.run_dir / f"consumed_rank{ranks.rank}.jsonl", step + 1)
         if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
             # after the weight sync nothing is in flight and the trainer is still on the device:
-            # snapshot now, write during the next rollout (a rollout ahead: the controller as of this step)
-            metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank,
-                                             ahead.snapshot if ahead is not None else None)
+            # snapshot now, write during the next rollout
+            metrics |= run.checkpointer.save(step + 1, run.trainer, run.controller, ranks.dp_rank, rollout.snapshot)
     metrics |= probe_sync(run, step)
     if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
         metrics |= evaluate(run, step)

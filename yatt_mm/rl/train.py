@@ -38,7 +38,7 @@ from yatt_mm.rl.evaluation import read_held_out
 from yatt_mm.rl.controller import Controller
 from yatt_mm.rl.dynamic_sampling import DynamicSampler
 from yatt_mm.rl.placement import PLANS, RESIDENT_ROLES, PhaseRunner
-from yatt_mm.rl.rollout_ahead import RolloutAhead
+from yatt_mm.rl.rollouts import rollout_for
 from yatt_mm.rl.samples import SampleBuilder
 from yatt_mm.rl.split_runner import SplitRunner
 from yatt_mm.rl.sources import ParallelSource, SingleControllerSource
@@ -168,12 +168,9 @@ def train(cfg: RLConfig) -> int:
     start = resume(run) if cfg.run.resume else 0
     if start == 0 and (m := evaluate(run, -1)):
         run.metrics.log(0, m)
-    ahead = None  # run.max_staleness: each controller's rollout runs a step ahead (rl/rollout_ahead.py)
-    if cfg.run.max_staleness and run.ranks.leader:
-        ahead = RolloutAhead(run.controller, run.engine, cfg.rollout.prompts_per_step, cfg.run.steps,
-                             cfg.run.checkpoint_every)
+    rollout = rollout_for(run)  # generated in the step, or a step ahead (run.max_staleness)
     for step in range(start, cfg.run.steps):
-        m = rl_step(run, step, ahead)
+        m = rl_step(run, step, rollout)
         run.metrics.log(step + 1, m)
         if run.ranks.rank == 0:
             print(progress_line(step, cfg.run.steps, m), flush=True)
