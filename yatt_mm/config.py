@@ -383,15 +383,33 @@ def _settings(cls: type, prefix: str = "", defaults: Any = None):
 
 
 def describe(cls: type) -> list[str]:
-    """One line per setting of the tree: dotted key, type, default, and its doc."""
+    """One line per setting of the tree: dotted key, type, allowed values, default, and its doc:
+    `rollout.sampling.top_p (float, in (0, 1], default 1.0): ...`,
+    `run.placement (str, 'full' | 'partial', default 'full'): ...`."""
     lines = []
     for s in _settings(cls):
         if s.section is not None:
-            lines.append(f"{s.key}:{' list of' if s.section is not s.type else ''}  {s.doc}".rstrip())
+            kind = "list of sections" if s.section is not s.type else "section"
+            lines.append(f"{s.key} ({kind}): {s.doc}".rstrip())
             continue
-        name = getattr(s.type, "__name__", None) or str(s.type).replace("typing.", "")
-        lines.append(f"{s.key} ({name}, default {s.default!r}): {s.doc}")
+        allowed = allowed_text(s, " | ", repr)
+        lines.append(f"{s.key} ({type_name(s.type)}{', ' + allowed if allowed else ''}, default {s.default!r}): {s.doc}")
     return lines
+
+
+def choices(tp: Any) -> tuple:
+    """The values a Literal type allows (also inside Optional), else ()."""
+    for candidate in (tp, *typing.get_args(tp)):
+        if typing.get_origin(candidate) is typing.Literal:
+            return typing.get_args(candidate)
+    return ()
+
+
+def allowed_text(s: Setting, sep: str = ", ", show=str) -> str:
+    """What a setting may be: its choices, or its range as `range_text` writes it; '' if free."""
+    if options := choices(s.type):
+        return sep.join(show(c) for c in options)
+    return range_text(s.range) if s.range else ""
 
 
 def type_name(tp: Any) -> str:
@@ -419,8 +437,7 @@ def markdown(cls: type, title: str) -> str:
             kind = "list of sections" if s.section is not s.type else "section"
             rows.append(f"| **`{s.key}`** | {kind} | | | {cell(s.doc)} |")
             continue
-        choices = typing.get_args(s.type) if typing.get_origin(s.type) is typing.Literal else ()
-        allowed = ", ".join(f"`{c}`" for c in choices) if choices else range_text(s.range) if s.range else ""
+        allowed = allowed_text(s, ", ", lambda c: f"`{c}`")
         rows.append(f"| `{s.key}` | {cell(type_name(s.type))} | `{cell(json.dumps(s.default))}` | {cell(allowed)} | "
                     f"{cell(s.doc)} |")
     return f"## {title}\n\n" + "\n".join(rows)

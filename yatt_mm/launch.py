@@ -218,7 +218,7 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1")
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
     parser.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
-    parser.add_argument("--help-config", action="store_true", help="list every setting with its default and doc")
+    parser.add_argument("--help-config", action="store_true", help="list every setting, one a line: type, allowed values, default, doc")
     parser.add_argument("--markdown", action="store_true",
                         help="with --help-config: a Markdown table, as in docs/reference/config.md")
     parser.add_argument("--verbose", action="store_true", help="the libraries' log lines (vLLM, Megatron, torch, "

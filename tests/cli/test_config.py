@@ -4,7 +4,7 @@ from typing import Literal
 
 import pytest
 
-from yatt_mm.config import ConfigError, load, unranged
+from yatt_mm.config import ConfigError, describe, load, unranged
 from yatt_mm.rl.config import RLConfig
 
 
@@ -91,8 +91,8 @@ DEMO = ROOT / "configs/tiny_demo.yaml"  # reward.judges: one GenRM; reward.funct
 
 @dataclass
 class Source:
-    name: str = ""
-    weight: float = 1.0
+    name: str = ""  # names it
+    weight: float = 1.0  # its share
 
 
 @dataclass
@@ -151,3 +151,33 @@ def test_the_cli_refuses_a_bad_index_with_exit_2_before_anything_starts(capsys):
     assert out.out == "" and out.err.splitlines() == [
         "yatt-mm rl: config error: override 'reward.judges[3].judge.votes=4': reward.judges has 1 item, so "
         "reward.judges[3] does not exist (indices 0 to 0)"]
+
+
+# ---------------------------------------------------------------- --help-config: one line per setting
+
+
+@dataclass
+class Described:
+    mode: Literal["a", "b"] = "a"  # how
+    level: Literal["x", "y"] | None = None  # optional choice
+    n: int = 4  # count
+    share: float = 0.5  # a share
+    weight: float = 1.0  # any weight
+    name: str = ""  # free text
+    sources: list[Source] = field(default_factory=list)  # datasets
+
+    RANGES = {"n": ">= 1", "share": "(0, 1]", "weight": "any"}
+
+
+def test_help_config_lines_show_choices_and_ranges_not_the_word_literal():
+    assert describe(Described) == [
+        "mode (str, 'a' | 'b', default 'a'): how",
+        "level (str | None, 'x' | 'y', default None): optional choice",
+        "n (int, >= 1, default 4): count",
+        "share (float, in (0, 1], default 0.5): a share",
+        "weight (float, a finite number, default 1.0): any weight",
+        "name (str, default ''): free text",
+        "sources (list of sections): datasets",
+        "sources[].name (str, default ''): names it",
+        "sources[].weight (float, default 1.0): its share",
+    ]
