@@ -393,7 +393,8 @@ def describe(cls: type) -> list[str]:
             lines.append(f"{s.key} ({kind}): {s.doc}".rstrip())
             continue
         allowed = allowed_text(s, " | ", repr)
-        lines.append(f"{s.key} ({type_name(s.type)}{', ' + allowed if allowed else ''}, default {s.default!r}): {s.doc}")
+        what = ", ".join(part for part in (type_name(s.type), allowed, f"default {s.default!r}") if part)
+        lines.append(f"{s.key} ({what}): {s.doc}")
     return lines
 
 
