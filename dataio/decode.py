@@ -1,8 +1,9 @@
 """Decoding and Qwen2-VL sizing: images with pillow, videos with decord, frame sequences.
 
-Every output is resized so both sides are multiples of 28 (14-pixel patches merged 2x2) with
-the pixel count inside [min_pixels, max_pixels] (`smart_resize`, the rule Qwen2-VL's processor
-applies; outputs already at that size pass through the processor unchanged).
+Every output is resized so both sides are multiples of the model's factor (Qwen2-VL: 14-pixel
+patches merged 2x2, 28) with the pixel count inside [min_pixels, max_pixels] (`smart_resize`,
+transformers' Qwen2-VL rule step for step; outputs already at that size pass through the
+processor unchanged).
 
 decord is guarded (see `VideoDecodePool`): it is unmaintained, and a container that
 over-reports its frame count can deadlock `get_batch` while holding the GIL, which no thread
@@ -83,17 +84,30 @@ class MediaConfig:
             raise ValueError(f"video_max_frames must be >= 1, got {self.video_max_frames}")
 
 
+MAX_ASPECT_RATIO = 200  # Qwen2-VL's processor refuses longer/shorter side ratios above this
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width) rounded to multiples of `factor`, scaled (keeping the aspect ratio as
-    closely as the rounding allows) into [min_pixels, max_pixels]."""
+    closely as the rounding allows) into [min_pixels, max_pixels]: transformers' Qwen2-VL
+    `smart_resize` (models/qwen2_vl/image_processing_qwen2_vl.py), step for step, so the
+    processor takes our outputs as they are. Not imported from there: that module loads torch
+    and torchvision (seconds of CPU) into every video decoding process and the data tools;
+    tests/dataio/test_dataio_decode_cli.py compares the two on odd shapes.
+
+    Media the processor would refuse are MediaErrors, which the reader counts and skips:
+    an empty image, and an aspect ratio over 200 (transformers raises a ValueError)."""
     if height < 1 or width < 1:
         raise MediaError("corrupt_image", f"empty image {width}x{height}")
-    if max(height, width) / min(height, width) > 200:
-        raise MediaError("bad_aspect_ratio", f"{width}x{height} has an aspect ratio over 200")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError("bad_aspect_ratio", f"{width}x{height} has an aspect ratio over {MAX_ASPECT_RATIO}, "
+                                             "which Qwen-VL processors refuse")
+    # a side under factor / 2 rounds to 0 here: the pixel count is then under min_pixels, and
+    # the upscale below gives that side its multiple of factor (3 x 300 -> 28 x 560, not 28 x 308)
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
     if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
+        beta = math.sqrt((height * width) / max_pixels)
         h = max(factor, math.floor(height / beta / factor) * factor)
         w = max(factor, math.floor(width / beta / factor) * factor)
     elif h * w < min_pixels:

@@ -8,6 +8,7 @@ import pickle
 import random
 import tarfile
 
+from PIL import Image
 
 from dataio.synth import colour_image, encode_image, encode_mp4, moving_ball_video, tar_add
 
@@ -56,10 +57,13 @@ def make_bad_dataset(root: str) -> dict:
         "wrong_frames": [("wrong_frames.mp4", mp4), ("wrong_frames.json", js(frames=80))],
         "corrupt_json": [("corrupt_json.jpg", jpg), ("corrupt_json.json", b'{"prompt": "unterminated')],
         "missing_media": [("missing_media.json", js())],
+        # 500 x 2: an aspect ratio the Qwen-VL processors refuse
+        "too_wide": [("too_wide.png", encode_image(Image.new("RGB", (500, 2), (9, 9, 9)), "png")),
+                     ("too_wide.json", js())],
     }
     expected = {"corrupt_jpg": "corrupt_image", "truncated_jpg": "corrupt_image", "corrupt_mp4": "corrupt_video",
                 "truncated_mp4": "corrupt_video", "wrong_frames": "bad_frame_count", "corrupt_json": "corrupt_json",
-                "missing_media": "missing_media"}
+                "missing_media": "missing_media", "too_wide": "bad_aspect_ratio"}
     members: list[tuple[str, bytes]] = []
     good = []
     for n, (key, mems) in enumerate(bad.items()):

@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="score a saved policy on an RL config's eval sets (eval.sets or eval.shards) "
                        "in one process: the run's eval metrics, and every answer")
-    p.add_argument("--config", required=True, help="an RL config: its eval, data.media and rollout.engine settings")
+    p.add_argument("--config", required=True, help="an RL config: its eval, data.media and rollout.engine settings, "
+                   "e.g. configs/tiny_demo.yaml")
     p.add_argument("--model", default=None, help="the policy's HF directory, e.g. RUN_DIR/final (default: the "
                    "config's policy.model)")
     p.add_argument("--out", default=None, help="directory for eval.json, answers.jsonl and logs/ (default: "

@@ -1,7 +1,8 @@
 """Typed configs from YAML plus `key=value` overrides, with errors that name the fix.
 
 A config is a tree of dataclasses, each sitting with the code it configures. `load(Root,
-"configs/x.yaml", ["rollout.sampling.n=8"])` reads the YAML, applies the overrides, builds the
+"configs/x.yaml", ["rollout.sampling.n=8"])` reads the YAML, applies the overrides (`name[N]`
+picks a list's item, as the errors name it: `reward.judges[0].judge.votes=4`), builds the
 dataclasses (an unknown or mistyped key fails at once with its dotted path and the nearest valid
 name), then calls every node's `validate()`, leaves first, so a bad value is reported with the
 setting's full name. A field's documentation is the comment at the end of its line, which
@@ -123,18 +124,106 @@ def to_dict(obj: Any) -> Any:
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
 
 
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, bools)."""
+_INDEXED_PART = re.compile(r"(\w+)\[(\d+)\]")
+
+
+def _split_index(part: str, override: str) -> tuple[str, int | None]:
+    """'judges[0]' -> ('judges', 0); 'votes' -> ('votes', None)."""
+    if "[" not in part and "]" not in part:
+        return part, None
+    if m := _INDEXED_PART.fullmatch(part):
+        return m.group(1), int(m.group(2))
+    raise ConfigError(f"override {override!r}: '{part}' must look like name[N], N a whole number from 0 "
+                      "(for example reward.judges[0].weight=0.5)")
+
+
+def _field_type(section: type | None, name: str, path: str) -> Any:
+    """The declared type of `section`'s field `name` (None where the section is not known: a
+    mapping, or no root type given); an unknown name fails here as it would in `build`."""
+    if section is None:
+        return None
+    hints = typing.get_type_hints(section)
+    fields = [f.name for f in dataclasses.fields(section) if f.init]
+    if name not in fields:
+        raise ConfigError(f"unknown setting '{path}'{_nearest(name, fields)}")
+    return hints[name]
+
+
+def _section_of(tp: Any) -> type | None:
+    """The dataclass a value of type `tp` is built as (also inside Optional), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+    return None
+
+
+def _item_type(tp: Any) -> Any:
+    """The item type of list[X] (also inside Optional), else None."""
+    for candidate in (tp, *typing.get_args(tp)):
+        if typing.get_origin(candidate) is list and typing.get_args(candidate):
+            return typing.get_args(candidate)[0]
+    return None
+
+
+def _indexed_list(node: dict[str, Any], name: str, default: Any, path: str, index: int, override: str) -> list:
+    """The list `node[name]` that `[index]` picks from. A list the config does not set is the
+    root's default, so an index counts the items the run would get (reward.functions[0] is
+    exact_match without a reward section)."""
+    if name not in node and isinstance(default, list):
+        node[name] = json.loads(json.dumps([to_dict(d) for d in default], default=str))  # as YAML reads it
+    items = node.get(name)
+    if not isinstance(items, list):
+        now = f" (it is {items!r})" if name in node else ""
+        raise ConfigError(f"override {override!r}: {path} is not a list{now}, so {path}[{index}] does not exist")
+    if index >= len(items):
+        count = f"{len(items)} item{'' if len(items) == 1 else 's'}"
+        fix = f"indices 0 to {len(items) - 1}" if items else f"give the whole list instead: {path}=[...]"
+        raise ConfigError(f"override {override!r}: {path} has {count}, so {path}[{index}] does not exist ({fix})")
+    return items
+
+
+def apply_override(data: dict[str, Any], override: str, root: type | None = None) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, bools).
+
+    `name[N]` picks item N of a list: `reward.judges[0].judge.votes=4` sets a field of the
+    first judge, `data.shards[1]=DIR` replaces the second shard path. With `root` (the config's
+    dataclass) unknown names fail here, and a list the YAML does not set is the default one."""
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like key=value (for example rollout.sampling.n=8)")
     key, raw = override.split("=", 1)
-    node = data
+    value = yaml.safe_load(raw)
     parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
+    node, section, defaults, path = data, root, _defaults(root), ""
+    for depth, part in enumerate(parts):
+        name, index = _split_index(part, override)
+        path = f"{path}.{name}" if path else name
+        tp = _field_type(section, name, path)
+        default = getattr(defaults, name, None)
+        holder: dict | list = node
+        slot: str | int = name
+        if index is not None:
+            set_by_config = name in node
+            holder, slot = _indexed_list(node, name, default, path, index, override), index
+            default = None if set_by_config else default[index]  # the YAML's own item has no defaults here
+            path, tp = f"{path}[{index}]", _item_type(tp)
+        if depth == len(parts) - 1:
+            holder[slot] = value
+            return
+        if index is None:
+            holder.setdefault(name, {})
+        node = holder[slot]
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: '{part}' is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+        section, defaults = _section_of(tp), default
+
+
+def _defaults(root: type | None) -> Any:
+    """The root's default tree, or None (no root, or one with required fields)."""
+    try:
+        return root() if root is not None else None
+    except TypeError:
+        return None
 
 
 def save(cfg: Any, path: str | Path) -> Path:
@@ -158,7 +247,7 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     for override in overrides or []:
-        apply_override(data, override)
+        apply_override(data, override, cls)
     cfg = build(cls, data)
     validate(cfg)
     return cfg
@@ -294,15 +383,34 @@ def _settings(cls: type, prefix: str = "", defaults: Any = None):
 
 
 def describe(cls: type) -> list[str]:
-    """One line per setting of the tree: dotted key, type, default, and its doc."""
+    """One line per setting of the tree: dotted key, type, allowed values, default, and its doc:
+    `rollout.sampling.top_p (float, in (0, 1], default 1.0): ...`,
+    `run.placement (str, 'full' | 'partial', default 'full'): ...`."""
     lines = []
     for s in _settings(cls):
         if s.section is not None:
-            lines.append(f"{s.key}:{' list of' if s.section is not s.type else ''}  {s.doc}".rstrip())
+            kind = "list of sections" if s.section is not s.type else "section"
+            lines.append(f"{s.key} ({kind}): {s.doc}".rstrip())
             continue
-        name = getattr(s.type, "__name__", None) or str(s.type).replace("typing.", "")
-        lines.append(f"{s.key} ({name}, default {s.default!r}): {s.doc}")
+        allowed = allowed_text(s, " | ", repr)
+        what = ", ".join(part for part in (type_name(s.type), allowed, f"default {s.default!r}") if part)
+        lines.append(f"{s.key} ({what}): {s.doc}")
     return lines
+
+
+def choices(tp: Any) -> tuple:
+    """The values a Literal type allows (also inside Optional), else ()."""
+    for candidate in (tp, *typing.get_args(tp)):
+        if typing.get_origin(candidate) is typing.Literal:
+            return typing.get_args(candidate)
+    return ()
+
+
+def allowed_text(s: Setting, sep: str = ", ", show=str) -> str:
+    """What a setting may be: its choices, or its range as `range_text` writes it; '' if free."""
+    if options := choices(s.type):
+        return sep.join(show(c) for c in options)
+    return range_text(s.range) if s.range else ""
 
 
 def type_name(tp: Any) -> str:
@@ -330,8 +438,7 @@ def markdown(cls: type, title: str) -> str:
             kind = "list of sections" if s.section is not s.type else "section"
             rows.append(f"| **`{s.key}`** | {kind} | | | {cell(s.doc)} |")
             continue
-        choices = typing.get_args(s.type) if typing.get_origin(s.type) is typing.Literal else ()
-        allowed = ", ".join(f"`{c}`" for c in choices) if choices else range_text(s.range) if s.range else ""
+        allowed = allowed_text(s, ", ", lambda c: f"`{c}`")
         rows.append(f"| `{s.key}` | {cell(type_name(s.type))} | `{cell(json.dumps(s.default))}` | {cell(allowed)} | "
                     f"{cell(s.doc)} |")
     return f"## {title}\n\n" + "\n".join(rows)

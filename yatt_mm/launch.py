@@ -208,22 +208,59 @@ def resolve_model(name: str, data_shards: list[str] | None = None) -> str:
     return str(check_hf_dir(name))
 
 
-def run_command(prog: str, config_cls: type, module: str, run: Callable[[object], int],
-                argv: list[str] | None = None) -> int:
-    """`prog [--config C] [--nproc N] [--help-config [--markdown]] [key=value ...]`, in any order."""
-    parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--config", default=None, help="YAML config, e.g. configs/tiny_demo.yaml")
+@dataclass(frozen=True)
+class Example:
+    """How `yatt-mm rl --help` (or `sft`) shows to try the command on this CPU: the command that
+    makes the data the config reads, then a run of a config of this repository with an override
+    of a setting that config has (tests/cli/test_help_examples.py loads each)."""
+
+    prepare: str
+    config: str
+    override: str
+    nproc: int | None = None
+
+    def command(self, prog: str) -> str:
+        nproc = f" --nproc {self.nproc}" if self.nproc else ""
+        return f"{prog} --config {self.config}{nproc} {self.override}"
+
+
+# The two commands' configs differ in shape (SFT's steps is top level, RL's is run.steps): each
+# shows its own config and one of its own settings.
+EXAMPLES = {
+    "yatt-mm rl": Example("yatt-mm demo --data-only", "configs/tiny_demo.yaml", "run.steps=5", nproc=2),
+    "yatt-mm sft": Example("yatt-mm data synth data/synth --images 400 --videos 0", "configs/tiny_sft.yaml",
+                           "steps=5"),
+}
+
+
+def command_parser(prog: str) -> argparse.ArgumentParser:
+    """The options of `prog` (yatt-mm rl or sft); the example of EXAMPLES[prog] in its help."""
+    example = EXAMPLES.get(prog)
+    epilog = (f"example (tiny model, CPU; the first command makes the data the config reads):\n"
+              f"  {example.prepare}\n  {example.command(prog)}") if example else None
+    parser = argparse.ArgumentParser(prog=prog, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None,
+                        help="YAML config" + (f", e.g. {example.config}" if example else ""))
     parser.add_argument("--nproc", type=int, default=None, help="run as N local ranks under torchrun (DP x TP)")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the job (each runs this command)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 .. nnodes-1")
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
     parser.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
-    parser.add_argument("--help-config", action="store_true", help="list every setting with its default and doc")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every setting, one a line: type, allowed values, default, doc")
     parser.add_argument("--markdown", action="store_true",
                         help="with --help-config: a Markdown table, as in docs/reference/config.md")
     parser.add_argument("--verbose", action="store_true", help="the libraries' log lines (vLLM, Megatron, torch, "
                         "transformers) on the terminal too, not only in RUN_DIR/logs/")
-    parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. run.steps=5")
+    parser.add_argument("overrides", nargs="*",
+                        help="key=value settings" + (f", e.g. {example.override}" if example else ""))
+    return parser
+
+
+def run_command(prog: str, config_cls: type, module: str, run: Callable[[object], int],
+                argv: list[str] | None = None) -> int:
+    """`prog [--config C] [--nproc N] [--help-config [--markdown]] [key=value ...]`, in any order."""
+    parser = command_parser(prog)
     args = parser.parse_intermixed_args(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"  # for route_logs, here and in the ranks and warm starts this starts

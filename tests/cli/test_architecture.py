@@ -240,7 +240,10 @@ def test_help_config_lists_every_setting_with_its_doc():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "heavy imports: []" in out.stderr, out.stderr[-2000:]
-    assert "run.micro_batch_tokens (int, default 4096): per micro-batch: rows x longest row" in out.stdout
+    assert "run.micro_batch_tokens (int, >= 1, default 4096): per micro-batch: rows x longest row" in out.stdout
+    assert "run.placement (str, 'full' | 'partial' | 'disaggregated', default 'full'): partial:" in out.stdout
+    assert "rollout.sampling.top_p (float, in (0, 1], default 1.0): nucleus sampling" in out.stdout
+    assert "reward.judges (list of sections): GenRM judges" in out.stdout
     assert "dynamic_sampling.filter (str, default 'reward_spread'):" in out.stdout
     assert "reward.judges[].judge.backend (str, default 'inprocess'):" in out.stdout
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataio.decode import MediaConfig, decode_frame_sequence, decode_image, decode_video_bytes, sample_frame_indices, \
-    smart_resize
+from dataio.decode import MediaConfig, decode_frame_sequence, decode_image, decode_video_bytes, resize_frames, \
+    sample_frame_indices, smart_resize
+from dataio.errors import MediaError
 
 from dataio_helpers import good_video_bytes
 
@@ -30,6 +31,54 @@ def test_smart_resize_rules(h, w):
     # aspect ratio roughly kept: measured |log| 0 (square), 0.025 (4000x3000), 0.11 (100x3000),
     # 0.26 (17x33 -> 56x84: the minimum pixels on the 28-grid)
     assert abs(np.log((th / tw) / (h / w))) < 0.35
+
+
+# odd shapes: tiny, one side under factor / 2 (it rounds to 0), extreme aspect ratios up to 200,
+# and sizes that hit min_pixels or max_pixels
+ODD_SHAPES = [(1, 1), (3, 300), (300, 3), (4, 300), (1, 200), (200, 1), (13, 13), (14, 14), (15, 500), (17, 33),
+              (28, 28), (2, 400), (27, 5400), (100, 3000), (10000, 60), (4000, 3000), (1080, 1920), (7, 1400)]
+BOUNDS = [(4 * 784, 1280 * 784), (4 * 784, 16 * 784), (784, 784), (56 * 56, 14 * 14 * 4 * 1280)]
+
+
+def _transformers_smart_resize():
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as theirs
+
+    return theirs
+
+
+@pytest.mark.parametrize("factor", [28, 32])
+@pytest.mark.parametrize("lo, hi", BOUNDS)
+def test_smart_resize_is_transformers_on_odd_shapes(factor, lo, hi):
+    theirs = _transformers_smart_resize()
+    for h, w in ODD_SHAPES:
+        assert smart_resize(h, w, factor, lo, hi) == theirs(h, w, factor=factor, min_pixels=lo, max_pixels=hi), (h, w)
+    assert smart_resize(3, 300, 28, 4 * 784, 1280 * 784) == (28, 560)  # was 28 x 308 here
+
+
+def test_smart_resize_is_transformers_on_random_shapes():
+    theirs = _transformers_smart_resize()
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        h = int(rng.integers(1, 5000))
+        w = int(np.clip(h * np.exp(rng.uniform(-np.log(200), np.log(200))), 1, 20000))
+        if max(h, w) / min(h, w) > 200:
+            continue
+        lo = int(rng.integers(1, 64)) * 784
+        hi = lo + int(rng.integers(0, 2000)) * 784
+        assert smart_resize(h, w, 28, lo, hi) == theirs(h, w, factor=28, min_pixels=lo, max_pixels=hi), (h, w, lo, hi)
+
+
+@pytest.mark.parametrize("h, w", [(1, 201), (2, 500), (500, 2), (3, 5400)])
+def test_an_aspect_ratio_over_200_is_a_counted_media_error_not_a_library_crash(h, w):
+    with pytest.raises(ValueError, match="aspect ratio"):  # what transformers does with it
+        _transformers_smart_resize()(h, w, factor=28, min_pixels=3136, max_pixels=1003520)
+    with pytest.raises(MediaError) as e:
+        smart_resize(h, w, 28, 3136, 1003520)
+    assert e.value.reason == "bad_aspect_ratio" and f"{w}x{h}" in e.value.detail
+    with pytest.raises(MediaError, match="aspect ratio"):
+        resize_frames(np.zeros((2, h, w, 3), np.uint8), MediaConfig())
+    with pytest.raises(MediaError, match="aspect ratio"):
+        decode_image(enc(Image.new("RGB", (w, h)), "PNG"), MediaConfig())
 
 
 def test_exif_orientation_and_draft():
@@ -105,6 +154,17 @@ def test_tiny_qwen2vl_processor_accepts_the_outputs(tiny_policy, tmp_path):
             t, h, w, _ = v.shape
             assert out["video_grid_thw"].tolist() == [[t // 2, h // 14, w // 14]]
         assert out["input_ids"].shape[1] > 10
+
+
+@pytest.mark.parametrize("w, h", [(300, 4), (4, 300), (5000, 40), (150, 150)])
+def test_the_processor_sizes_a_raw_image_as_the_reader_does(tiny_policy, w, h):
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny_policy)
+    raw = Image.new("RGB", (w, h), (200, 100, 50))
+    ours = decode_image(enc(raw, "PNG"), MediaConfig(image_max_pixels=50176))  # the tiny processor's limits
+    theirs = proc.image_processor(images=[raw], return_tensors="pt")["image_grid_thw"].tolist()
+    assert theirs == [[1, ours.size[1] // 14, ours.size[0] // 14]]
 
 
 def _run(argv, capsys):
