@@ -71,12 +71,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from yatt_mm.plan import Assumptions, Cluster, run_plan
+    from yatt_mm.plan import Assumptions, run_plan
 
-    cluster = Cluster(gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gb, nodes=args.nodes,
-                      host_memory_gib=args.host_memory_gb)
+    # the flags given replace the config's `cluster` figures; those not given leave them
+    flags = {"gpus_per_node": args.gpus_per_node, "gpu_memory_gib": args.gpu_memory_gb, "nodes": args.nodes,
+             "host_memory_gib": args.host_memory_gb}
     assume = Assumptions(seq_len=args.seq_len, media_tokens=args.media_tokens, frame_tokens=args.frame_tokens)
-    return run_plan(args.config, args.overrides, cluster, assume)
+    return run_plan(args.config, args.overrides, {k: v for k, v in flags.items() if v is not None}, assume)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -159,13 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "per DP group "
                    "(--config C [--nproc N] [--help-config] [key=value ...])")
 
-    p = sub.add_parser("plan", help="memory plan of an RL config per phase and GPU: does it fit, and if not, "
-                       "which setting to change (exit 0: fits, 1: does not)")
+    p = sub.add_parser("plan", help="memory plan of an RL config per phase and GPU on the cluster it states "
+                       "(its cluster section; the flags override it): does it fit, and if not, which setting to "
+                       "change (exit 0: fits, 1: does not)")
     p.add_argument("--config", default=None, help="YAML config, e.g. configs/qwen2vl_7b_8gpu.yaml")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
-    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GiB")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--host-memory-gb", type=float, default=0.0, help="host memory per node, GiB (0: not checked)")
+    # None: not given; the config's `cluster` section, else the plan's default (yatt_mm/plan/cluster.py)
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs (ranks) per node (default: the config's cluster.gpus_per_node, else 8)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory of one GPU, GiB (default: the config's cluster.gpu_memory_gib, else 80)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's cluster.nodes, else 1)")
+    p.add_argument("--host-memory-gb", type=float, default=None, help="host memory per node, GiB; 0: not checked "
+                   "(default: the config's cluster.host_memory_gib, else 0)")
     p.add_argument("--seq-len", type=int, default=0, help="longest training row (default: rollout.engine.max_model_len)")
     p.add_argument("--media-tokens", type=int, default=-1,
                    help="media tokens per sample (default: one image or video at the data.media limits)")

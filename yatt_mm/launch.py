@@ -208,6 +208,23 @@ def resolve_model(name: str, data_shards: list[str] | None = None) -> str:
     return str(check_hf_dir(name))
 
 
+def cluster_mismatch(cluster, nproc: int, nnodes: int, config: str | None = None) -> str:
+    """How this launch's shape (--nproc ranks on each of --nnodes nodes) differs from the cluster
+    the config states (its `cluster` section, RL's ClusterConfig; figures not stated never
+    differ), in words naming the plan to make instead; empty when nothing differs."""
+    stated = cluster.stated() if cluster is not None else {}
+    # each figure: this launch's value, the launcher's flag for it, `yatt-mm plan`'s flag for it
+    shape = {"nodes": (nnodes, "--nnodes", "--nodes"), "gpus_per_node": (nproc, "--nproc", "--gpus-per-node")}
+    differ = {name: shape[name] for name in shape if name in stated and stated[name] != shape[name][0]}
+    if not differ:
+        return ""
+    written = ", ".join(f"cluster.{name}={stated[name]}" for name in differ)
+    launched = ", ".join(f"{flag} {value}" for value, flag, _ in differ.values())
+    plan_flags = " ".join(f"{plan_flag} {value}" for value, _, plan_flag in differ.values())
+    return (f"the config is written for {written}; this launch has {launched}: its memory plan is for the "
+            f"stated cluster (plan this one: yatt-mm plan --config {config or 'CONFIG'} {plan_flags})")
+
+
 @dataclass(frozen=True)
 class Example:
     """How `yatt-mm rl --help` (or `sft`) shows to try the command on this CPU: the command that
@@ -288,6 +305,11 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
         except RuntimeError as e:
             print(f"{prog}: {e}", file=sys.stderr)
             return 2
+        if launching and (mismatch := cluster_mismatch(getattr(cfg, "cluster", None), args.nproc, nodes.nnodes,
+                                                         args.config)):
+            # a note, not a refusal: a recipe may run on another cluster (its layout still has to
+            # divide the world, checked next); the user learns the plan was made for another
+            print(f"{prog}: note: {mismatch}", file=sys.stderr)
         try:
             cfg.check_world(args.nproc * nodes.nnodes if launching else 1)
         except ValueError as e:

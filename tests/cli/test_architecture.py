@@ -132,7 +132,9 @@ def test_the_circle_check_finds_circles():
 # Modules outside the model families that may name one: the registry's list of family modules,
 # the GPU check, which builds a Qwen2-VL checkpoint by name (transformers' classes), and the
 # benchmark of one family's vision tower (Qwen2.5-VL's windows against its masked predecessor).
-FAMILY_IMPORTS_ALLOWED = {"models/family.py", "scripts/gpu_check.py", "benchmarks/bench_vision_tower.py"}
+# the GPU check builds one 2B-width Qwen2-VL and one Qwen3-VL at 8B widths by name
+FAMILY_IMPORTS_ALLOWED = {"models/family.py", "scripts/gpu_stages/build.py", "scripts/gpu_stages/parity.py",
+                          "benchmarks/bench_vision_tower.py"}
 
 
 def test_only_the_families_import_a_family():
@@ -308,6 +310,8 @@ RL, SFT = (RLConfig, "tiny_demo.yaml"), (SFTConfig, "tiny_sft.yaml")
     (RL, "eval.max_tokens=0", "eval.max_tokens must be >= 1, got 0"),
     (RL, "split.judge_share=1", "split.judge_share must be in (0, 1), got 1.0"),
     (RL, "split.cores=-1", "split.cores must be >= 0, got -1"),
+    (RL, "cluster.nodes=-1", "cluster.nodes must be >= 0, got -1"),
+    (RL, "cluster.gpu_memory_gib=-80", "cluster.gpu_memory_gib must be >= 0, got -80.0"),
     (RL, "reward.functions=[{weight: .nan}]", "reward.functions[0].weight must be a finite number, got nan"),
     (RL, "reward.judges=[{judge: {votes: 0}}]", "reward.judges[0].judge.votes must be >= 1, got 0"),
     (RL, "reward.judges=[{judge: {port: 70000}}]", "reward.judges[0].judge.port must be in [0, 65535], got 70000"),
@@ -337,6 +341,25 @@ def test_a_bad_setting_stops_the_launcher_before_anything_starts():
     assert out.stderr.strip().splitlines()[-1] == "yatt-mm rl: config error: rollout.sampling.n must be >= 1, got 0"
     # no warm start built, no torchrun, no rank: nothing on stdout, and no rank's lines on stderr
     assert out.stdout == "" and not re.search(r"torchrun|torch\.distributed|\brank\b|warm", out.stderr, re.IGNORECASE)
+
+
+def test_the_launcher_takes_a_recipes_cluster_and_notes_a_launch_of_another_shape(tmp_path, capsys):
+    """`yatt-mm rl` loads a recipe with its cluster section; launched on another shape than it states
+    (2 nodes x 8 GPUs for the 30B-A3B recipe), it says so once, naming the plan for this shape, and
+    goes on (here to the model directory, missing, where it stops before any rank starts)."""
+    import yatt_mm.launch as launch
+
+    recipe, missing = "configs/qwen3vl_30b_a3b_16gpu.yaml", f"policy.model={tmp_path / 'no-model'}"
+    assert launch.run_command("yatt-mm rl", RLConfig, "m", lambda cfg: 0, ["--config", recipe, "--nproc", "8",
+                                                                           missing]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("yatt-mm rl: note: the config is written for cluster.nodes=2; this launch has --nnodes 1: its "
+                      f"memory plan is for the stated cluster (plan this one: yatt-mm plan --config {recipe} --nodes 1)")
+    assert len(err) == 2 and "no-model" in err[1]
+    for shape in (["--nproc", "8", "--nnodes", "2"], ["--nproc", "16", "cluster.nodes=0", "cluster.gpus_per_node=0"]):
+        assert launch.run_command("yatt-mm rl", RLConfig, "m", lambda cfg: 0, ["--config", recipe, *shape, missing]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and "note" not in err[0], (shape, err)  # the stated shape, or none stated: no note
 
 
 def _config_reference():

@@ -1,5 +1,7 @@
-"""`yatt-mm plan`: the checked-in recipes fit 8 x 80 GB, a heavy variant on 24 GB GPUs does not
-and names a fix, and the numbers behind it match the real model: parameter counts and the bytes
+"""`yatt-mm plan`: every checked-in recipe fits the cluster it states (its `cluster` section), and so
+does every plan command of its header; the flags override the stated cluster figure by figure; a
+heavy variant on 24 GB GPUs does not fit and names a fix, and the numbers behind it match the real
+model: parameter counts and the bytes
 autograd keeps (measured on the tiny Megatron Qwen2-VL, Qwen2.5-VL and Qwen3-VL in a fresh
 process; Qwen3-VL's per-stage counts at TP 2 and PP 2 under torchrun, slow)."""
 
@@ -7,12 +9,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from subproc import run_json
 from yatt_mm.cli import main
@@ -42,6 +46,86 @@ def test_recipe_loads_and_fits_8x80(recipe, capsys):
     # the GPU constants say where they were measured; each phase on a GPU carries the context
     assert "CUDA context 2.44 GiB a process and allocator slack 6%: measured on one NVIDIA H200" in out
     assert all(any(ln.what == "CUDA context" and ln.nbytes == int(2.44 * GIB) for ln in p.lines) for p in plan.phases)
+
+
+def _rl_recipes() -> dict[str, dict]:
+    """configs/*.yaml that are RL configs (a policy section), by path: their YAML as written."""
+    raw = {f"configs/{p.name}": yaml.safe_load(p.read_text()) for p in sorted((ROOT / "configs").glob("*.yaml"))}
+    return {path: data for path, data in raw.items() if "policy" in data}
+
+
+# What CI checks of every recipe that says which cluster it is for (make test)
+STATED = [path for path, data in _rl_recipes().items() if data.get("cluster")]
+
+
+def test_every_recipe_for_a_real_model_states_its_cluster():
+    """A recipe for a published model names the cluster it was sized for (the tiny CPU ones need none)."""
+    real = [path for path, data in _rl_recipes().items()
+            if not str(data["policy"].get("model", "")).startswith(("tiny:", "warmstart:"))]
+    assert len(real) >= 6 and set(real) <= set(STATED), sorted(set(real) - set(STATED))
+    for path in STATED:
+        assert {"nodes", "gpus_per_node", "gpu_memory_gib"} <= set(load(RLConfig, ROOT / path).cluster.stated()), path
+
+
+@pytest.mark.parametrize("recipe", STATED)
+def test_a_recipe_fits_the_cluster_it_states(recipe, capsys):
+    """`yatt-mm plan --config RECIPE` with no flag plans on the recipe's `cluster` section, and it fits."""
+    stated = load(RLConfig, ROOT / recipe).cluster.stated()
+    code = main(["plan", "--config", str(ROOT / recipe)])
+    out = capsys.readouterr().out
+    assert (f"cluster: {stated['nodes']} node(s) x {stated['gpus_per_node']} GPUs of {stated['gpu_memory_gib']:g} "
+            "GiB;") in out, out[:600]
+    assert "note: cluster figures from the config: cluster.gpus_per_node, cluster.gpu_memory_gib, cluster.nodes" in out
+    assert code == 0 and "verdict: fits" in out, out[out.find("GPU memory per phase"):]
+
+
+def _header_plan_commands(path: Path) -> list[list[str]]:
+    """The arguments of each `yatt-mm plan` command in a recipe's header comment (a line ending in
+    a backslash goes on in the next; an opening parenthesis starts the prose after it)."""
+    header = "\n".join(line[1:] for line in itertools.takewhile(lambda ln: ln.startswith("#"),
+                                                                path.read_text().splitlines()))
+    commands = []
+    for line in header.replace("\\\n", " ").splitlines():
+        words = line.split()
+        if words[:2] == ["yatt-mm", "plan"]:
+            commands.append(list(itertools.takewhile(lambda w: not w.startswith("("), words[2:])))
+    return commands
+
+
+@pytest.mark.parametrize("recipe", STATED)
+def test_every_plan_command_of_a_recipes_header_fits(recipe, capsys):
+    """A header shows how to plan the recipe (on its cluster) and its variants (flags and overrides
+    on top); each command it shows fits, as the header says."""
+    commands = _header_plan_commands(ROOT / recipe)
+    assert commands and commands[0] == ["--config", recipe], commands
+    for args in commands:
+        code = main(["plan", *[str(ROOT / a) if a.startswith("configs/") else a for a in args]])
+        out = capsys.readouterr().out
+        assert code == 0 and "verdict: fits" in out, (args, out[out.find("GPU memory per phase"):])
+
+
+def test_flags_override_the_stated_cluster_figure_by_figure(capsys):
+    """The Qwen3.5 recipe states 2 nodes x 8 GPUs of 141 GiB: --gpu-memory-gb 80 replaces that figure
+    alone (and then it does not fit); an override of the section does the same; a figure set back
+    to 0 (not stated) takes the plan's default; a stated host memory is checked."""
+    recipe = str(ROOT / QWEN35_RECIPE)
+    for change in (["--gpu-memory-gb", "80"], ["cluster.gpu_memory_gib=80"]):
+        assert main(["plan", "--config", recipe, *change]) == 1, change
+        out = capsys.readouterr().out
+        assert "cluster: 2 node(s) x 8 GPUs of 80 GiB;" in out and "DOES NOT FIT" in out, change
+    assert main(["plan", "--config", recipe, "--gpu-memory-gb", "80"]) == 1
+    assert ("note: cluster figures from the flags: --gpu-memory-gb; from the config: cluster.gpus_per_node, "
+            "cluster.nodes; from the defaults: host_memory_gib") in capsys.readouterr().out
+    assert main(["plan", "--config", recipe, "--nodes", "4", "cluster.gpus_per_node=0"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster: 4 node(s) x 8 GPUs of 141 GiB;" in out and "verdict: fits" in out
+    assert ("note: cluster figures from the flags: --nodes; from the config: cluster.gpu_memory_gib; from the "
+            "defaults: gpus_per_node, host_memory_gib") in out
+    assert main(["plan", "--config", recipe, "cluster.host_memory_gib=256"]) == 1
+    out = capsys.readouterr().out
+    assert "host memory per node: 542.0 GiB > 256.0 GiB" in out and "of 256" in out
+    assert main(["plan", "--config", recipe, "cluster.host_memory_gib=256", "--host-memory-gb", "0"]) == 0  # 0: unchecked
+    capsys.readouterr()
 
 
 def test_heavy_7b_on_24gb_does_not_fit_and_names_a_setting(capsys):
@@ -398,8 +482,8 @@ def test_moe_recipe_uses_gspo_and_fits_16x80_and_ep_needs_141gb(capsys):
     assert not small.fits and any(p.startswith("phase sync") for p in small.problems), small.problems
     assert main(args + ["--gpu-memory-gb", "141", *ep]) == 0
     assert "8 on each of EP 16 ranks" in capsys.readouterr().out
-    # one node at EP 4 does not fit; the advice names twice the expert parallelism
-    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--gpus-per-node", "8", "--gpu-memory-gb", "141", *ep[:2],
+    # one node (in place of the recipe's two) at EP 4 does not fit; the advice names twice the expert parallelism
+    assert main(["plan", "--config", str(ROOT / MOE_RECIPE), "--nodes", "1", "--gpu-memory-gb", "141", *ep[:2],
                  "policy.trainer.expert_parallel=4", *ep[3:]]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "policy.trainer.expert_parallel=8" in out.split("verdict")[1]

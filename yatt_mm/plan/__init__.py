@@ -27,7 +27,8 @@ estimates, not measurements.
 
 The package, one job a module (each imports only those above it in this list):
   constants      GIB, the calibration constant, the estimates, PlanError
-  cluster        the inputs besides the config (Cluster, Assumptions) and their checks
+  cluster        the inputs besides the config (Cluster: the config's cluster section, flags over it;
+                 Assumptions) and their checks
   architectures  a model setting -> its architecture (config.json, tiny models, the built-in table)
   params         parameter counts per TP rank, pipeline stage and expert-parallel rank; active parameters
   batch          the largest training micro-batch, and a context-parallel rank's share of it
@@ -49,7 +50,7 @@ from yatt_mm.plan.activations import (CPU, CUDA, Activations, Block, Kernels, ac
 from yatt_mm.plan.advice import advise, candidate_changes, over_limit
 from yatt_mm.plan.architectures import KNOWN_MODELS, known_hf_config, load_spec, resolve_model, spec_from_hf_config
 from yatt_mm.plan.batch import MicroBatchShape, context_share, media_per_sample, rl_micro_batch
-from yatt_mm.plan.cluster import Assumptions, Cluster, check_inputs, input_problems
+from yatt_mm.plan.cluster import Assumptions, Cluster, check_inputs, cluster_sources, input_problems, plan_cluster
 from yatt_mm.plan.command import run_plan
 from yatt_mm.plan.constants import (ACTIVATION_CALIBRATION, ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, GIB,
                                     JUDGE_SERVER_MAX_MODEL_LEN, MEASURED_ON, PROMPT_TEXT_TOKENS, VLLM_ASLEEP_GIB,
@@ -67,10 +68,12 @@ __all__ = [
     "KNOWN_MODELS", "MEASURED_ON", "PROMPT_TEXT_TOKENS", "VLLM_ASLEEP_GIB", "VLLM_DTYPE_BYTES", "VLLM_RESERVE_GIB",
     "Activations", "Assumptions", "Block", "Cluster", "EngineMemory", "GpuPhase", "Kernels", "Line", "MicroBatchShape",
     "Params", "Plan", "PlanError", "TrainerMemory",
-    "active_params", "activation_bytes", "advise", "candidate_changes", "check_inputs", "context_share",
+    "active_params", "activation_bytes", "advise", "candidate_changes", "check_inputs", "cluster_sources",
+    "context_share",
     "dispatched_bytes", "engine_memory", "format_plan", "gpu_phases",
     "host_lines", "input_problems", "known_hf_config", "kv_bytes_per_token", "language_block", "layer_bytes",
-    "load_spec", "make_plan", "media_per_sample", "over_limit", "param_counts", "resolve_model", "rl_micro_batch",
+    "load_spec", "make_plan", "media_per_sample", "over_limit", "param_counts", "plan_cluster", "resolve_model",
+    "rl_micro_batch",
     "run_plan", "spec_from_hf_config", "stage_memory", "state_bytes_per_sequence", "train_flops", "trainer_memory",
     "vision_block",
 ]

@@ -1,6 +1,8 @@
-"""What the plan is asked about besides the config: the cluster (`Cluster`), what the config does
-not say about the data (`Assumptions`), and the checks that refuse impossible figures before any
-work (`input_problems`; `check_inputs` raises them as a PlanError)."""
+"""What the plan is asked about besides the config: the cluster (`Cluster`: as the config's
+`cluster` section states it, each figure a flag gives taking its place, the rest `Cluster`'s
+defaults; `plan_cluster`), what the config does not say about the data (`Assumptions`), and the
+checks that refuse impossible figures before any work (`input_problems`; `check_inputs` raises
+them as a PlanError)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,21 @@ _INPUTS = {
     "media_tokens": ("--media-tokens", -1, False, True, "media tokens per sample; -1: from data.media"),
     "frame_tokens": ("--frame-tokens", 0, False, True, "merged tokens per image or frame; 0: from data.media"),
 }
+
+
+def plan_cluster(stated: dict[str, float], given: dict[str, float]) -> Cluster:
+    """The cluster to plan on: each figure as the flags give it, else as the config states it
+    (RLConfig.cluster.stated()), else Cluster's default."""
+    return Cluster(**{**stated, **given})
+
+
+def cluster_sources(stated: dict[str, float], given: dict[str, float]) -> str:
+    """Where plan_cluster took each figure from, in words, flags by their names."""
+    names = [f.name for f in fields(Cluster)]
+    parts = [("the flags", [_INPUTS[n][0] for n in names if n in given]),
+             ("the config", [f"cluster.{n}" for n in names if n in stated and n not in given]),
+             ("the defaults", [n for n in names if n not in stated and n not in given])]
+    return "cluster figures from " + "; from ".join(f"{where}: {', '.join(which)}" for where, which in parts if which)
 
 
 def input_problems(cluster: Cluster, assume: Assumptions = Assumptions()) -> list[str]:

@@ -5,16 +5,20 @@ from __future__ import annotations
 import sys
 
 from yatt_mm.plan.advice import advise, over_limit
-from yatt_mm.plan.cluster import Assumptions, Cluster, input_problems
+from yatt_mm.plan.cluster import Assumptions, Cluster, cluster_sources, input_problems, plan_cluster
 from yatt_mm.plan.constants import PlanError
 from yatt_mm.plan.planner import make_plan
 from yatt_mm.plan.report import format_plan, gib
 
 
-def run_plan(config: str | None, overrides: list[str], cluster: Cluster, assume: Assumptions = Assumptions()) -> int:
-    """`yatt-mm plan`: print the plan; 0 if every phase fits, 1 if not, 2 on an impossible
-    cluster figure or assumption (checked first, before the config is read) or a config error."""
-    problems = input_problems(cluster, assume)
+def run_plan(config: str | None, overrides: list[str], given: dict[str, float] | None = None,
+             assume: Assumptions = Assumptions()) -> int:
+    """`yatt-mm plan`: print the plan on the cluster the config states (its `cluster` section),
+    each figure in `given` (Cluster's field names: the flags) taking its place; 0 if every phase
+    fits, 1 if not, 2 on an impossible figure given or assumption (checked first, before the config
+    is read) or a config error."""
+    given = dict(given or {})
+    problems = input_problems(Cluster(**given), assume)  # the defaults pass: only the given figures can fail
     if problems:
         for problem in problems:
             print(f"yatt-mm plan: {problem}", file=sys.stderr)
@@ -25,7 +29,9 @@ def run_plan(config: str | None, overrides: list[str], cluster: Cluster, assume:
 
     try:
         cfg = load(RLConfig, config, overrides)
+        cluster = plan_cluster(cfg.cluster.stated(), given)
         plan = make_plan(cfg, cluster, assume)
+        plan.notes.insert(0, cluster_sources(cfg.cluster.stated(), given))
     except (ConfigError, PlanError, ValueError) as e:
         print(f"yatt-mm plan: {e}", file=sys.stderr)
         return 2

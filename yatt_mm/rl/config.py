@@ -4,7 +4,7 @@ is the config of the component that uses it; this file holds the loop's own and 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -80,6 +80,23 @@ class SyncConfig:
     bucket_mb: float = 512.0
 
     RANGES = {"bucket_mb": "> 0"}
+
+
+@dataclass
+class ClusterConfig:
+    """The cluster a recipe is written for. `yatt-mm plan --config RECIPE` plans on it (each of its
+    flags overrides one figure); `yatt-mm rl` notes a launch of another shape. 0: not stated."""
+
+    nodes: int = 0  # nodes; 0: not stated (yatt-mm plan: 1)
+    gpus_per_node: int = 0  # GPUs (ranks) per node; 0: not stated (yatt-mm plan: 8)
+    gpu_memory_gib: float = 0.0  # memory of one GPU, GiB; 0: not stated (yatt-mm plan: 80)
+    host_memory_gib: float = 0.0  # host memory per node, GiB; 0: not stated (yatt-mm plan: host memory not checked)
+
+    RANGES = {"nodes": ">= 0", "gpus_per_node": ">= 0", "gpu_memory_gib": ">= 0", "host_memory_gib": ">= 0"}
+
+    def stated(self) -> dict[str, float]:
+        """The figures the config states, by name (those not 0)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)}
 
 
 @dataclass
@@ -167,6 +184,7 @@ class RLConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out reward: greedy, or k sampled answers
     split: SplitConfig = field(default_factory=SplitConfig)  # how the phases' roles share a node's devices (rl/split.py)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # TensorBoard and Weights & Biases beside metrics.jsonl
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the cluster the config is written for: what yatt-mm plan plans on
 
     def validate(self) -> None:
         if not self.algorithm.loss_norm_tokens:  # Dr. GRPO's constant: the longest response the rollout may give

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from yatt_mm.rl.checkpoint import controller_state
 from yatt_mm.rl.distributed import sum_across
-from yatt_mm.rl.rollouts import summed_metrics
+from yatt_mm.rl.stats import summed_metrics
 from yatt_mm.rl.sources import Consumed
 
 

@@ -13,6 +13,8 @@ metrics), `before_sync` (the engine is idle before new weights load into it), `d
 
 from __future__ import annotations
 
+from yatt_mm.rl.stats import summed_metrics
+
 
 class RolloutNow:
     """The synchronous step: the controller generates, scores and builds this step's samples now."""
@@ -36,13 +38,6 @@ class RolloutNow:
 
     def write_lineage(self, path, step: int) -> None:
         self.run.controller.source.write_lineage(path, step)
-
-
-def summed_metrics(run, rollout):
-    """A step's rollout statistics summed over every DP group (a collective over the leaders),
-    and their metrics."""
-    summed = rollout.summed(run.ranks.leaders_cpu)
-    return summed, summed.metrics(run.rule_names, run.judges.names)
 
 
 def rollout_for(run):

@@ -206,3 +206,10 @@ def progress_line(step: int, steps: int, m: dict[str, float]) -> str:
                      if k.startswith("time/") and k not in ("time/step", "time/idle_share", "time/idle") and v >= 0.05)
     parts += [f"{m['time/step']:.1f}s ({times})", f"lp-diff {m.get('train/logprob_diff_vs_rollout', 0):.1e}"]
     return " | ".join(parts)
+
+
+def summed_metrics(run, rollout: RolloutStats) -> tuple[RolloutStats, dict[str, float]]:
+    """A step's rollout statistics summed over every DP group (a collective over the leaders),
+    and their metrics."""
+    summed = rollout.summed(run.ranks.leaders_cpu)
+    return summed, summed.metrics(run.rule_names, run.judges.names)
