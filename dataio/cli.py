@@ -54,6 +54,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--video-size", type=int, default=56)
     p.add_argument("--video-frames", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated tasks to draw, e.g. grounding (a box's coordinates, for the iou/giou "
+                        "rewards) or colour,count; default: colour, count, direction (grounding only by name)")
     p.add_argument("--no-index", action="store_true", help="do not write index.parquet")
     p.set_defaults(func=cmd_synth)
 
@@ -161,9 +164,13 @@ def cmd_synth(args) -> int:
     if args.samples_per_shard < 1:
         raise SystemExit("--samples-per-shard must be >= 1")
     t0 = time.time()
-    paths = write_shards(args.out, args.images, args.videos, samples_per_shard=args.samples_per_shard, seed=args.seed,
-                         image_size=args.image_size, video_size=args.video_size, video_frames=args.video_frames,
-                         frame_sequences=args.frame_sequences, progress=True)
+    try:
+        paths = write_shards(args.out, args.images, args.videos, samples_per_shard=args.samples_per_shard,
+                             seed=args.seed, image_size=args.image_size, video_size=args.video_size,
+                             video_frames=args.video_frames, frame_sequences=args.frame_sequences, progress=True,
+                             tasks=[t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None)
+    except ValueError as e:  # an unknown task, or tasks that leave the asked-for videos without one
+        raise SystemExit(f"yatt-mm data synth: {e}") from None
     print(f"wrote {len(paths)} shards to {args.out} "
           f"({args.images} images, {args.videos} videos, {args.frame_sequences} frame sequences) "
           f"in {time.time() - t0:.1f}s")

@@ -103,7 +103,25 @@ def counting_video(rng: random.Random, frames: int = 8, size: int = 56) -> Synth
     return SynthSample("How many yellow squares are there at the end? Answer with a number.", str(k), video=video)
 
 
-IMAGE_TASKS = {"colour": colour_image, "count": count_shapes_image}
+def grounding_image(rng: random.Random, size: int = 112, cells: int = 4) -> SynthSample:
+    """A coloured box on a gray background, on a `cells` x `cells` grid, one or two cells wide and
+    high; the answer is its bounding box [x1, y1, x2, y2] in 0-1000 coordinates (Qwen3-VL's
+    convention), checked by the `iou`/`giou` rewards. The grid keeps the answers few enough for
+    a tiny model to learn; the rewards give credit for a partial overlap."""
+    name = rng.choice(sorted(COLOURS))
+    w, h = rng.randint(1, 2), rng.randint(1, 2)
+    x, y = rng.randint(0, cells - w), rng.randint(0, cells - h)
+    box = [round(1000 * v / cells) for v in (x, y, x + w, y + h)]
+    img = Image.new("RGB", (size, size), (128, 128, 128))
+    px = [round(v * size / 1000) for v in box]
+    ImageDraw.Draw(img).rectangle([px[0], px[1], px[2] - 1, px[3] - 1], fill=COLOURS[name])
+    question = f"Where is the {name} box? Answer with its box [x1, y1, x2, y2] in 0-1000 coordinates."
+    return SynthSample(question, f"[{box[0]}, {box[1]}, {box[2]}, {box[3]}]", image=img)
+
+
+IMAGE_TASKS = {"colour": colour_image, "count": count_shapes_image, "grounding": grounding_image}
+# drawn only when asked for by name (`tasks`): a default mix keeps the answers the word rules score
+OPT_IN_TASKS = {"grounding"}
 VIDEO_TASKS = {"direction": moving_ball_video, "count": counting_video}
 
 
@@ -186,7 +204,7 @@ def write_shards(
     if unknown:
         raise ValueError(f"unknown synth task(s) {sorted(unknown)}; image tasks {sorted(IMAGE_TASKS)}, "
                          f"video tasks {sorted(VIDEO_TASKS)}")
-    image_tasks = sorted(t for t in IMAGE_TASKS if tasks is None or t in tasks)
+    image_tasks = sorted(t for t in IMAGE_TASKS if (t in tasks if tasks is not None else t not in OPT_IN_TASKS))
     video_tasks = sorted(t for t in VIDEO_TASKS if tasks is None or t in tasks)
     if (images and not image_tasks) or ((videos or frame_sequences) and not video_tasks):
         raise ValueError(f"synth tasks {tasks} leave no task for the requested images/videos")

@@ -566,14 +566,19 @@ def test_rl_from_the_warm_start_raises_held_out_reward(tmp_path, warm_policy):
 # the other algorithms of docs/rl.md learn the demo task too; measured held-out before -> after:
 # dr_grpo 0.69 -> 1.00, rloo 0.69 -> 1.00, gspo 0.69 -> 1.00, reinforce_pp 0.69 -> 0.91. GSPO with
 # sequence-level rollout correction, as its ratio is per response: with the token-level default or
-# none, its 5 steps left held-out accuracy at 0.69 (the buffer's stale samples weighted per token).
-# RLOO's advantages and GSPO's loss are independent choices, so one run checks both (a launch less
-# in CI's budget): a broken advantage or a broken loss stops the learning it asserts.
+# none, its 5 steps left held-out accuracy at 0.69 (the buffer's stale samples weighted per token);
+# GMPO likewise (0.69 -> 0.69 with the token-level correction).
+# An advantage, a loss and a correction are independent choices, so one run checks several (a
+# launch less in CI's budget each): a broken part stops the learning it asserts. Measured:
+# dr_grpo+cispo 0.69 -> 1.00, reinforce_pp+icepop 0.69 -> 1.00, reinforce_pp_baseline+sapo
+# 0.69 -> 0.94, gmpo (with the sequence-level correction, as GSPO) 0.69 -> 1.00.
 ALGORITHMS = {
-    "dr_grpo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=token_sum_norm"],
+    "dr_grpo+cispo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=token_sum_norm", "algorithm.policy_loss=cispo"],
     "rloo+gspo": ["algorithm.advantage=rloo", "algorithm.policy_loss=gspo",
                   "algorithm.rollout_correction.level=sequence"],
-    "reinforce_pp": ["algorithm.advantage=reinforce_pp"],
+    "reinforce_pp+icepop": ["algorithm.advantage=reinforce_pp", "algorithm.rollout_correction.mode=icepop"],
+    "reinforce_pp_baseline+sapo": ["algorithm.advantage=reinforce_pp_baseline", "algorithm.policy_loss=sapo"],
+    "gmpo": ["algorithm.policy_loss=gmpo", "algorithm.rollout_correction.level=sequence"],
 }
 
 

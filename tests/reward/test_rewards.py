@@ -154,3 +154,59 @@ def test_reward_parts_and_judge_rule_agreement_are_summed_per_step():
     assert m["reward/exact_match"] == pytest.approx(0.4) and m["reward/genrm"] == pytest.approx(0.3)
     assert m["genrm/genrm/agreement_exact_match"] == pytest.approx(0.6)
     assert rewarder.take_counts()["exact_match/n"] == 0  # per step: taking resets
+
+
+def test_grounding_rewards_by_hand_lenient_parsing_and_malformed_counted(caplog):
+    """IoU, GIoU and point-in-box against hand computations, boxes read leniently from text in
+    either scale (0-1 or 0-1000); an unreadable prediction scores 0 and is counted, an answer
+    without a box scores 0 with a warning: neither raises."""
+    from yatt_mm.reward.rewarder import RewardConfig, RewardFunction, Rewarder, reward_metrics
+    from yatt_mm.reward.judges import Judges
+    from yatt_mm.reward.rules import Malformed, get_rule
+
+    iou, giou, point = get_rule("iou"), get_rule("giou"), get_rule("point_in_box")
+    truth = "[0, 0, 500, 500]"  # 0-1000
+    assert iou("The box is [0, 0, 500, 500].", truth) == pytest.approx(1.0)
+    assert iou("box: (0.25, 0.25), (0.75, 0.75)", truth) == pytest.approx(0.0625 / (0.25 + 0.25 - 0.0625))
+    assert iou("x1=500 y1=0 x2=1000 y2=500", truth) == 0.0  # touching, no overlap
+    # GIoU of two disjoint unit squares, one apart: IoU 0, hull 3 x 1 = 3, union 2: -1/3 -> (1 - 1/3) / 2
+    assert giou("[200, 0, 300, 100]", "[0, 0, 100, 100]") == pytest.approx((1 - 1 / 3) / 2)
+    assert giou("[0, 0, 100, 100]", "[0, 0, 100, 100]") == pytest.approx(1.0)
+    assert giou("[900, 900, 1000, 1000]", truth) < giou("[500, 500, 600, 600]", truth)  # farther scores lower
+    assert point("click (250, 250)", truth) == 1.0 and point("(0.9, 0.1)", truth) == 0.0
+    for fn, text in ((iou, "no box here"), (giou, "[1, 2, 3]"), (iou, "[5, 5, 5, 9]"), (point, "nowhere")):
+        got = fn(text, truth)
+        assert got == 0.0 and isinstance(got, Malformed), (fn, text)
+    with caplog.at_level("WARNING"):
+        assert iou("[0, 0, 500, 500]", "red") == 0.0 and not isinstance(iou("[0, 0, 1, 1]", "red"), Malformed)
+    assert "holds no box" in caplog.text
+
+    rewarder = Rewarder(RewardConfig(functions=[RewardFunction("iou", 1.0)]), Judges([]))
+    rewarder._count([{"iou": [iou("[0, 0, 500, 500]", truth), iou("?", truth), iou("none", truth)]}])
+    m = reward_metrics(rewarder.take_counts(), ["iou"], [])
+    assert m["reward/iou"] == pytest.approx(1 / 3) and m["reward/iou_malformed"] == pytest.approx(2 / 3)
+
+
+def test_the_grounding_task_draws_boxes_its_rewards_score_and_only_when_asked(tmp_path):
+    import json
+    import random
+    import tarfile
+
+    from dataio.synth import grounding_image, write_shards
+    from yatt_mm.reward.rules import get_rule
+
+    rng = random.Random(0)
+    for _ in range(20):
+        s = grounding_image(rng)
+        assert get_rule("iou")(s.answer, s.answer) == pytest.approx(1.0)
+        x1, y1, x2, y2 = [int(v) for v in s.answer.strip("[]").split(", ")]
+        assert x2 > x1 and y2 > y1 and all(v % 250 == 0 for v in (x1, y1, x2, y2))
+        # drawn where the answer says: the box's colour at its centre, the background beside it
+        cy = (y1 + y2) // 2 * 112 // 1000
+        assert s.image.getpixel(((x1 + x2) // 2 * 112 // 1000, cy)) != (128, 128, 128)
+        if x1 > 0:
+            assert s.image.getpixel((x1 * 112 // 1000 - 2, cy)) == (128, 128, 128)
+    write_shards(str(tmp_path), images=12, videos=0, samples_per_shard=12, seed=1)  # the default mix
+    with tarfile.open(next(tmp_path.glob("*.tar"))) as tf:
+        tasks = {json.loads(tf.extractfile(m).read())["task"] for m in tf.getmembers() if m.name.endswith(".json")}
+    assert "image/grounding" not in tasks  # drawn only when asked for by name

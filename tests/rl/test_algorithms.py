@@ -10,7 +10,7 @@ import torch
 
 from yatt_mm.rl.advantages import advantages, overlong_penalty, token_returns, whiten, whiten_sums
 from yatt_mm.rl.algorithms import AlgorithmConfig
-from yatt_mm.rl.losses import aggregate, kl_penalty, policy_loss, sequence_kl
+from yatt_mm.rl.losses import aggregate, kl_penalty, loss_normalizer, policy_loss, sequence_kl, step_normalizer
 
 
 def _cfg(**kw) -> AlgorithmConfig:
@@ -59,6 +59,25 @@ def test_reinforce_pp_returns_take_the_kl_ahead_and_whiten_over_the_step():
     assert out[0, 2] == 0.0
     one = {"sum": 2.0, "sum_sq": 4.0, "count": 1.0}  # one token: no spread, advantage 0
     assert float(whiten(torch.tensor([[2.0]]), torch.ones(1, 1), one)) == 0.0
+
+
+def test_reinforce_pp_discounts_the_reward_and_the_kl_ahead_per_response_token():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3, 5.0]])
+    got = token_returns(torch.tensor([1.0]), mask, kl, kl_coef=0.5, gamma=0.9)
+    # per-token rewards -0.05, -0.1, 1 - 0.15 (the reward at the last token), discounted back
+    t2 = 0.85
+    t1 = -0.1 + 0.9 * t2
+    t0 = -0.05 + 0.9 * t1
+    assert got.tolist()[0] == pytest.approx([t0, t1, t2, 0.0])
+    # gamma 1 is the closed form; tokens outside the mask (a tool's reply) are skipped, not counted
+    assert torch.allclose(token_returns(torch.tensor([1.0]), mask, kl, 0.5, gamma=1.0), token_returns(
+        torch.tensor([1.0]), mask, kl, 0.5))
+    gap = token_returns(torch.tensor([2.0]), torch.tensor([[1.0, 0.0, 1.0]]), gamma=0.5)
+    assert gap.tolist() == [[1.0, 0.0, 2.0]]
+    with pytest.raises(ValueError, match="discounts REINFORCE"):
+        _cfg(gamma=0.9).validate()
+    _cfg(gamma=0.9, advantage="reinforce_pp").validate()
 
 
 def test_overlong_soft_penalty_is_linear_over_the_buffer():
@@ -138,6 +157,47 @@ def test_gspo_by_hand_and_its_token_form_has_the_same_gradient():
     assert _cfg(policy_loss="gspo").aggregation == "sequence" and _cfg().aggregation == "token"
 
 
+def test_cispo_keeps_every_tokens_gradient_with_a_clipped_detached_weight():
+    old = torch.zeros(1, 3)
+    new = torch.tensor([[log(2.0), 0.0, log(0.5)]]) - 1.0  # ratios 2, 1, 0.5 against old = -1
+    old = old - 1.0
+    lp = new.clone().requires_grad_(True)
+    out = policy_loss(_cfg(policy_loss="cispo", cispo_clip_high=0.28), lp, old, torch.tensor([1.0]), torch.ones(1, 3))
+    out.loss.backward()
+    w = [1.28, 1.0, 0.5]  # 2 clipped at 1.28; no lower bound by default
+    assert float(out.loss.detach()) == pytest.approx(-sum(wi * li for wi, li in zip(w, new[0].tolist())) / 3)
+    # the clipped token still gets a gradient (PPO's clip would give it none), weighted by its clip
+    assert lp.grad.tolist()[0] == pytest.approx([-wi / 3 for wi in w])
+    assert out.mean("clip_high") == pytest.approx(1 / 3) and out.mean("clip_low") == 0
+
+
+def test_sapo_gate_is_the_surrogate_at_ratio_one_and_fades_smoothly():
+    old = torch.full((2, 1), -1.0)
+    lp = (old + torch.tensor([[0.0], [log(3.0)]])).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    out = policy_loss(_cfg(policy_loss="sapo"), lp, old, adv, torch.ones(2, 1))
+    out.loss.backward()
+
+    def gate(r, tau):
+        return 4 / tau / (1 + exp(-tau * (r - 1)))
+
+    # row 0: r = 1, A = 1, tau_pos = 1: loss -2, gradient -A (the plain surrogate's); row 1: r = 3,
+    # A = -1, tau_neg = 1.05: loss +gate(3), gradient A * f'(r) * r
+    assert float(out.loss.detach()) == pytest.approx((-gate(1, 1.0) + gate(3, 1.05)) / 2)
+    s = 1 / (1 + exp(-1.05 * 2))
+    assert lp.grad.flatten().tolist() == pytest.approx([-1 / 2, 4 * s * (1 - s) * 3 / 2])
+
+
+def test_gmpo_takes_the_geometric_mean_of_pessimistically_clipped_ratios():
+    old = torch.zeros(2, 2)
+    new = torch.tensor([[0.5, -0.1], [0.5, -0.1]])
+    out = policy_loss(_cfg(policy_loss="gmpo"), new, old, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    # A > 0: min(lr, clip(lr, -0.4, 0.4)) = (0.4, -0.1), mean 0.15; A < 0: max = (0.5, -0.1), mean 0.2
+    assert float(out.loss.detach()) == pytest.approx((-exp(0.15) + exp(0.2)) / 2)
+    assert out.mean("clip_high") == pytest.approx(1 / 4) and out.mean("clip_low") == pytest.approx(1 / 4)
+    assert _cfg(policy_loss="gmpo").aggregation == "sequence" and _cfg(policy_loss="cispo").aggregation == "token"
+
+
 def test_aggregations_differ_as_documented():
     per_token = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
@@ -148,6 +208,15 @@ def test_aggregations_differ_as_documented():
     # Dr. GRPO: token sums over 2 responses x a constant 8 tokens, whatever their lengths
     assert aggregate(per_token, mask, "token_sum_norm", norm_tokens=8) == pytest.approx(7 / 16)
     assert aggregate(per_token, mask, "token_sum_norm", normalizer=4.0, norm_tokens=8) == pytest.approx(7 / 32)
+    # verl's token-sum and seq-mean-token-sum
+    assert aggregate(per_token, mask, "token_sum") == pytest.approx(7.0)
+    assert aggregate(per_token, mask, "sequence_token_sum") == pytest.approx((4 + 3) / 2)
+    # over DP: token_sum's step count is 1, so each of 2 ranks scales its sum by 2 and DP's mean
+    # of the gradients gives the sum back; the counting modes divide by the step's count over 2
+    assert step_normalizer("token_sum", 0.0, 2) == 0.5 and step_normalizer("sequence_token_sum", 8.0, 2) == 4.0
+    masks = [mask, torch.tensor([[1, 1, 0, 0]])]
+    assert loss_normalizer(masks, [["g", "h"], ["g"]], "sequence_token_sum") == 3.0
+    assert loss_normalizer(masks, [["g", "h"], ["g"]], "token_sum") == 0.0
     with pytest.raises(ValueError, match="loss_norm_tokens > 0"):
         aggregate(per_token, mask, "token_sum_norm")
     with pytest.raises(ValueError, match="unknown loss aggregation"):
@@ -168,32 +237,56 @@ def test_every_token_masked_gives_a_zero_loss_and_gradient(how, form):
     assert out.mean("clip") == 0.0 and out.tokens == 0
 
 
-def test_rollout_correction_truncates_or_masks_per_token_or_per_response():
+def test_rollout_correction_truncates_rejects_or_icepops_per_token_or_per_response():
     lp = torch.full((2, 3), -1.0)
     # trainer/rollout ratios: row 0 (e, 1, e^-1.5) -> product e^-0.5; row 1 (1.5, 1.5, 1.5) -> product 3.375
     rollout = lp - torch.tensor([[1.0, 0.0, -1.5], [log(1.5)] * 3])
     mask, adv = torch.ones(2, 3), torch.ones(2)
 
-    def weights(level, mode):
-        out = policy_loss(_cfg(correction=(level, mode, 2.0)), lp, lp, adv, mask, rollout_logprobs=rollout)
-        return out, out.mean("is_weight") * 6
+    def loss(level, mode, **kw):
+        return policy_loss(_cfg(correction=(level, mode, 2.0), **kw), lp, lp, adv, mask, rollout_logprobs=rollout)
 
-    out, total = weights("token", "truncate")  # min(ratio, 2) per token
-    assert total == pytest.approx(2 + 1 + exp(-1.5) + 3 * 1.5)
-    assert out.mean("rollout_masked") == 0
-    out, total = weights("sequence", "truncate")  # min(product, 2) on each of the response's tokens
-    assert total == pytest.approx(3 * exp(-0.5) + 3 * 2)
-    out, total = weights("token", "mask")  # ratios outside [1/2, 2] dropped: e and e^-1.5
-    assert total == pytest.approx(4) and out.mean("rollout_masked") == pytest.approx(2 / 6)
-    out, total = weights("sequence", "mask")  # row 0's e^-0.5 is inside, row 1's 3.375 is not
-    assert total == pytest.approx(3) and out.mean("rollout_masked") == pytest.approx(3 / 6)
-    # the loss is the weighted one: -A x weight per token (on-policy ratio 1), token mean
-    assert float(out.loss.detach()) == pytest.approx(-3 / 6)
+    out = loss("token", "truncate")  # min(ratio, 2) per token
+    assert out.mean("is_weight") * 6 == pytest.approx(2 + 1 + exp(-1.5) + 3 * 1.5)
+    out = loss("sequence", "truncate")  # min(product, 2) on each of the response's tokens
+    assert out.mean("is_weight") * 6 == pytest.approx(3 * exp(-0.5) + 3 * 2)
+    # mask: a rejection replaces the loss mask (the reference's semantics): the ratios outside
+    # [1/2, 2] (e and e^-1.5) leave the loss and its token count; the mean is over what is kept
+    out = loss("token", "mask")
+    assert float(out.tokens) == 4 and float(out.loss.detach()) == pytest.approx(-1.0) and "is_weight" not in out.sums
+    out = loss("sequence", "mask", loss_agg="sequence")  # row 1's 3.375 is outside: one response left
+    assert float(out.tokens) == 3 and float(out.loss.detach()) == pytest.approx(-1.0)
+    # IcePop: the ratio itself inside [0.5, 5], 0 outside (e^-1.5); the denominators stay
+    out = loss("token", "icepop")
+    weights = [exp(1), 1, 0.0] + [1.5] * 3
+    assert float(out.tokens) == 6 and out.mean("is_weight") * 6 == pytest.approx(sum(weights))
+    assert float(out.loss.detach()) == pytest.approx(-sum(weights) / 6)
+    with pytest.raises(ValueError, match="token by token"):
+        _cfg(correction=("sequence", "icepop", 2.0)).validate()
     # mismatch: k3 of the trainer/rollout ratio r per token, r - 1 - log r
     r = [exp(1), 1, exp(-1.5)] + [1.5] * 3
     assert out.mean("mismatch_kl") == pytest.approx(sum(x - 1 - log(x) for x in r) / 6, rel=1e-5)
     off = policy_loss(_cfg(correction=("none", "truncate", 2.0)), lp, lp, adv, mask, rollout_logprobs=rollout)
     assert "is_weight" not in off.sums and float(off.loss.detach()) == pytest.approx(-1.0)
+
+
+def test_mismatch_kl_is_not_clamped():
+    """A token the sampler all but ruled out (log r = 30): the metric shows its k3 whole (the
+    reference's), not a clamp at 10."""
+    lp = torch.tensor([[-1.0, -1.0]])
+    rollout = lp - torch.tensor([[30.0, 0.0]])
+    out = policy_loss(_cfg(), lp, lp, torch.ones(1), torch.ones(1, 2), rollout_logprobs=rollout)
+    assert out.mean("mismatch_kl") * 2 == pytest.approx(exp(30) - 31, rel=1e-5)
+
+
+def test_gspo_averages_unclamped_log_ratios_and_bounds_only_the_sequence():
+    """One wild token (log-ratio 50) among four: the reference averages the raw log-ratios
+    (12.5), then bounds the sequence's at 10; a per-token clamp at 20 would give 5."""
+    old = torch.zeros(1, 4)
+    new = torch.tensor([[50.0, 0.0, 0.0, 0.0]])
+    out = policy_loss(_cfg(policy_loss="gspo"), new, old, torch.tensor([-1.0]), torch.ones(1, 4))
+    assert float(out.loss.detach()) == pytest.approx(exp(10), rel=1e-6)  # -A * s with s = e^10
+    assert out.mean("ppo_kl") == pytest.approx(-12.5)
 
 
 def test_entropy_bonus_and_kl_term_need_their_inputs():
@@ -239,19 +332,24 @@ def _actor(cfg, dp_group):
 
 def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted():
     """Equal rewards, but one response far from the reference: with kl_in=reward its advantage
-    goes negative and its group mate's positive; rows out of the loss keep theirs. Under
-    REINFORCE++ the KL enters each token's return instead."""
+    goes negative and its group mate's positive; a response out of the loss but in its group
+    (overlong.filter) stays in the baseline; a padding row keeps its advantage. Under REINFORCE++
+    the KL enters each token's return instead."""
     from gloo_threads import on_ranks
     from models.trainer import MicroBatch
 
-    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
-    old = torch.tensor([[-1.0, -1.0], [-0.2, -0.2], [-1.0, -1.0]])
+    from yatt_mm.rl.advantages import advantages
+
+    response = torch.ones(4, 2)
+    loss_mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])  # row 2 padding, row 3 filtered
+    old = torch.tensor([[-1.0, -1.0], [-0.2, -0.2], [-1.0, -1.0], [-1.0, -1.0]])
     (one_rank,) = on_ranks(1, lambda rank, group: group)  # the DP group of a one-group run
 
     def batch():
-        return MicroBatch(None, {"loss_mask": mask, "old_logprobs": old, "ref": torch.full((3, 2), -1.0),
-                                 "rewards": torch.tensor([1.0, 1.0, 0.0]),
-                                 "advantages": torch.tensor([0.0, 0.0, 0.7])}, ["g", "g", "g"])
+        return MicroBatch(None, {"loss_mask": loss_mask, "response_mask": response,
+                                 "in_group": torch.tensor([1.0, 1.0, 0.0, 1.0]), "old_logprobs": old,
+                                 "ref": torch.full((4, 2), -1.0), "rewards": torch.tensor([1.0, 1.0, 0.0, 0.0]),
+                                 "advantages": torch.tensor([0.0, 0.0, 0.7, 0.0])}, ["g", "g", "g", "g"])
 
     mb = batch()
     actor = _actor(AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_in="reward"), one_rank)
@@ -259,7 +357,10 @@ def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted():
     assert metrics["train/kl"] == pytest.approx((0.8 * 2) / 4)  # k1 mean over the 4 loss tokens
     assert actor.batch_advantages([[mb]]) == {}
     adv = mb.extra["advantages"]
-    assert adv[1] < 0 < adv[0] and float(adv[2]) == pytest.approx(0.7)
+    # the group's baseline over rows 0, 1 and the filtered row 3: rewards 1, 1 - 0.1 x 1.6, 0
+    expected = advantages("grpo", torch.tensor([1.0, 1 - 0.1 * 1.6, 0.0]), ["g"] * 3)
+    assert [float(adv[0]), float(adv[1]), float(adv[3])] == pytest.approx(expected.tolist(), abs=1e-6)
+    assert float(adv[2]) == pytest.approx(0.7)
 
     mb = batch()
     actor = _actor(AlgorithmConfig(kl_coef=0.1, kl_estimator="k1", kl_in="reward", advantage="reinforce_pp"),
@@ -269,7 +370,25 @@ def test_kl_in_reward_lowers_the_advantage_of_the_response_that_drifted():
     returns = torch.tensor([1.0, 1.0, 1 - 0.1 * 1.6, 1 - 0.1 * 0.8])  # the KL still ahead of each token
     expected = (returns - returns.mean()) / returns.std()
     assert mb.extra["advantages"][:2].flatten().tolist() == pytest.approx(expected.tolist(), abs=1e-4)
-    assert mb.extra["advantages"][2].tolist() == [0.0, 0.0]
+    assert mb.extra["advantages"][2:].flatten().tolist() == [0.0] * 4
+
+
+def test_a_rejecting_correction_takes_tokens_out_of_the_loss_mask_before_the_step():
+    """mode mask in the actor: the rejection is applied once the old logprobs are known, so the
+    step's normaliser counts only what is kept; the fraction rejected is a metric."""
+    from gloo_threads import on_ranks
+    from models.trainer import MicroBatch
+
+    (one_rank,) = on_ranks(1, lambda rank, group: group)
+    cfg = _cfg(correction=("token", "mask", 2.0))
+    actor = _actor(cfg, one_rank)
+    assert not actor.fused  # the counts must be known before the training forward
+    old = torch.full((1, 3), -1.0)
+    mb = MicroBatch(None, {"loss_mask": torch.ones(1, 3), "old_logprobs": old,
+                           "rollout_logprobs": old - torch.tensor([[1.0, 0.0, 0.0]])}, ["g"])
+    metrics = actor._reject([mb])
+    assert metrics["rollout/correction_masked_fraction"] == pytest.approx(1 / 3)
+    assert mb.extra["loss_mask"].tolist() == [[0.0, 1.0, 1.0]]
 
 
 def test_reinforce_pp_whitens_over_every_dp_rank():
@@ -282,7 +401,7 @@ def test_reinforce_pp_whitens_over_every_dp_rank():
     masks = [torch.ones(2, 2), torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])]
 
     def rank_fn(rank, group):
-        mb = MicroBatch(None, {"loss_mask": masks[rank], "rewards": rewards[rank],
+        mb = MicroBatch(None, {"loss_mask": masks[rank], "response_mask": masks[rank], "rewards": rewards[rank],
                                "advantages": rewards[rank].clone()}, [str(rank)] * len(rewards[rank]))
         _actor(AlgorithmConfig(advantage="reinforce_pp"), group).batch_advantages([[mb]])
         return mb.extra["advantages"]

@@ -122,7 +122,8 @@ def test_truncated_answers_get_dapos_soft_penalty_and_leave_the_loss(processor):
     groups, stats = ctrl.step(step=0, target=1)
     (samples,) = groups
     assert [s.truncated for s in samples] == [False, True, False, True]
-    assert [s.masked for s in samples] == [False, True, False, True]  # truncated: out of the loss
+    assert [s.filtered for s in samples] == [False, True, False, True]  # truncated: out of the loss
+    assert not any(s.masked for s in samples)  # but in their group (its baseline), not padding
     # exact match, minus 0.5 at the limit and linearly less over the 2 tokens before it
     assert [s.reward for s in samples] == [1.0, -0.5, -max(blue - 2, 0) / 2 * 0.5, -0.5]
     assert samples[1].advantage < samples[2].advantage < samples[0].advantage  # the penalty reached them

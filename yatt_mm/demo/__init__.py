@@ -23,11 +23,12 @@ CONFIG = "configs/tiny_demo.yaml"
 def make_data() -> None:
     from dataio.synth import write_shards
 
-    for split, n, seed in (("train", 512, 1), ("eval", 64, 2)):
+    for split, n, seed, task in (("train", 512, 1, "colour"), ("eval", 64, 2, "colour"),
+                                 ("grounding", 512, 3, "grounding"), ("grounding-eval", 64, 4, "grounding")):
         out = DATA / split
         if not any(out.glob("*.tar")):
-            write_shards(str(out), images=n, videos=0, samples_per_shard=128, seed=seed, tasks=["colour"])
-            print(f"[demo] wrote {n} synthetic colour questions to {out}", flush=True)
+            write_shards(str(out), images=n, videos=0, samples_per_shard=128, seed=seed, tasks=[task])
+            print(f"[demo] wrote {n} synthetic {task} questions to {out}", flush=True)
 
 
 def demo_run_dir(run_dir: str | None, overrides: list[str] | None) -> Path:

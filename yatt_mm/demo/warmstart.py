@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 WARMSTART_VERSION = 4  # 3: the judge learns in two stages; 4: its first stage stops when it has learnt
+GROUNDING_SFT_STEPS = 40
 
 # SFT stages of each kind, each starting from the previous one's weights. Small settings for the
 # 2-core CPU: policy ~10 s of training on an idle machine, judge ~2.5-5 min (much longer when other
@@ -63,6 +64,9 @@ SETTINGS = {
     # the tiny policy that calls the `zoom` tool, then answers (multi-turn rollouts, tests)
     "tools": [{"examples": "zoom", "steps": 40, "lr": 1e-3, "batch_size": 16}],
     "qwen3vl_tools": [{"examples": "zoom", "steps": 40, "lr": 1e-3, "batch_size": 16}],  # the same, Qwen3-VL
+    # the tiny policy that answers a box [x1, y1, x2, y2] (the grounding task; iou/giou rewards):
+    # the format and a rough guess, for RL to sharpen
+    "grounding": [{"examples": "answer", "steps": GROUNDING_SFT_STEPS, "lr": 1e-3, "batch_size": 16}],
     # the comparison is learnt suddenly, after a plateau whose length varies with the numerics
     # (library versions, thread counts, float rounding: 700 to 1400 steps seen here, once 2400):
     # the first stage runs until its held-out accuracy reaches stop_at, within a generous cap
@@ -70,8 +74,9 @@ SETTINGS = {
                "eval_every": 100, "stop_at": 0.98},
               {"examples": "judge", "steps": 200, "lr": 5e-4, "batch_size": 16}],
 }
-BASE = {"tools": "policy", "qwen3vl_tools": "qwen3vl"}  # the tiny model a kind starts from, where it is not tiny:KIND
-TASKS = ["image/colour"]
+BASE = {"tools": "policy", "qwen3vl_tools": "qwen3vl", "grounding": "policy"}  # where it is not tiny:KIND
+TASKS = ["image/colour"]  # the synthetic tasks a kind's SFT reads (dataio.synth), unless KIND_TASKS says
+KIND_TASKS = {"grounding": ["image/grounding"]}
 
 
 def _data_fingerprint(data_dir: str | Path) -> str:
@@ -94,7 +99,8 @@ def cache_key(kind: str, data_dir: str | Path, steps: int | None, seed: int) -> 
     from models.tiny import FACTORY_VERSION
 
     parts = {"kind": kind, "seed": seed, "steps": steps, "data": _data_fingerprint(data_dir),
-             "factory": FACTORY_VERSION, "warmstart": WARMSTART_VERSION, "settings": SETTINGS[kind], "tasks": TASKS}
+             "factory": FACTORY_VERSION, "warmstart": WARMSTART_VERSION, "settings": SETTINGS[kind],
+             "tasks": KIND_TASKS.get(kind, TASKS)}
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -138,7 +144,8 @@ def _run_sft_stage(kind: str, model: str, stage: dict, data_dir: str | Path, see
                    out: Path, quiet: bool) -> None:
     steps, batch = stage["steps"], stage["batch_size"]
     overrides = [f"model={model}", f"examples=yatt_mm.demo.examples:{stage['examples']}_example",
-                 f"data.shards=[{Path(data_dir).resolve()}]", f"data.seed={seed}", f"tasks=[{','.join(TASKS)}]",
+                 f"data.shards=[{Path(data_dir).resolve()}]", f"data.seed={seed}",
+                 f"tasks=[{','.join(KIND_TASKS.get(kind, TASKS))}]",
                  f"steps={steps}", f"batch_size={batch}",
                  f"micro_batch_size={batch}", f"trainer.lr={stage['lr']}", f"warmup_steps={stage.get('warmup_steps', 0)}",
                  f"trainer.seed={1234 + seed}", f"seed={seed}", f"eval.every={stage.get('eval_every', 0)}",

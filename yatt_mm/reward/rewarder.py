@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from yatt_mm.engines.engine import Response
 from yatt_mm.reward.genrm import JudgeItem, ServerJudge
 from yatt_mm.reward.judges import Judges, WeightedJudge
-from yatt_mm.reward.rules import get_rule
+from yatt_mm.reward.rules import Malformed, get_rule
 
 if TYPE_CHECKING:
     from yatt_mm.rl.samples import Prompt
@@ -87,6 +87,7 @@ class Rewarder:
             for name, values in part.items():
                 self._counts[f"{name}/sum"] += sum(values)
                 self._counts[f"{name}/n"] += len(values)
+                self._counts[f"{name}/malformed"] += sum(isinstance(v, Malformed) for v in values)
             for judge, _, _ in self.judges:
                 for rule, _, _ in self.rules:
                     self._counts[f"{judge}/agree_{rule}"] += sum(
@@ -96,7 +97,7 @@ class Rewarder:
         """This step's additive counts (then reset) and the judges' running counts of scored and
         fallback items; the same keys on every DP group, so they can be summed across groups."""
         names = [n for n, _, _ in self.rules + self.judges]
-        keys = [f"{n}/{s}" for n in names for s in ("sum", "n")]
+        keys = [f"{n}/{s}" for n in names for s in ("sum", "n", "malformed")]
         keys += [f"{j}/agree_{r}" for j, _, _ in self.judges for r, _, _ in self.rules]
         out = {k: float(self._counts[k]) for k in keys}
         self._counts.clear()
@@ -227,6 +228,8 @@ def reward_metrics(counts: dict[str, float], rule_names: list[str], judge_names:
         n = counts.get(f"{name}/n", 0.0)
         if n:
             out[f"reward/{name}"] = counts[f"{name}/sum"] / n
+            if counts.get(f"{name}/malformed"):  # responses the rule could not read (rules.Malformed)
+                out[f"reward/{name}_malformed"] = counts[f"{name}/malformed"] / n
     for judge in judge_names:
         n = counts.get(f"{judge}/n", 0.0)
         for rule in rule_names:

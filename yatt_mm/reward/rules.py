@@ -17,6 +17,14 @@ from yatt_mm.registry import Registry
 log = logging.getLogger(__name__)
 
 RuleFn = Callable[[str, str, dict], float]
+
+
+class Malformed(float):
+    """A rule's 0 for a response it cannot read (no box in a grounding answer, say): it scores 0
+    like any miss, and the rewarder counts it apart (`reward/NAME_malformed`)."""
+
+    def __new__(cls, _value: float = 0.0):  # the argument: pickle rebuilds it from its value
+        return super().__new__(cls, 0.0)
 RULES: Registry[RuleFn] = Registry("reward function")
 rule = RULES.register
 get_rule = RULES.get
@@ -97,3 +105,6 @@ def math_equivalent(response: str, answer: str, metadata: dict | None = None) ->
         return 0.0
     got = parse(response[-MATH_TAIL_CHARS:], parsing_timeout=timeout)
     return float(bool(got) and verify(gold, got, timeout_seconds=timeout))
+
+
+from yatt_mm.reward import grounding  # noqa: E402,F401 - registers iou, giou and point_in_box

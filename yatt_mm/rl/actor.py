@@ -21,7 +21,7 @@ from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
 from yatt_mm.engines.engine import engine_dtype
 from yatt_mm.rl.advantages import advantages, token_returns, whiten, whiten_sums
 from yatt_mm.rl.algorithms import AlgorithmConfig
-from yatt_mm.rl.losses import kl_penalty, loss_normalizer, policy_loss
+from yatt_mm.rl.losses import kl_penalty, loss_normalizer, policy_loss, rollout_correction, step_normalizer
 from yatt_mm.rl.distributed import sum_across
 from yatt_mm.rl.samples import TrainSample, micro_batches, mini_batches
 
@@ -43,7 +43,7 @@ def default_max_logprob_diff(trainer_dtype: str, engine_dtype: str) -> float:
 PER_TOKEN_METRICS = {
     "clip": "train/clip_fraction", "clip_low": "train/clip_fraction_low", "clip_high": "train/clip_fraction_high",
     "clip_dual": "train/clip_fraction_dual", "ppo_kl": "train/ppo_kl", "is_weight": "train/is_weight",
-    "rollout_masked": "rollout/correction_masked_fraction", "mismatch_kl": "rollout/mismatch_kl"}
+    "mismatch_kl": "rollout/mismatch_kl"}
 
 
 class Actor:
@@ -85,9 +85,11 @@ class Actor:
     def fused(self) -> bool:
         """One optimizer step over the whole batch and no reference: the old logprobs are then
         the training forward's own, detached (same weights, same inputs), so the separate
-        forward pass is skipped and its measurements come from the training forward."""
+        forward pass is skipped and its measurements come from the training forward. Not with a
+        rejecting rollout correction: what it rejects leaves the step's counts, which the loss
+        needs before the training forward."""
         a = self.algorithm
-        return a.mini_batches == 1 and a.epochs == 1 and a.kl_coef == 0
+        return a.mini_batches == 1 and a.epochs == 1 and a.kl_coef == 0 and not a.rejects
 
     def old_logprobs(self, minis: list[list[MicroBatch]]) -> dict[str, float]:
         """Store the old policy's logprobs in each micro-batch; measure their gap to vLLM's
@@ -110,9 +112,28 @@ class Actor:
             sums["entropy"] += float((ent * fresh).sum())
             sums["tokens"] += float(fresh.sum())
         metrics = self._rollout_gap(sums)
+        if self.algorithm.rejects:
+            metrics |= self._reject(mbs)
         if self.reference is not None:
             metrics |= self._reference_logprobs(mbs)
         return metrics
+
+    def _reject(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        """rollout_correction mode mask: the tokens (or responses) whose trainer/rollout ratio
+        leaves the band are taken out of the loss mask, as the reference does, so they leave the
+        loss's token and response counts too (`rollout/correction_masked_fraction`: of the loss
+        tokens, over every DP group)."""
+        c = self.algorithm.rollout_correction
+        sums = {"rejected": 0.0, "tokens": 0.0}
+        for mb in mbs:
+            mask = mb.extra["loss_mask"]
+            keep = rollout_correction(mb.extra["old_logprobs"], mb.extra["rollout_logprobs"], mask, c.level, c.mode,
+                                      c.threshold)
+            sums["rejected"] += float(((1 - keep) * mask).sum())
+            sums["tokens"] += float(mask.sum())
+            mb.extra["loss_mask"] = mask * keep
+        sums = sum_across(sums, self.trainer.dp_cpu)
+        return {"rollout/correction_masked_fraction": sums["rejected"] / max(sums["tokens"], 1.0)}
 
     def _rollout_gap(self, sums: dict[str, float]) -> dict[str, float]:
         """From this rank's sums of |trainer - vLLM| logprob, entropy and fresh tokens: the DP-wide
@@ -145,8 +166,9 @@ class Actor:
             return {}
         for mb in mbs:
             adv = mb.extra["advantages"]
-            if adv.dim() == 1:  # the controller's per-response values: the same return on every token
-                mb.extra["advantages"] = token_returns(adv, mb.extra["loss_mask"])
+            if adv.dim() == 1:  # the controller's per-response values, a return at every token
+                returns = token_returns(adv, mb.extra["response_mask"], gamma=cfg.gamma)
+                mb.extra["advantages"] = returns * mb.extra["loss_mask"]
         local = {"sum": 0.0, "sum_sq": 0.0, "count": 0.0}
         for mb in mbs:
             for key, value in whiten_sums(mb.extra["advantages"], mb.extra["loss_mask"]).items():
@@ -161,21 +183,22 @@ class Actor:
         """kl_in: reward. Each response's reward loses kl_coef x its KL to the reference: for
         REINFORCE++ token by token (each token's return loses the KL still ahead of it), for the
         group baselines summed over the response, whose advantages are then computed again from
-        those rewards (whole groups are on this rank). Rows out of the loss (padding groups,
-        mini-batch fillers) keep theirs."""
+        those rewards (whole groups are on this rank). A response out of the loss but in its group
+        (overlong.filter) stays in the baseline, its KL over all its tokens; padding groups and
+        mini-batch fillers keep theirs."""
         cfg = self.algorithm
         if cfg.advantage == "reinforce_pp":
             for mb in mbs:
-                mask = mb.extra["loss_mask"]
                 kl = kl_penalty(mb.extra["old_logprobs"], mb.extra["ref_logprobs"], cfg.kl_estimator)
-                mb.extra["advantages"] = token_returns(mb.extra["rewards"], mask, kl, cfg.kl_coef)
+                returns = token_returns(mb.extra["rewards"], mb.extra["response_mask"], kl, cfg.kl_coef, cfg.gamma)
+                mb.extra["advantages"] = returns * mb.extra["loss_mask"]
             return
         rows, rewards, groups = [], [], []
         for i, mb in enumerate(mbs):
-            mask = mb.extra["loss_mask"]
+            mask = mb.extra["response_mask"]
             kl = (kl_penalty(mb.extra["old_logprobs"], mb.extra["ref_logprobs"], cfg.kl_estimator) * mask).sum(1)
             for r in range(mask.shape[0]):
-                if mask[r].sum() > 0:
+                if mb.extra["in_group"][r] > 0:
                     rows.append((i, r))
                     rewards.append(float(mb.extra["rewards"][r]) - cfg.kl_coef * float(kl[r]))
                     groups.append(mb.group_ids[r])
@@ -225,7 +248,8 @@ class Actor:
     def _optimizer_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
         cfg, fused = self.algorithm, self.fused
         local = loss_normalizer([mb.extra["loss_mask"] for mb in mbs], [mb.group_ids for mb in mbs], cfg.aggregation)
-        normalizer = max(sum_across({"n": local}, self.trainer.dp_cpu)["n"], 1.0) / self.trainer.dp_size
+        normalizer = step_normalizer(cfg.aggregation, sum_across({"n": local}, self.trainer.dp_cpu)["n"],
+                                     self.trainer.dp_size)
 
         def loss_fn(logprobs: torch.Tensor, mb: MicroBatch):
             old = logprobs.detach() if fused else mb.extra["old_logprobs"]

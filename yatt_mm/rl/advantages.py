@@ -47,15 +47,31 @@ def advantages(how: str, rewards: torch.Tensor, group_ids: list) -> torch.Tensor
 
 
 def token_returns(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
-    """[B, T] REINFORCE++'s return at each response token (no discount): the response's reward,
-    minus kl_coef x the KL to the reference of this token and those after it (the KL as a
-    per-token reward). Zero outside the mask."""
-    returns = rewards.float().unsqueeze(1).expand(mask.shape).clone()
+                  kl_coef: float = 0.0, gamma: float = 1.0) -> torch.Tensor:
+    """[B, T] REINFORCE++'s return at each response token: the response's reward (given at its
+    last token) minus kl_coef x the KL to the reference of this token and those after it (the KL
+    as a per-token reward), each discounted by gamma per response token between them. Tokens
+    outside the mask (tool replies inside a conversation, padding) are skipped, not counted.
+    Zero outside the mask."""
+    mask = mask.float()
+    if gamma == 1.0:  # the closed form: the reward, minus the KL still ahead
+        returns = rewards.float().unsqueeze(1).expand(mask.shape).clone()
+        if kl is not None and kl_coef:
+            ahead = torch.flip(torch.cumsum(torch.flip(kl * mask, [1]), 1), [1])
+            returns = returns - kl_coef * ahead
+        return returns * mask
+    per_token = torch.zeros_like(mask)
+    last = mask * (torch.flip(torch.cumsum(torch.flip(mask, [1]), 1), [1]) == 1)  # each row's last response token
+    per_token += last * rewards.float().unsqueeze(1)
     if kl is not None and kl_coef:
-        ahead = torch.flip(torch.cumsum(torch.flip(kl * mask, [1]), 1), [1])
-        returns = returns - kl_coef * ahead
-    return returns * mask
+        per_token -= kl_coef * kl * mask
+    returns = torch.zeros_like(mask)
+    running = torch.zeros(mask.shape[0], dtype=mask.dtype)
+    for t in reversed(range(mask.shape[1])):
+        inside = mask[:, t] > 0
+        running = torch.where(inside, per_token[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
+    return returns
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, total: dict[str, float]) -> torch.Tensor:

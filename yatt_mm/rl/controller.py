@@ -183,7 +183,7 @@ class Controller:
             samples = self.builder.build(group, adv.tolist(), masked, stale=stale)
             if self.algorithm.overlong.filter:
                 for s in samples:
-                    s.masked = s.masked or s.truncated
+                    s.filtered = s.truncated
             out.append(samples)
         return out
 

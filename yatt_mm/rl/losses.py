@@ -1,6 +1,7 @@
 """The policy loss of an RL step on padded [batch, tokens] tensors: PPO's clipped surrogate (with
-dual-clip), GSPO's sequence-level ratio (and its token form), the rollout correction of the
-trainer/sampler mismatch, the KL penalty to a frozen reference, the entropy bonus, and the
+dual-clip), GSPO's sequence-level ratio (and its token form), CISPO's clipped IS weight, SAPO's
+soft gate, GMPO's geometric mean, the rollout correction of the trainer/sampler mismatch
+(truncated, masked, or IcePop), the KL penalty to a frozen reference, the entropy bonus, and the
 aggregations that turn per-token losses into the step's loss.
 
 Everything here is plain torch on already-computed logprobs, so it runs unchanged under tensor
@@ -21,6 +22,7 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 # GSPO's sequence ratio is clamped above at exp(10) before exp, as verl does
 GSPO_LOG_RATIO_MAX = 10.0
+POLICY_LOSSES = ("ppo", "gspo", "gspo_token", "cispo", "sapo", "gmpo")
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -97,15 +99,59 @@ def gspo(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_lo
     return per_token, {"clip_high": (a > 0) & (s > 1 + clip_high), "clip_low": (a < 0) & (s < 1 - clip_low)}
 
 
+def cispo(log_ratio: torch.Tensor, logprobs: torch.Tensor, adv: torch.Tensor, clip_low: float,
+          clip_high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE with the importance weight clipped and detached,
+    -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log p. Unlike PPO's clip, no token's gradient
+    is dropped: a clipped token still moves its logprob, with a bounded weight."""
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
+    return -weight * adv * logprobs, {"clip_high": ratio > 1 + clip_high, "clip_low": ratio < 1 - clip_low}
+
+
+def sapo(log_ratio: torch.Tensor, adv: torch.Tensor, tau_pos: float,
+         tau_neg: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (Qwen, 2025): a soft, temperature-controlled gate in place of the hard clip,
+    -f(r) * A with f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau_pos for positive advantages and
+    tau_neg (larger: a negative update fades faster) otherwise. At r = 1 its gradient equals the
+    unclipped surrogate's; far from 1 it decays smoothly instead of stopping."""
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(adv > 0, torch.as_tensor(tau_pos, dtype=adv.dtype), torch.as_tensor(tau_neg, dtype=adv.dtype))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    nothing = torch.zeros_like(ratio, dtype=torch.bool)
+    return -gate * adv, {"clip_high": nothing, "clip_low": nothing}
+
+
+def gmpo(log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_low: float,
+         clip_high: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (Zhao et al. 2025): one ratio per response, the geometric mean of its tokens' ratios,
+    each token's log-ratio clipped to [-clip_low, clip_high] on the side its advantage would push
+    (PPO's pessimism, token by token, in log space); the response's loss -A * ratio on each of
+    its tokens (the mean per response gives it back). Less sensitive to one outlier token than
+    the arithmetic mean of PPO."""
+    sign = torch.sign(adv)
+    clipped = log_ratio.clamp(-clip_low, clip_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    lengths = mask.sum(1).clamp(min=1)
+    ratio = torch.exp((pessimistic * mask).sum(1) / lengths)  # [B]
+    a = (adv * mask).sum(1) / lengths  # the response's advantage
+    per_token = (-a * ratio).unsqueeze(1).expand_as(log_ratio)
+    moved = log_ratio != clipped
+    return per_token, {"clip_high": moved & (adv > 0), "clip_low": moved & (adv < 0)}
+
+
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, level: str,
-                       mode: str, threshold: float) -> torch.Tensor:
+                       mode: str, threshold: float, band: tuple[float, float] = (0.5, 5.0)) -> torch.Tensor:
     """The weight [B, T] (detached) that corrects for the sampler's probabilities differing from
     the trainer's (kernels, precision, or an older policy for dynamic sampling's buffer): the
     trainer/rollout ratio per token, or per response (the product over its tokens). `truncate`
-    caps it at `threshold` (TIS); `mask` keeps weight 1 where the ratio lies within
-    [1 / threshold, threshold] and drops the token or the whole response elsewhere."""
+    caps it at `threshold` (TIS); `mask` is 1 where the ratio lies within [1 / threshold,
+    threshold] and 0 elsewhere (a rejection: `policy_loss` takes it out of the loss mask);
+    `icepop` (token level) keeps the ratio itself inside `band` = [alpha, beta] and 0 outside."""
     log_w = (old_logprobs - rollout_logprobs).detach()
     if level == "sequence":
+        if mode == "icepop":
+            raise ValueError("rollout_correction.mode icepop is per token: set rollout_correction.level token")
         log_w = (log_w * mask).sum(1, keepdim=True).expand_as(log_w)
     elif level != "token":
         raise ValueError(f"unknown rollout_correction.level {level!r}; choose none, token or sequence")
@@ -114,7 +160,17 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         return w.clamp(max=threshold)
     if mode == "mask":
         return ((w <= threshold) & (w >= 1 / threshold)).float()
-    raise ValueError(f"unknown rollout_correction.mode {mode!r}; choose truncate or mask")
+    if mode == "icepop":
+        return w * ((w >= band[0]) & (w <= band[1])).float()
+    raise ValueError(f"unknown rollout_correction.mode {mode!r}; choose truncate, mask or icepop")
+
+
+def mismatch_kl(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed k3 estimate of KL(rollout || trainer) on the sampler's tokens, r - 1 - log r with
+    r = p_trainer / p_rollout: unclamped (in float64), so the large mismatches it is there to
+    show are not cut off."""
+    log_r = (old_logprobs.detach() - rollout_logprobs).double()
+    return ((torch.exp(log_r) - log_r - 1) * mask).sum()
 
 
 def policy_loss(
@@ -131,27 +187,42 @@ def policy_loss(
 ) -> LossOutput:
     mask = mask.float()
     adv = (advantages if advantages.dim() == 2 else advantages.unsqueeze(1)).float().expand_as(logprobs)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    correction = cfg.rollout_correction
+    corrected = correction.level != "none" and rollout_logprobs is not None
+    weight = None
+    if corrected:
+        weight = rollout_correction(old_logprobs, rollout_logprobs, mask, correction.level, correction.mode,
+                                    correction.threshold, (correction.icepop_low, correction.icepop_high))
+        if correction.mode == "mask":  # a rejection replaces the loss mask: rejected tokens leave every count
+            mask, weight = mask * weight, None
+    raw = logprobs - old_logprobs
+    log_ratio = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cfg.policy_loss == "ppo":
         per_token, binds = ppo_clip(log_ratio, adv, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
     elif cfg.policy_loss in ("gspo", "gspo_token"):
-        per_token, binds = gspo(log_ratio, adv, mask, cfg.gspo_clip_low, cfg.gspo_clip_high,
+        # the sequence mean of the unclamped log-ratios, bounded only at the sequence level (as the
+        # reference): a per-token clamp would let one wild token change the response's ratio
+        log_ratio = raw
+        per_token, binds = gspo(raw, adv, mask, cfg.gspo_clip_low, cfg.gspo_clip_high,
                                 token_form=cfg.policy_loss == "gspo_token")
+    elif cfg.policy_loss == "cispo":
+        per_token, binds = cispo(log_ratio, logprobs, adv, cfg.cispo_clip_low, cfg.cispo_clip_high)
+    elif cfg.policy_loss == "sapo":
+        per_token, binds = sapo(log_ratio, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    elif cfg.policy_loss == "gmpo":
+        log_ratio = raw  # clipped token by token inside, in log space
+        per_token, binds = gmpo(raw, adv, mask, cfg.gmpo_clip_low, cfg.gmpo_clip_high)
     else:
-        raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; choose ppo, gspo or gspo_token")
+        raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; choose {', '.join(POLICY_LOSSES)}")
 
     sums = {name: (b.float() * mask).sum() for name, b in binds.items()}
     sums["clip"] = sums["clip_high"] + sums["clip_low"]
     sums["ppo_kl"] = (-log_ratio * mask).sum()  # k1 estimate of KL(old || new) on the old policy's samples
-    correction = cfg.rollout_correction
-    if correction.level != "none" and rollout_logprobs is not None:
-        weight = rollout_correction(old_logprobs, rollout_logprobs, mask, correction.level, correction.mode,
-                                    correction.threshold)
+    if weight is not None:
         per_token = per_token * weight
         sums["is_weight"] = (weight * mask).sum()
-        sums["rollout_masked"] = ((weight == 0).float() * mask).sum()
     if rollout_logprobs is not None:  # KL(rollout || trainer), k3 on the sampler's tokens
-        sums["mismatch_kl"] = (kl_penalty(rollout_logprobs, old_logprobs.detach(), "k3") * mask).sum()
+        sums["mismatch_kl"] = mismatch_kl(rollout_logprobs, old_logprobs, mask).to(per_token.dtype)
 
     if cfg.kl_coef > 0 and cfg.kl_in == "loss":
         if ref_logprobs is None:
@@ -168,7 +239,7 @@ def policy_loss(
     return LossOutput(loss, mask.sum(), {k: v.detach() for k, v in sums.items()})
 
 
-AGGREGATIONS = ("token", "sequence", "group", "token_sum_norm")
+AGGREGATIONS = ("token", "sequence", "group", "token_sum_norm", "token_sum", "sequence_token_sum")
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, group_ids: list | None = None,
@@ -176,22 +247,29 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, group_ids: 
     """token: mean over all response tokens (long answers weigh more, DAPO); sequence: mean per
     response, then over responses (GRPO paper); group: token mean within a prompt's group, then
     mean over groups; token_sum_norm: each response's token sum over a constant `norm_tokens`,
-    then mean over responses (Dr. GRPO: no length bias either way).
+    then mean over responses (Dr. GRPO: no length bias either way); token_sum: the sum over every
+    response token, no mean at all (verl's token-sum); sequence_token_sum: each response's token
+    sum, then mean over responses (verl's seq-mean-token-sum).
 
     With `normalizer`, the final mean divides by it instead of the local count (tokens,
-    responses or groups): a step spread over micro-batches and DP ranks passes the global count
-    so every micro-batch's share adds up to the step's mean."""
+    responses or groups; for token_sum, DP's share, see `loss_normalizer`): a step spread over
+    micro-batches and DP ranks passes the global count so every micro-batch's share adds up to
+    the step's value."""
     if how == "token":
         if normalizer is not None:
             return (per_token * mask).sum() / normalizer
         return _masked_mean(per_token, mask)
+    if how == "token_sum":
+        return (per_token * mask).sum() / (normalizer if normalizer is not None else 1.0)
     per_seq_sum = (per_token * mask).sum(1)
     lengths = mask.sum(1)
+    responses = normalizer if normalizer is not None else max(float((lengths > 0).sum()), 1.0)
     if how == "token_sum_norm":
         if norm_tokens <= 0:
             raise ValueError("loss_agg token_sum_norm needs algorithm.loss_norm_tokens > 0 (default: the response limit)")
-        responses = normalizer if normalizer is not None else max(float((lengths > 0).sum()), 1.0)
         return per_seq_sum.sum() / (responses * norm_tokens)
+    if how == "sequence_token_sum":
+        return per_seq_sum.sum() / responses
     if how == "sequence":
         per_seq = (per_seq_sum / lengths.clamp(min=1))[lengths > 0]
         if normalizer is not None:
@@ -215,12 +293,23 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, group_ids: 
 def loss_normalizer(masks: list[torch.Tensor], group_ids: list[list], how: str) -> float:
     """This rank's count that `aggregate(..., how)` takes the mean over, across all of a step's
     micro-batches: response tokens, responses, or groups (a group may span micro-batches).
-    Summed over DP ranks, it is the `normalizer` that makes micro-batching and DP invisible."""
+    Summed over DP ranks, it is the `normalizer` that makes micro-batching and DP invisible.
+    token_sum takes no mean: its count is 1 for the whole step (each rank's share 1 / DP, so
+    that DP's gradient average gives back the sum)."""
     if how == "token":
         return sum(float(m.sum()) for m in masks)
-    if how in ("sequence", "token_sum_norm"):
+    if how == "token_sum":
+        return 0.0  # see `step_normalizer`
+    if how in ("sequence", "token_sum_norm", "sequence_token_sum"):
         return sum(float((m.sum(1) > 0).sum()) for m in masks)
     return float(len({g for m, ids in zip(masks, group_ids) for g, n in zip(ids, m.sum(1)) if n > 0}))
+
+
+def step_normalizer(how: str, dp_total: float, dp_size: int) -> float:
+    """The `normalizer` of one DP rank's micro-batches: the step's count over every rank
+    (`loss_normalizer` summed over DP) divided by DP, which DP's gradient average multiplies
+    back; token_sum's step count is 1."""
+    return (1.0 if how == "token_sum" else max(dp_total, 1.0)) / dp_size
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
