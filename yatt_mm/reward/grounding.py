@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 
-from yatt_mm.reward.rules import Malformed, rule
+from yatt_mm.reward.rule_base import Malformed, rule
 
 log = logging.getLogger(__name__)
 _unparsed_answers: set[str] = set()

@@ -10,24 +10,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import Callable
 
-from yatt_mm.registry import Registry
+from yatt_mm.reward import grounding  # noqa: F401 - registers iou, giou and point_in_box
+from yatt_mm.reward.rule_base import RULES, Malformed, RuleFn, get_rule, rule  # noqa: F401 - the rules' API
 
 log = logging.getLogger(__name__)
-
-RuleFn = Callable[[str, str, dict], float]
-
-
-class Malformed(float):
-    """A rule's 0 for a response it cannot read (no box in a grounding answer, say): it scores 0
-    like any miss, and the rewarder counts it apart (`reward/NAME_malformed`)."""
-
-    def __new__(cls, _value: float = 0.0):  # the argument: pickle rebuilds it from its value
-        return super().__new__(cls, 0.0)
-RULES: Registry[RuleFn] = Registry("reward function")
-rule = RULES.register
-get_rule = RULES.get
 
 _ANSWER_TAG = re.compile(r"answer\s*(?:is)?\s*[:=]?\s*(.+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -106,5 +93,3 @@ def math_equivalent(response: str, answer: str, metadata: dict | None = None) ->
     got = parse(response[-MATH_TAIL_CHARS:], parsing_timeout=timeout)
     return float(bool(got) and verify(gold, got, timeout_seconds=timeout))
 
-
-from yatt_mm.reward import grounding  # noqa: E402,F401 - registers iou, giou and point_in_box
