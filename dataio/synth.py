@@ -103,7 +103,7 @@ def counting_video(rng: random.Random, frames: int = 8, size: int = 56) -> Synth
     return SynthSample("How many yellow squares are there at the end? Answer with a number.", str(k), video=video)
 
 
-def grounding_image(rng: random.Random, size: int = 112, cells: int = 4) -> SynthSample:
+def grounding_image(rng: random.Random, size: int = 112, cells: int = 2) -> SynthSample:
     """A coloured box on a gray background, on a `cells` x `cells` grid, one or two cells wide and
     high; the answer is its bounding box [x1, y1, x2, y2] in 0-1000 coordinates (Qwen3-VL's
     convention), checked by the `iou`/`giou` rewards. The grid keeps the answers few enough for

@@ -200,7 +200,7 @@ def test_the_grounding_task_draws_boxes_its_rewards_score_and_only_when_asked(tm
         s = grounding_image(rng)
         assert get_rule("iou")(s.answer, s.answer) == pytest.approx(1.0)
         x1, y1, x2, y2 = [int(v) for v in s.answer.strip("[]").split(", ")]
-        assert x2 > x1 and y2 > y1 and all(v % 250 == 0 for v in (x1, y1, x2, y2))
+        assert x2 > x1 and y2 > y1 and all(v % 500 == 0 for v in (x1, y1, x2, y2))  # a 2 x 2 grid
         # drawn where the answer says: the box's colour at its centre, the background beside it
         cy = (y1 + y2) // 2 * 112 // 1000
         assert s.image.getpixel(((x1 + x2) // 2 * 112 // 1000, cy)) != (128, 128, 128)

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 WARMSTART_VERSION = 4  # 3: the judge learns in two stages; 4: its first stage stops when it has learnt
-GROUNDING_SFT_STEPS = 40
+GROUNDING_SFT_STEPS = 60
 
 # SFT stages of each kind, each starting from the previous one's weights. Small settings for the
 # 2-core CPU: policy ~10 s of training on an idle machine, judge ~2.5-5 min (much longer when other
