@@ -177,14 +177,20 @@ def patch_megatron_for_cpu() -> None:
     # on torch.cuda.current_device(), which asserts without CUDA. Patched on torch itself, as
     # megatron calls it through `torch.` in ~100 places; this runs only where there is no GPU.
     torch.cuda.current_device = _cpu_device
-    for name, shim in _MEGATRON_SHIMS.items():
-        if name in _shimmed:
+    _apply(_MEGATRON_SHIMS, _shimmed, "the CPU shims")
+
+
+def _apply(patches: dict[str, Callable[[ModuleType], None]], done: set[str], what: str) -> None:
+    """Each patch to its module, once a process (`done`); a module or name that is not where the
+    patch expects it means another megatron-core than the one it is written for."""
+    for name, patch in patches.items():
+        if name in done:
             continue
         try:
-            shim(importlib.import_module(name))
+            patch(importlib.import_module(name))
         except (ImportError, AttributeError) as exc:
-            raise RuntimeError(f"the CPU shims are written for megatron-core 0.16.1: {exc}") from exc
-        _shimmed.add(name)
+            raise RuntimeError(f"{what} are written for megatron-core 0.16.1: {exc}") from exc
+        done.add(name)
 
 
 _shimmed: set[str] = set()
@@ -595,11 +601,4 @@ _fallen_back: set[str] = set()
 def patch_megatron_for_missing_kernels() -> None:
     """Megatron-Core's pure-torch paths where Transformer Engine or fla is not installed, on any
     machine: `_MEGATRON_FALLBACKS`. Called once `megatron.core` has been imported. Idempotent."""
-    for name, fallback in _MEGATRON_FALLBACKS.items():
-        if name in _fallen_back:
-            continue
-        try:
-            fallback(importlib.import_module(name))
-        except (ImportError, AttributeError) as exc:
-            raise RuntimeError(f"the fallbacks are written for megatron-core 0.16.1: {exc}") from exc
-        _fallen_back.add(name)
+    _apply(_MEGATRON_FALLBACKS, _fallen_back, "the fallbacks")
