@@ -33,7 +33,7 @@ from dataio.budget import TokenBudget
 from dataio.decode import MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
     decode_video_bytes, VIDEO_DECODER
 from dataio.errors import MediaError
-from dataio.index import Index, open_dataset
+from dataio.index import Index, check_index_path, check_shard_specs, open_dataset
 from dataio.shards import TAR_ERROR_KIND, MemberReader
 from dataio.split import check_split, rank_order
 
@@ -125,6 +125,19 @@ class DataConfig:
         elif not self.shards and not self.index:
             raise ValueError("data.shards is empty and data.index is not set: give shard paths or an index")
         self.media.validate()
+
+    def check_inputs(self, prefix: str = "data") -> None:
+        """FileNotFoundError naming the setting unless every dataset's shards (or index) are
+        there (`dataio.index.check_shard_specs`): what a launcher checks before any rank starts."""
+        if self.index:
+            check_index_path(self.index, f"{prefix}.index")
+        elif self.shards:
+            check_shard_specs(self.shards, f"{prefix}.shards")
+        for i, source in enumerate(self.blend):
+            if source.index:
+                check_index_path(source.index, f"{prefix}.blend[{i}].index")
+            else:
+                check_shard_specs(source.shards, f"{prefix}.blend[{i}].shards")
 
     def all_shards(self) -> list[str]:
         """The shards of every dataset it reads (a blend's, in its order)."""

@@ -308,7 +308,7 @@ RL, SFT = (RLConfig, "tiny_demo.yaml"), (SFTConfig, "tiny_sft.yaml")
     (RL, "eval.max_tokens=0", "eval.max_tokens must be >= 1, got 0"),
     (RL, "split.judge_share=1", "split.judge_share must be in (0, 1), got 1.0"),
     (RL, "split.cores=-1", "split.cores must be >= 0, got -1"),
-    (RL, "reward.functions=[{weight: .nan}]", "reward.functions[0].weight must be a finite number, got nan"),
+    (RL, "reward.functions=[{weight: .nan}]", "reward.functions[0].weight must be >= 0, got nan"),
     (RL, "reward.judges=[{judge: {votes: 0}}]", "reward.judges[0].judge.votes must be >= 1, got 0"),
     (RL, "reward.judges=[{judge: {port: 70000}}]", "reward.judges[0].judge.port must be in [0, 65535], got 70000"),
     (RL, "reward.judges=[{judge: {timeout_s: 0}}]", "reward.judges[0].judge.timeout_s must be > 0, got 0.0"),

@@ -57,6 +57,15 @@ class SFTConfig:
     def check_world(self, world_size: int) -> None:
         self.trainer.check_world(world_size, "trainer")
 
+    def check_inputs(self) -> None:
+        """Before any rank starts: the training shards and the held-out shards are there
+        (FileNotFoundError naming the setting)."""
+        from dataio.index import check_shard_specs
+
+        self.data.check_inputs("data")
+        if self.eval.shards:
+            check_shard_specs(self.eval.shards, "eval.shards")
+
     def check_model(self) -> None:
         """After resolve_models: the model splits into the trainer's TP x PP layout, and media
         are sized for it (data.media.factor 0: the model's patch x merge)."""
