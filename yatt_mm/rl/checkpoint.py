@@ -349,8 +349,11 @@ class NoUsableCheckpoint(RuntimeError):
 
 
 def _short(e: BaseException) -> str:
-    """An exception as one short line (torch's reader errors run over several)."""
+    """An exception as one short line: its first sentence (torch's reader errors go on with
+    several more of general advice), at most 200 characters."""
     text = " ".join(str(e).split()) or type(e).__name__
+    first, dot, rest = text.partition(". ")
+    text = first + "." if dot and len(first) >= 20 else text
     return text if len(text) <= 200 else text[:197] + "..."
 
 
