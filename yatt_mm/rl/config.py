@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dataio.index import check_shard_specs
 from dataio.reader import DataConfig, check_metric_name
 from models.family import read_spec
 from models.trainer import TrainerConfig
@@ -148,8 +149,6 @@ class EvalConfig:
 
     def check_inputs(self) -> None:
         """The held-out sets' shards are there (FileNotFoundError naming the setting)."""
-        from dataio.index import check_shard_specs
-
         if self.shards:
             check_shard_specs(self.shards, "eval.shards")
         for i, s in enumerate(self.sets):

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dataio.index import check_shard_specs
 from dataio.reader import DataConfig
 from models.trainer import TrainerConfig
 from yatt_mm.metrics import MetricsConfig
@@ -60,8 +61,6 @@ class SFTConfig:
     def check_inputs(self) -> None:
         """Before any rank starts: the training shards and the held-out shards are there
         (FileNotFoundError naming the setting)."""
-        from dataio.index import check_shard_specs
-
         self.data.check_inputs("data")
         if self.eval.shards:
             check_shard_specs(self.eval.shards, "eval.shards")
