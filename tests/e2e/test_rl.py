@@ -461,7 +461,7 @@ def _kill_rank_and_wait(launcher: subprocess.Popen, rank: int) -> None:
     assert launcher.wait(timeout=180) != 0  # torchrun stops the other rank and reports the failure
 
 
-@pytest.mark.slow  # four launches, ~190 s
+@pytest.mark.slow  # four runs (the last stops at its resume) and a refused launch, ~230 s on 2 shared cores
 def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_that_checkpoint(tmp_path, warm_policy):
     """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) while the
     ranks' first checkpoint is on its way to disk (the writer held between its files by the
