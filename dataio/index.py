@@ -82,8 +82,9 @@ def check_shard_specs(specs: list[str] | tuple[str, ...], setting: str) -> None:
         path = os.path.expanduser(str(spec))
         if os.path.isdir(path):
             if not any(glob.glob(os.path.join(path, "*" + suffix)) for suffix in suffixes):
-                raise FileNotFoundError(f"{where}: the directory {spec} holds no shards (.tar, or {', '.join(COMPRESSED_SUFFIXES)} "
-                                        "files); make them with yatt-mm prep or yatt-mm data synth")
+                raise FileNotFoundError(f"{where}: the directory {spec} holds no shards (.tar, or "
+                                        f"{', '.join(COMPRESSED_SUFFIXES)} files); make them with yatt-mm prep or "
+                                        "yatt-mm data synth")
         elif any(c in path for c in "*?["):
             if not any(os.path.isfile(p) for p in glob.glob(path)):
                 raise FileNotFoundError(f"{where}: {spec} matches no file")

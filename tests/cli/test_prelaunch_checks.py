@@ -74,7 +74,8 @@ def test_an_override_whose_value_is_not_yaml_names_the_override(capsys, tmp_path
 
 
 @pytest.mark.parametrize("setting, line", [
-    ("data.shards=[{missing}]", "data.shards: {missing} does not exist (give tar files, a directory of them or a glob)"),
+    ("data.shards=[{missing}]",
+     "data.shards: {missing} does not exist (give tar files, a directory of them or a glob)"),
     ("data.shards=[{empty}]", "data.shards: the directory {empty} holds no shards (.tar, or .tar.gz, .tgz, .tar.bz2, "
                               ".tar.xz files); make them with yatt-mm prep or yatt-mm data synth"),
     ("data.shards=[{shards}, '{empty}/*.tar']", "data.shards[1]: {empty}/*.tar matches no file"),
@@ -90,7 +91,9 @@ def test_an_override_whose_value_is_not_yaml_names_the_override(capsys, tmp_path
 def test_shards_that_are_not_there_are_refused_naming_the_setting(capsys, tmp_path, shards, setting, line):
     places = {"missing": tmp_path / "nowhere", "empty": tmp_path / "empty", "shards": shards}
     places["empty"].mkdir()
-    extra = ["data.shards=[]"] if setting.startswith("data.blend") else ["eval.shards=[]"] if "eval.sets" in setting else []
+    # a blend or eval sets replace the single dataset the helper sets
+    extra = ["data.shards=[]"] if setting.startswith("data.blend") else []
+    extra += ["eval.shards=[]"] if setting.startswith("eval.sets") else []
     got = _refused(capsys, tmp_path, _rl(shards, *extra, setting.format(**places)))
     assert got == "yatt-mm rl: " + line.format(**places)
 
@@ -127,7 +130,8 @@ def test_sft_checks_its_shards_too(capsys, tmp_path):
      "<= 8, or raise prompts_per_step"),
     (["rollout.sampling.n=1"],
      "rollout.sampling.n=1: algorithm.advantage=grpo measures a response against the other responses to its "
-     "prompt, and a group of one has none (its advantage is always 0): set n >= 2, or algorithm.advantage=reinforce_pp"),
+     "prompt, and a group of one has none (its advantage is always 0): set n >= 2, or "
+     "algorithm.advantage=reinforce_pp"),
     (["rollout.sampling.n=1", "algorithm.advantage=reinforce_pp"],
      "rollout.sampling.n=1: dynamic sampling keeps groups whose rewards differ, which a group of one response never "
      "does (every step would be padded with masked groups): set n >= 2, or dynamic_sampling.enabled=false"),

@@ -231,7 +231,8 @@ class RLConfig:
             raise ValueError(f"rollout.sampling.max_tokens={limit} leaves no prompt budget in data.max_sample_tokens="
                              f"{budget} (the budget counts the response limit, a {TEMPLATE_TOKENS}-token chat template "
                              "and the prompt with its media): every sample would be skipped as over_token_budget; set "
-                             f"max_tokens <= {budget - TEMPLATE_TOKENS - PROMPT_FLOOR}, or raise data.max_sample_tokens")
+                             f"max_tokens <= {budget - TEMPLATE_TOKENS - PROMPT_FLOOR}, or raise "
+                             "data.max_sample_tokens")
 
     def _check_batch(self) -> None:
         """Batch settings a step can meet: each DP group's step has rollout.prompts_per_step
@@ -243,9 +244,9 @@ class RLConfig:
                              f"the extra optimizer steps would have nothing to train on; set mini_batches <= {groups}, "
                              "or raise prompts_per_step")
         if n == 1 and self.algorithm.advantage != "reinforce_pp":
-            raise ValueError(f"rollout.sampling.n=1: algorithm.advantage={self.algorithm.advantage} measures a response "
-                             "against the other responses to its prompt, and a group of one has none (its advantage "
-                             "is always 0): set n >= 2, or algorithm.advantage=reinforce_pp")
+            raise ValueError(f"rollout.sampling.n=1: algorithm.advantage={self.algorithm.advantage} measures a "
+                             "response against the other responses to its prompt, and a group of one has none (its "
+                             "advantage is always 0): set n >= 2, or algorithm.advantage=reinforce_pp")
         ds = self.dynamic_sampling
         if n == 1 and ds.enabled and ds.filter == "reward_spread":
             raise ValueError("rollout.sampling.n=1: dynamic sampling keeps groups whose rewards differ, which a group "
