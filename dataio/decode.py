@@ -13,6 +13,7 @@ after `decode_timeout_s`, and frame counts are checked before any `get_batch`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import io
@@ -23,6 +24,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
+import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from multiprocessing import reduction
@@ -210,6 +213,34 @@ def import_decord():
     return decord
 
 
+_STDERR_LOCK = threading.Lock()  # one redirection of the process's fd 2 at a time
+
+
+@contextlib.contextmanager
+def _c_stderr_held():
+    """The process's stderr (fd 2, where C libraries write) into a temporary file for the
+    block; yields a list that then holds what was written. A video decoding child does nothing
+    else meanwhile; in a decoding thread (data.video_isolation=none) another thread's lines of
+    that moment are caught too, which the caller writes out again unless the open failed."""
+    with _STDERR_LOCK, tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        said: list[str] = [""]
+        os.dup2(held.fileno(), 2)
+        try:
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            said[0] = held.read().decode("utf-8", "replace")
+
+
+def _write_stderr(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None, float | None] = (None, None),
                        expected_frames: int | None = None, alloc=None) -> np.ndarray:
     """Encoded video bytes -> uint8 [T, H, W, 3] at the Qwen2-VL video size (resized into
@@ -220,10 +251,17 @@ def decode_video_bytes(data: bytes, cfg: MediaConfig, window: tuple[float | None
     (the sample's JSON metadata) when that is given."""
     decord = import_decord()
 
-    try:
-        vr = decord.VideoReader(io.BytesIO(data), num_threads=cfg.video_threads)
-    except Exception as e:
-        raise MediaError("corrupt_video", f"decord cannot open: {type(e).__name__}: {str(e)[:200]}") from None
+    with _c_stderr_held() as said:  # decord writes the member's bytes into its message when opening fails
+        try:
+            vr, failure = decord.VideoReader(io.BytesIO(data), num_threads=cfg.video_threads), None
+        except Exception as e:
+            vr, failure = None, e
+    if failure is not None:
+        # its log line is "ERROR opening: <the bytes>, <libav's reason>": the reason alone
+        reason = said[0].rsplit(", ", 1)[-1].strip() if "ERROR opening:" in said[0] else str(failure)[:200]
+        raise MediaError("corrupt_video", f"decord cannot open: {type(failure).__name__}: {reason}") from None
+    if said[0]:
+        _write_stderr(said[0])  # an open that worked: whatever was written meanwhile goes out as it was
     try:
         n = len(vr)
         if not 0 < n <= cfg.video_max_reported_frames:

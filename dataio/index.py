@@ -68,6 +68,39 @@ def expand_shards(specs: list[str] | tuple[str, ...]) -> list[str]:
     return result
 
 
+def check_shard_specs(specs: list[str] | tuple[str, ...], setting: str) -> None:
+    """A FileNotFoundError naming `setting` (e.g. data.shards, eval.sets[1].shards) unless every
+    spec finds a shard: a file that is there and not empty, a directory holding .tar files (or
+    compressed ones), a glob matching a file. Reads no shard and decompresses nothing, so it is
+    cheap enough to run before a run starts: a typo fails in a second, not inside a rank after
+    the models have loaded."""
+    if not specs:
+        raise FileNotFoundError(f"{setting} is empty: give tar files, a directory of them or a glob")
+    suffixes = (".tar",) + COMPRESSED_SUFFIXES
+    for i, spec in enumerate(specs):
+        where = f"{setting}[{i}]" if len(specs) > 1 else setting
+        path = os.path.expanduser(str(spec))
+        if os.path.isdir(path):
+            if not any(glob.glob(os.path.join(path, "*" + suffix)) for suffix in suffixes):
+                raise FileNotFoundError(f"{where}: the directory {spec} holds no shards (.tar, or "
+                                        f"{', '.join(COMPRESSED_SUFFIXES)} files); make them with yatt-mm prep or "
+                                        "yatt-mm data synth")
+        elif any(c in path for c in "*?["):
+            if not any(os.path.isfile(p) for p in glob.glob(path)):
+                raise FileNotFoundError(f"{where}: {spec} matches no file")
+        elif not os.path.exists(path):
+            raise FileNotFoundError(f"{where}: {spec} does not exist (give tar files, a directory of them or a glob)")
+        elif os.path.getsize(path) == 0:
+            raise FileNotFoundError(f"{where}: {spec} is an empty file (0 bytes), not a shard")
+
+
+def check_index_path(path: str, setting: str) -> None:
+    """A FileNotFoundError naming `setting` unless the parquet index `path` is there."""
+    if not os.path.isfile(os.path.expanduser(path)):
+        raise FileNotFoundError(f"{setting}: {path} does not exist; build it with `yatt-mm data index SHARDS... "
+                                "--out INDEX` or leave it unset (the index is then built from the shards)")
+
+
 def _image_header_size(data: bytes) -> tuple[int | None, int | None]:
     from PIL import Image
 

@@ -33,7 +33,7 @@ from dataio.budget import TokenBudget
 from dataio.decode import MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
     decode_video_bytes, VIDEO_DECODER
 from dataio.errors import MediaError
-from dataio.index import Index, open_dataset
+from dataio.index import Index, check_index_path, check_shard_specs, open_dataset
 from dataio.shards import TAR_ERROR_KIND, MemberReader
 from dataio.split import check_split, rank_order
 
@@ -86,7 +86,7 @@ class DataConfig:
     video_isolation: Literal["process", "none"] = "process"  # process: decord runs in killable children; none: in the worker
     decode_timeout_s: float = 60.0  # per video, when video_isolation == "process"
     video_decoder: str = VIDEO_DECODER  # module:function run in the video children
-    quarantine_log: str | None = None  # JSONL file: one line per skipped sample
+    quarantine_log: str | None = None  # JSONL file: one line per bad sample per run (key, shard, reason; docs/data.md)
     max_open_shards: int = 16  # shard files kept open per decoder (least recently used closed); >= 1
     # tokens per sample (prompt + media + the response limit): a video sample over it gets fewer
     # frames (uniform over the clip) so that it fits; one that cannot (or an image sample over
@@ -125,6 +125,19 @@ class DataConfig:
         elif not self.shards and not self.index:
             raise ValueError("data.shards is empty and data.index is not set: give shard paths or an index")
         self.media.validate()
+
+    def check_inputs(self, prefix: str = "data") -> None:
+        """FileNotFoundError naming the setting unless every dataset's shards (or index) are
+        there (`dataio.index.check_shard_specs`): what a launcher checks before any rank starts."""
+        if self.index:
+            check_index_path(self.index, f"{prefix}.index")
+        elif self.shards:
+            check_shard_specs(self.shards, f"{prefix}.shards")
+        for i, source in enumerate(self.blend):
+            if source.index:
+                check_index_path(source.index, f"{prefix}.blend[{i}].index")
+            else:
+                check_shard_specs(source.shards, f"{prefix}.blend[{i}].shards")
 
     def all_shards(self) -> list[str]:
         """The shards of every dataset it reads (a blend's, in its order)."""
@@ -301,6 +314,9 @@ class DataReader:
         self.budget_fitted = 0  # samples given fewer video frames to fit data.max_sample_tokens
         self.frames_dropped = 0  # the frames they left out
         self._order_cache: tuple[int, np.ndarray] | None = None
+        self._quarantined: set[tuple[str, str]] | None = None  # (shard, key) with a line in the log; read lazily
+        self._log_needs_newline = False  # the log ends in a line a kill cut short
+        self._first_epoch: np.ndarray | None = None  # sorted indices this rank reads in epoch 0 (its own samples)
 
     # ---------------------------------------------------------------- order
     def order(self, epoch: int | None = None) -> np.ndarray:
@@ -378,14 +394,70 @@ class DataReader:
 
     def _record_skip(self, s: Skip) -> None:
         self.skips[s.reason] += 1
-        if self.cfg.quarantine_log:
-            rec = {"time": time.time(), "reason": s.reason, "shard": s.shard, "key": s.key, "index": s.index,
-                   "detail": s.detail, "epoch": self.epoch, "dp_rank": self.dp_rank}
-            if self.source:
-                rec["source"] = self.source
-            os.makedirs(os.path.dirname(os.path.abspath(self.cfg.quarantine_log)), exist_ok=True)
-            with open(self.cfg.quarantine_log, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        self._quarantine(s.key, s.shard, s.index, s.reason, s.detail, self.epoch)
+
+    def quarantine(self, sample: Sample, reason: str, detail: str = "") -> None:
+        """Log a sample its consumer cannot use (RL: no question or no answer) as the reader logs
+        its own skips; the consumer counts it."""
+        self._quarantine(sample.key, sample.shard, sample.index, reason, detail, sample.epoch)
+
+    def _quarantine(self, key: str, shard: str, index: int, reason: str, detail: str, epoch: int) -> None:
+        """One line per bad sample per run, however many epochs skip it again (they count it).
+
+        The log is its own record of what it holds: a reader reads it once, so a resumed run
+        (or a reader made again, as the held-out sets are at each launch) adds no second line
+        for a sample it already lists. Across DP ranks: each epoch deals the samples out anew,
+        so a bad sample comes to another rank in a later epoch; only the rank that read it in
+        the first epoch (epoch 0: each sample goes to exactly one rank) writes its line. A
+        failure that first shows in a later epoch (a timeout, a read error) is written when it
+        happens on that rank."""
+        path = self.cfg.quarantine_log
+        if not path:
+            return
+        if self._quarantined is None:
+            self._quarantined = self._read_quarantined(path)
+        if (shard, key) in self._quarantined or (epoch > 0 and not self._read_first_epoch(index)):
+            return
+        self._quarantined.add((shard, key))
+        rec = {"time": time.time(), "reason": reason, "shard": shard, "key": key, "index": index, "detail": detail,
+               "epoch": epoch, "dp_rank": self.dp_rank}
+        if self.source:
+            rec["source"] = self.source
+        line = json.dumps(rec) + "\n"
+        if self._log_needs_newline:  # end the torn line first, so this one stays whole
+            line, self._log_needs_newline = "\n" + line, False
+        with open(path, "a") as f:
+            f.write(line)
+
+    def _read_quarantined(self, path: str) -> set[tuple[str, str]]:
+        """(shard, key) of every line the log holds (none when it is new); a torn last line (a
+        kill mid-write) names nothing and is closed by the next write."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return set()
+        self._log_needs_newline = bool(data) and not data.endswith(b"\n")
+        seen = set()
+        for line in data.splitlines():
+            try:
+                rec = json.loads(line)
+                seen.add((rec["shard"], rec["key"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return seen
+
+    def _read_first_epoch(self, index: int) -> bool:
+        """Whether this rank read sample `index` in epoch 0 (then its line is this rank's to write)."""
+        if self.dp_size == 1:
+            return True
+        if self._first_epoch is None:  # not through order(): that would drop the current epoch's cached order
+            c = self.cfg
+            self._first_epoch = np.sort(rank_order(len(self.index), self.dp_rank, self.dp_size, c.seed, 0, c.slice_size,
+                                                   c.shuffle_buffer, c.shuffle))
+        at = int(np.searchsorted(self._first_epoch, index))
+        return at < len(self._first_epoch) and int(self._first_epoch[at]) == index
 
     def close(self) -> None:
         self.decoder.close()

@@ -17,6 +17,10 @@ def check_stage_layers(num_layers: int, pp: int, layers: Sequence[int] = (), pre
     stages: evenly (no `layers`), or as `layers` (one count per stage, each >= 1, summing to
     the model's layers)."""
     layers = list(layers)
+    if pp > num_layers:  # no split at all: each stage needs a layer of its own
+        raise ValueError(f"{prefix}pipeline_parallel={pp}: the model has {num_layers} language layer"
+                         f"{'' if num_layers == 1 else 's'} and every pipeline stage needs at least 1: set "
+                         f"{prefix}pipeline_parallel to at most {num_layers} ({num_layers}: one layer a stage)")
     if not layers:
         if num_layers % pp:
             raise ValueError(f"{prefix}pipeline_parallel={pp}: the model's {num_layers} layers must divide evenly "
@@ -34,7 +38,8 @@ def check_stage_layers(num_layers: int, pp: int, layers: Sequence[int] = (), pre
 
 
 def uneven_example(num_layers: int, pp: int) -> list[int]:
-    """A split of `num_layers` over `pp` stages with the fewest on the first (the vision tower's)."""
+    """A split of `num_layers` over `pp` stages (pp <= num_layers, so each gets one or more) with
+    the fewest on the first (the vision tower's)."""
     base, extra = divmod(num_layers, pp)
     return [base + (1 if s >= pp - extra else 0) for s in range(pp)]
 

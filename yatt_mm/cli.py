@@ -53,6 +53,7 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = load(RLConfig, args.config, overrides)
         if not cfg.eval.filled():
             raise ConfigError("the config has no eval set: give eval.shards=[DIR] or eval.sets=[{name, shards}]")
+        cfg.eval.check_inputs()  # FileNotFoundError: one line and exit 2 (main)
         if args.dp_size < 1:
             raise ConfigError(f"--dp-size must be >= 1, got {args.dp_size}")
         if cfg.rollout.engine.tensor_parallel_size > 1:

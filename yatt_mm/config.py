@@ -192,7 +192,11 @@ def apply_override(data: dict[str, Any], override: str, root: type | None = None
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like key=value (for example rollout.sampling.n=8)")
     key, raw = override.split("=", 1)
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:  # the value is YAML: an unclosed [ or { fails here
+        raise ConfigError(f"override {override!r}: the value is not valid: {_yaml_problem(e, one_line=True)} "
+                          "(quote a value meant as text)") from None
     parts = key.strip().split(".")
     node, section, defaults, path = data, root, _defaults(root), ""
     for depth, part in enumerate(parts):
@@ -243,7 +247,7 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
-        data = yaml.safe_load(p.read_text()) or {}
+        data = _read_yaml(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     for override in overrides or []:
@@ -251,6 +255,37 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
     cfg = build(cls, data)
     validate(cfg)
     return cfg
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML of a config file; a file that is not UTF-8 text or not YAML is one line naming
+    where (line and column) and what is wrong, not the parser's traceback."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line}, column "
+                          f"{column}; save it as UTF-8") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: {_yaml_problem(e)}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError, one_line: bool = False) -> str:
+    """'YAML syntax error at line L, column C: what the parser found (while parsing what, which
+    starts at line L, column C)', 1-based as editors count; `one_line`: columns only."""
+
+    def at(mark) -> str:
+        return f"column {mark.column + 1}" if one_line else f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, context_mark = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    what = " ".join(str(getattr(e, "problem", None) or e).split())
+    if context := getattr(e, "context", None):
+        what += f" ({' '.join(context.split())}" + (f", which starts at {at(context_mark)})" if context_mark else ")")
+    return f"YAML syntax error{f' at {at(mark)}' if mark is not None else ''}: {what}"
 
 
 def validate(cfg: Any, path: str = "") -> None:

@@ -315,6 +315,11 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
         except ValueError as e:
             print(f"{prog}: {e}" + ("" if launching else " (start several ranks with --nproc N)"), file=sys.stderr)
             return 2
+        try:  # the data the run reads, before a warm start trains on it or a rank loads a model
+            cfg.check_inputs()
+        except FileNotFoundError as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return 2
     try:
         cfg.resolve_models(resolve_model)  # under torchrun without the launcher, every rank (cached, locked)
         cfg.check_model()

@@ -38,7 +38,9 @@ def detect_format(path: str) -> str | None:
     lower = path.lower()
     if lower.endswith(".parquet"):
         return "hf-parquet"
-    if lower.endswith((".json", ".jsonl")):
+    if lower.endswith(".json"):  # never media, and not a list file (.jsonl, .csv): a dataset, whose reading
+        return "llava"           # names what is wrong with it (not JSON, not a list of rows)
+    if lower.endswith(".jsonl"):
         with open(path, encoding="utf-8", errors="replace") as f:
             head = f.read(1 << 16)
         return "llava" if '"conversations"' in head else None
@@ -101,6 +103,9 @@ def _llava_rows(path: str) -> Iterator[tuple[int, object]]:
             raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(rows, list):
         raise ValueError(f"{path}: a LLaVA-style file holds a list of rows, not a {type(rows).__name__}")
+    if rows and not any(isinstance(row, dict) and "conversations" in row for row in rows):
+        raise ValueError(f"{path}: no row has \"conversations\": a .json input is a LLaVA-style dataset; a list of "
+                         "media files goes in a .jsonl or .csv file with a 'path' column")
     yield from enumerate(rows)
 
 

@@ -312,7 +312,7 @@ RL, SFT = (RLConfig, "tiny_demo.yaml"), (SFTConfig, "tiny_sft.yaml")
     (RL, "split.cores=-1", "split.cores must be >= 0, got -1"),
     (RL, "cluster.nodes=-1", "cluster.nodes must be >= 0, got -1"),
     (RL, "cluster.gpu_memory_gib=-80", "cluster.gpu_memory_gib must be >= 0, got -80.0"),
-    (RL, "reward.functions=[{weight: .nan}]", "reward.functions[0].weight must be a finite number, got nan"),
+    (RL, "reward.functions=[{weight: .nan}]", "reward.functions[0].weight must be >= 0, got nan"),
     (RL, "reward.judges=[{judge: {votes: 0}}]", "reward.judges[0].judge.votes must be >= 1, got 0"),
     (RL, "reward.judges=[{judge: {port: 70000}}]", "reward.judges[0].judge.port must be in [0, 65535], got 70000"),
     (RL, "reward.judges=[{judge: {timeout_s: 0}}]", "reward.judges[0].judge.timeout_s must be > 0, got 0.0"),
@@ -348,16 +348,21 @@ def test_the_launcher_takes_a_recipes_cluster_and_notes_a_launch_of_another_shap
     (2 nodes x 8 GPUs for the 30B-A3B recipe), it says so once, naming the plan for this shape, and
     goes on (here to the model directory, missing, where it stops before any rank starts)."""
     import yatt_mm.launch as launch
+    from dataio.synth import write_shards
 
-    recipe, missing = "configs/qwen3vl_30b_a3b_16gpu.yaml", f"policy.model={tmp_path / 'no-model'}"
+    write_shards(str(tmp_path / "shards"), images=2, videos=0, samples_per_shard=2)  # the recipe's data is elsewhere
+    recipe = "configs/qwen3vl_30b_a3b_16gpu.yaml"
+    missing = f"policy.model={tmp_path / 'no-model'}"
+    here = [f"data.shards=[{tmp_path / 'shards'}]", f"eval.shards=[{tmp_path / 'shards'}]"]
     assert launch.run_command("yatt-mm rl", RLConfig, "m", lambda cfg: 0, ["--config", recipe, "--nproc", "8",
-                                                                           missing]) == 2
+                                                                           missing, *here]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0] == ("yatt-mm rl: note: the config is written for cluster.nodes=2; this launch has --nnodes 1: its "
                       f"memory plan is for the stated cluster (plan this one: yatt-mm plan --config {recipe} --nodes 1)")
     assert len(err) == 2 and "no-model" in err[1]
     for shape in (["--nproc", "8", "--nnodes", "2"], ["--nproc", "16", "cluster.nodes=0", "cluster.gpus_per_node=0"]):
-        assert launch.run_command("yatt-mm rl", RLConfig, "m", lambda cfg: 0, ["--config", recipe, *shape, missing]) == 2
+        assert launch.run_command("yatt-mm rl", RLConfig, "m", lambda cfg: 0,
+                                  ["--config", recipe, *shape, missing, *here]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and "note" not in err[0], (shape, err)  # the stated shape, or none stated: no note
 

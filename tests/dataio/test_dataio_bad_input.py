@@ -190,3 +190,28 @@ def test_plain_webdataset_reads_our_shards(tmp_path):
     paths = write_shards(str(tmp_path), images=9, videos=2, frame_sequences=1, samples_per_shard=4)
     keys = [s["__key__"] for s in wds.WebDataset(paths, shardshuffle=False)]
     assert sorted(keys) == sorted(open_dataset(paths).sample_key) and len(keys) == 12
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_no_members_bytes_reach_the_terminal_when_decord_cannot_open_them(tmp_path, capfd, isolation):
+    """decord's failed open logs 'ERROR opening: <the member's bytes>, <reason>' on the process's
+    stderr (megabytes for a cut-off video); the reader keeps the reason for the quarantine log and
+    nothing of the bytes reaches the terminal, from a decoding child or a decoding thread."""
+    from dataio_helpers import js, write_tar
+
+    marker = b"MEMBER-BYTES-7f3a"
+    cut = good_video_bytes(4)[:600]  # a real mp4 cut short: its header, and then nothing
+    write_tar(str(tmp_path / "s.tar"), [("a.mp4", marker * 40), ("a.json", js()), ("b.mp4", marker + cut),
+                                        ("b.json", js()), ("c.mp4", cut), ("c.json", js())])
+    log = tmp_path / "quarantine.jsonl"
+    reader = DataReader(DataConfig(shards=[str(tmp_path)], shuffle=False, workers=1, video_isolation=isolation,
+                                   quarantine_log=str(log)))
+    assert list(reader.iter_epoch()) == []
+    reader.close()
+    err = capfd.readouterr().err
+    assert "MEMBER-BYTES" not in err and "ERROR opening" not in err, err[-2000:]
+    details = {x["key"]: x["detail"] for x in map(json.loads, log.read_text().splitlines())}
+    assert set(details) == {"a", "b", "c"}
+    for detail in details.values():
+        assert detail.startswith("decord cannot open: ") and "MEMBER-BYTES" not in detail, detail
+    assert details["a"].endswith("Invalid data found when processing input")

@@ -161,3 +161,22 @@ def test_hf_parquet_single_image_column_and_plain_prompt(tmp_path):
     got, fails = _read_back(out)
     assert sorted((s.prompt, s.answer) for s in got) == [("What is it?", "a"), ("Why?", "c")]
     assert fails == {"000000001": "no_question"}
+
+
+@pytest.mark.parametrize("content, why", [
+    ('[{"image": "a.png", "conversations": [{"from": "human"', "not JSON (Expecting ',' delimiter: line 1 column 55"),
+    ('{"image": "a.png", "conv', "not JSON (Unterminated string starting at: line 1 column 20"),
+    ('{"image": "a.png"}', "a LLaVA-style file holds a list of rows, not a dict"),
+    ('[{"path": "a.png"}]', 'no row has "conversations": a .json input is a LLaVA-style dataset; a list of media '
+                            "files goes in a .jsonl or .csv file with a 'path' column"),
+])
+def test_a_broken_json_input_is_refused_saying_what_is_wrong_with_it(tmp_path, capsys, content, why):
+    """A .json input is a dataset file, never an image: one that does not read as a LLaVA-style
+    dataset is named with its own fault (it was counted as not_an_image when it lacked the word
+    "conversations"), before anything is written."""
+    broken = tmp_path / "rows.json"
+    broken.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        main(["prep", "images", str(broken), "--out", str(tmp_path / "out"), "--workers", "0", "--no-progress"])
+    assert str(e.value).startswith(f"prep images: {broken}: {why}"), e.value
+    assert not (tmp_path / "out" / "failures.parquet").exists()

@@ -461,7 +461,7 @@ def _kill_rank_and_wait(launcher: subprocess.Popen, rank: int) -> None:
     assert launcher.wait(timeout=180) != 0  # torchrun stops the other rank and reports the failure
 
 
-@pytest.mark.slow  # three launches, ~150 s
+@pytest.mark.slow  # four runs (the last stops at its resume) and a refused launch, ~230 s on 2 shared cores
 def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_that_checkpoint(tmp_path, warm_policy):
     """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) while the
     ranks' first checkpoint is on its way to disk (the writer held between its files by the
@@ -470,7 +470,10 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     The rerun skips the torn checkpoint, saying so, starts from step 0, and its logs and data
     lineage read as one run. Then exact resume: with seeded sampling (rollout.sampling.seed), the
     rerun's run resumed from its step-2 checkpoint samples, rewards and trains steps 3 and 4 as
-    the rerun did, to the last bit of the weights."""
+    the rerun did, to the last bit of the weights; that resume also falls back: its newest
+    checkpoint (step 4) has a truncated trainer file, which it names with its reason and skips.
+    Last, with a damaged file in every checkpoint, a rerun stops with one clear error and
+    leaves the run's logs as they were."""
     import fcntl
     import shutil
 
@@ -511,12 +514,15 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     _assert_epoch_drawn_exactly_once(run_dir, keys=16)
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
-    resumed_dir = tmp_path / "resumed"  # the rerun's run as if it had stopped in step 3
+    resumed_dir = tmp_path / "resumed"  # the rerun's run whose step-4 checkpoint was damaged on disk
     shutil.copytree(run_dir, resumed_dir, ignore=shutil.ignore_patterns(".lock*"))
-    shutil.rmtree(resumed_dir / "checkpoints" / "step_4")
+    damaged = resumed_dir / "checkpoints" / "step_4"
+    _truncate(damaged / "trainer_rank0.pt")
     resumed = subprocess.run([*cmd, f"run.run_dir={resumed_dir}"], capture_output=True, text=True, timeout=600,
                              cwd=ROOT)
     assert resumed.returncode == 0, (resumed.stdout[-3000:], resumed.stderr[-5000:])
+    assert (f"checkpoint {damaged} is damaged, skipped: rank 0: trainer_rank0.pt cannot be read (truncated or "
+            "damaged: PytorchStreamReader failed") in resumed.stdout, resumed.stdout[-3000:]
     assert f"resumed from {resumed_dir / 'checkpoints' / 'step_2'} (step 2;" in resumed.stdout
     same = ["rollout/reward_mean", "rollout/response_length", "rollout/valid_group_rate", "train/loss",
             "train/entropy", "train/weights_checksum_after"]
@@ -526,6 +532,26 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     assert [r["step"] for r in again] == [1, 2, 3, 4] and again[:2] == whole[:2]
     assert [[r[k] for k in same] for r in again[2:]] == [[r[k] for k in same] for r in whole[2:]]
     assert _consumed(resumed_dir) == _consumed(run_dir)
+
+    # every checkpoint damaged, on different ranks: one clear error, no torch traceback, no restart
+    _truncate(resumed_dir / "checkpoints" / "step_4" / "trainer_rank0.pt")
+    _truncate(resumed_dir / "checkpoints" / "step_2" / "trainer_rank1.pt")
+    metrics_before = (resumed_dir / "metrics.jsonl").read_text()
+    stuck = subprocess.run([*cmd, f"run.run_dir={resumed_dir}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert stuck.returncode != 0
+    assert (f"yatt-mm rl: no checkpoint in {resumed_dir / 'checkpoints'} can be resumed: all 2 complete one(s) are "
+            "damaged") in stuck.stderr, stuck.stderr[-5000:]
+    for step, rank in ((4, 0), (2, 1)):
+        assert (f"checkpoint {resumed_dir / 'checkpoints' / f'step_{step}'} is damaged, skipped: rank {rank}: "
+                f"trainer_rank{rank}.pt cannot be read") in stuck.stdout, stuck.stdout[-3000:]
+    assert "RuntimeError: PytorchStreamReader" not in stuck.stderr and "resumed from" not in stuck.stdout
+    assert (resumed_dir / "metrics.jsonl").read_text() == metrics_before
+
+
+def _truncate(path: Path) -> None:
+    """A file cut short, as a full disk or an interrupted copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
 
 
 @pytest.mark.slow  # ~2 min: one 2-rank launch

@@ -3,6 +3,7 @@ naming the setting, before any rank starts, and what the memory plan counts per 
 Megatron runs (parity with transformers and training equal to one process on the 3-layer tiny
 model at PP 2 with [1, 2]) are in test_models.py."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,23 @@ def test_uneven_counts_without_the_setting_point_to_it():
                                          r"p.pipeline_layers .* e.g. \[1, 2\]"):
         check_stage_layers(3, 2, (), "p.")
     assert uneven_example(7, 3) == [2, 2, 3] and uneven_example(3, 2) == [1, 2]
+
+
+def test_the_pipeline_hint_proposes_a_split_that_validation_accepts():
+    """Every refusal of an even split suggests either pipeline_layers or a pipeline_parallel;
+    what it suggests passes the same check (it once proposed [0, 1, 1] for 2 layers at PP 3)."""
+    for num_layers in range(1, 9):
+        for pp in range(1, 10):
+            try:
+                check_stage_layers(num_layers, pp, (), "p.")
+                continue
+            except ValueError as e:
+                hint = str(e)
+            if m := re.search(r"e\.g\. (\[[\d, ]+\])", hint):
+                check_stage_layers(num_layers, pp, [int(n) for n in m.group(1)[1:-1].split(",")], "p.")
+            else:
+                fewer = int(re.search(r"p\.pipeline_parallel to at most (\d+)", hint).group(1))
+                check_stage_layers(num_layers, fewer, (), "p.")
 
 
 def test_stage_layers_and_megatrons_layout():

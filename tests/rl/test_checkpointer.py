@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from yatt_mm.engines.engine import Response
-from yatt_mm.rl.checkpoint import Checkpointer, drop_lines_after, latest_complete, load_controller, load_trainer
+from yatt_mm.rl.checkpoint import (Checkpointer, NoUsableCheckpoint, drop_lines_after, latest_complete, load_controller,
+                                   load_trainer)
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
 from yatt_mm.rl.samples import Group, Prompt
 
@@ -154,3 +155,97 @@ def test_a_torn_last_log_line_is_dropped_and_a_torn_middle_line_is_an_error(tmp_
     log.write_text('{"step": 1}\n{"st\n{"step": 2}\n')
     with pytest.raises(RuntimeError, match="line 2 is not JSON"):
         drop_lines_after(log, 5)
+
+
+# ---------------------------------------------------------------- damaged checkpoints fall back
+
+
+def _two_checkpoints(root, world: int = 1, rank: int = 0, dp_rank: int = 0):
+    """Steps 2 and 4 of one attempt, each with its controller files (data positions 2 and 4)."""
+    ckpt = Checkpointer(root, rank=rank, world=world, keep=2, attempt="a")
+    for step in (2, 4):
+        ckpt.save(step, _trainer(step), _controller(step, buffered=False), dp_rank=dp_rank)
+        ckpt.wait()
+    return ckpt
+
+
+def _truncate(path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_a_truncated_newest_checkpoint_is_named_and_the_one_before_resumes(tmp_path, capsys):
+    ckpt = _two_checkpoints(tmp_path)
+    _truncate(tmp_path / "step_4" / "trainer_rank0.pt")
+    fresh, ctrl = _trainer(9), _controller(0, buffered=False)
+    assert ckpt.resume(fresh, ctrl, 0, lambda: None, []) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"checkpoint {tmp_path / 'step_4'} is damaged, skipped: rank 0: trainer_rank0.pt "
+                               "cannot be read (truncated or damaged: PytorchStreamReader failed"), lines
+    assert lines[1].startswith(f"resumed from {tmp_path / 'step_2'} (step 2;")
+    assert ctrl.source.position == 2 and torch.equal(fresh.module[0].weight, _trainer(2).module[0].weight)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("hash", "trainer_rank0.pt does not hash to the SHA-256 in done_rank0"),
+    ("no_controller", "controller_dp0.safetensors is missing"),
+    ("bad_controller", "controller_dp0.json cannot be read (truncated or damaged: "),
+])
+def test_each_kind_of_damage_is_named_with_its_own_reason(tmp_path, capsys, damage, reason):
+    ckpt = _two_checkpoints(tmp_path)
+    newest = tmp_path / "step_4"
+    if damage == "hash":  # a whole, loadable file whose weights are not the ones written: one float one ulp off
+        state = torch.load(newest / "trainer_rank0.pt", weights_only=True)
+        weight = state["model"]["0.weight"]
+        weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(9.0))
+        torch.save(state, newest / "trainer_rank0.pt")
+    elif damage == "no_controller":
+        (newest / "controller_dp0.safetensors").unlink()
+    else:
+        _truncate(newest / "controller_dp0.json")
+    assert ckpt.resume(_trainer(9), _controller(0, buffered=False), 0, lambda: None, []) == 2
+    assert f"checkpoint {newest} is damaged, skipped: rank 0: {reason}" in capsys.readouterr().out
+
+
+def test_when_every_checkpoint_is_damaged_the_run_stops_with_one_clear_error(tmp_path, capsys):
+    ckpt = _two_checkpoints(tmp_path)
+    for step in (2, 4):
+        _truncate(tmp_path / f"step_{step}" / "trainer_rank0.pt")
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n')
+    with pytest.raises(NoUsableCheckpoint) as e:
+        ckpt.resume(_trainer(9), _controller(0, buffered=False), 0, lambda: pytest.fail("nothing to sync"), [log])
+    assert str(e.value) == (f"no checkpoint in {tmp_path} can be resumed: all 2 complete one(s) are damaged (step_4, "
+                            f"step_2; the reasons are above). Restore them from a copy, or remove {tmp_path} to start "
+                            "this run over from step 0")
+    said = capsys.readouterr().out.splitlines()
+    assert [line.split(" is damaged")[0] for line in said] == [f"checkpoint {tmp_path / f'step_{s}'}" for s in (4, 2)]
+    assert log.read_text() == '{"step": 1}\n'  # the run's logs stay as they were: nothing resumed, nothing restarted
+
+
+@pytest.mark.filterwarnings("ignore:You are using a Backend")  # gloo_threads' bare groups, made without a default group
+def test_ranks_agree_on_the_newest_checkpoint_every_one_of_them_verifies(tmp_path, capsys):
+    """Two ranks (real gloo, a thread each) with checkpoints 2, 4 and 6: rank 1's file of step 6
+    and rank 0's of step 4 are damaged, so only step 2 verifies on both. Each rank checks only
+    its own files; both resume step 2, and rank 0 names each skipped step with the failing
+    rank's reason."""
+    from gloo_threads import on_ranks
+
+    for rank in (0, 1):
+        ckpt = Checkpointer(tmp_path, rank=rank, world=2, keep=3, attempt="a")
+        for step in (2, 4, 6):
+            ckpt.save(step, _trainer(step), _controller(step, buffered=False), dp_rank=rank)
+            ckpt.wait()
+    _truncate(tmp_path / "step_6" / "trainer_rank1.pt")
+    (tmp_path / "step_4" / "controller_dp0.json").unlink()
+
+    def resume(rank, group):
+        ctrl = _controller(0, buffered=False)
+        ckpt = Checkpointer(tmp_path, rank=rank, world=2, keep=3, attempt="b")
+        return ckpt.resume(_trainer(9), ctrl, rank, lambda: None, [], group=group), ctrl.source.position
+
+    assert on_ranks(2, resume) == [(2, 2), (2, 2)]
+    said = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert said == [f"checkpoint {tmp_path / 'step_6'} is damaged, skipped: rank 1: trainer_rank1.pt cannot be read "
+                    f"(truncated or damaged: {said[0].split('truncated or damaged: ', 1)[-1]}",
+                    f"checkpoint {tmp_path / 'step_4'} is damaged, skipped: rank 0: controller_dp0.json is missing"]

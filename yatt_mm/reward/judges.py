@@ -33,9 +33,9 @@ def served_judge(cfg: JudgeConfig) -> ServerJudge:
 @dataclass
 class WeightedJudge:
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the judge's model, prompt, votes and backend
-    weight: float = 1.0  # its share of the total reward
+    weight: float = 1.0  # its share of the total reward (>= 0, as a rule's: yatt_mm/reward/rewarder.py)
 
-    RANGES = {"weight": "any"}
+    RANGES = {"weight": ">= 0"}
 
     def validate(self) -> None:
         JUDGES.get(self.judge.backend)

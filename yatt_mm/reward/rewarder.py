@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 @dataclass
 class RewardFunction:
     name: str = "exact_match"  # a registered rule (yatt_mm/reward/rules.py) or module:function
-    weight: float = 1.0  # its share of the total reward
+    weight: float = 1.0  # its share of the total reward (>= 0: every reward scores better answers higher)
 
-    RANGES = {"weight": "any"}
+    # the total is the weighted sum of rewards that all score a better answer higher (rules 0 or
+    # 1, judges' verdicts): a negative weight would train towards what the reward calls wrong
+    RANGES = {"weight": ">= 0"}
 
     def validate(self) -> None:
         get_rule(self.name)
@@ -39,6 +41,9 @@ class RewardConfig:
     def validate(self) -> None:
         if not self.functions and not self.judges:
             raise ValueError("configure at least one of functions and judges")
+        if all(part.weight == 0 for part in [*self.functions, *self.judges]):
+            raise ValueError("every reward weight is 0, so every response's reward is 0 and no group ever trains: "
+                             "give a function or a judge a weight > 0")
 
 
 class Rewarder:

@@ -17,9 +17,16 @@ Every file is written under a temporary name, fsynced and renamed, and the direc
 before the marker is (itself the same way): a marker on disk means its files are. A checkpoint
 is complete when every rank's marker exists and all carry the same attempt id (one launch of the
 run), so markers left by a crashed attempt never complete a checkpoint that a later attempt
-rewrites. `latest_complete` picks the newest complete one and says which partial ones it skips;
-resume loads it and checks the live weights and optimizer state hash bit for bit to what was
-written. The trainer files are our own, still read back with `torch.load(weights_only=True)`:
+rewrites. `latest_complete` picks the newest complete one and says which partial ones it skips.
+
+A complete checkpoint can still be damaged after the fact (a disk or a copy that cut a file
+short, a file edited or lost): resume verifies each rank's own files before it trusts them (the
+trainer file loads and hashes to its marker's SHA-256; the controller files are there and read),
+and all ranks agree on the newest checkpoint that verified on every one of them
+(`Checkpointer.choose`); each one skipped is named once with every failing rank's reason, and a
+run whose complete checkpoints all fail stops with `NoUsableCheckpoint` instead of starting over
+on top of them. After loading, the live weights and optimizer state are hashed once more against
+the marker. The trainer files are our own, still read back with `torch.load(weights_only=True)`:
 nothing in a checkpoint is unpickled as code.
 
 For crash tests only, YATT_MM_FAULT_CHECKPOINT_PAUSE=SECONDS holds each rank's write between its
@@ -39,6 +46,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from yatt_mm.rl.samples import Group
 from yatt_mm.rl.sources import pack_prompt, unpack_prompt
@@ -138,18 +146,20 @@ class Checkpointer:
         self._thread.start()
         return {"checkpoint/snapshot_seconds": seconds, "checkpoint/last_write_seconds": self.last_write_seconds}
 
-    def resume(self, trainer, controller, dp_rank: int, sync_weights, logs: list[Path]) -> int:
-        """Continue from the newest complete checkpoint: the trainer's weights and optimizer,
-        the engine's weights (`sync_weights()`, a collective over TP), the controller's data
-        position and sampler buffer. Lines of `logs` after the checkpoint's step (a crashed
-        run's last steps) are dropped, so metrics and data lineage read as one run. Returns the
-        step to start from (0 without a checkpoint)."""
-        ckpt = latest_complete(self.root, self.world, say=print if self.rank == 0 else lambda _: None)
+    def resume(self, trainer, controller, dp_rank: int, sync_weights, logs: list[Path], group=None) -> int:
+        """Continue from the newest complete checkpoint that verifies on every rank (`choose`;
+        `group`: a CPU process group of all ranks, None for a run of one process): the trainer's
+        weights and optimizer, the engine's weights (`sync_weights()`, a collective over TP),
+        the controller's data position and sampler buffer. Lines of `logs` after the
+        checkpoint's step (a crashed run's last steps) are dropped, so metrics and data lineage
+        read as one run. Returns the step to start from (0 without a checkpoint); raises
+        NoUsableCheckpoint when there are complete checkpoints but none verifies."""
+        ckpt, state = self.choose(dp_rank if controller is not None else None, group)
         if ckpt is None:  # a fresh start in a used run dir (a crash before the first checkpoint)
             for path in logs:
                 drop_lines_after(path, -1)
             return 0
-        step = load_trainer(ckpt, trainer, self.rank, self.world)
+        step = load_trainer(ckpt, trainer, self.rank, self.world, state)
         sync_weights()
         if controller is not None:
             load_controller(ckpt, controller, dp_rank)
@@ -158,6 +168,62 @@ class Checkpointer:
         if self.rank == 0:
             print(f"resumed from {ckpt} (step {step}; weights and optimizer state bitwise as written)", flush=True)
         return step
+
+    def choose(self, dp_rank: int | None, group=None) -> tuple[Path | None, dict | None]:
+        """The newest complete checkpoint whose files verify on every rank, with this rank's
+        trainer state as read (None, None: no complete checkpoint at all, a fresh start).
+
+        Each rank verifies only its own files (its trainer file; a controller's, with
+        `dp_rank`, its DP group's controller files), newest first, and stops at the first that
+        verifies: reading every checkpoint would cost as many loads of the model. The ranks
+        then agree by all-reduce on the least and the greatest of their answers; while they
+        differ, each looks again at or below the least. The answers only fall, so this ends,
+        at the newest checkpoint that every rank verified (or none). Rank 0 then names each
+        newer one skipped and why, with every rank's reasons gathered."""
+        say = print if self.rank == 0 else (lambda _: None)
+        dirs = list(reversed(_step_dirs(self.root)))
+        complete = [d for d in dirs if _checked_complete(d, self.world)]
+        if not complete:
+            for d in dirs:
+                say(_incomplete_message(d, self.world))
+            return None, None
+        failures: dict[int, str] = {}  # step -> why this rank's files do not verify
+        kept: tuple[int, dict] | None = None  # the newest of this rank's that verified, as read
+        bound = _step(complete[0])
+        while True:
+            mine = -1
+            for d in complete:
+                step = _step(d)
+                if step > bound or step in failures:
+                    continue
+                if kept is not None and kept[0] == step:
+                    mine = step
+                    break
+                state, reason = verify_rank_files(d, self.rank, dp_rank)
+                if reason is None:
+                    kept, mine = (step, state), step
+                    break
+                failures[step] = reason
+            least, greatest = _agree(mine, group)
+            if least == greatest:
+                break
+            bound = least
+        chosen = self.root / f"step_{least}" if least >= 0 else None
+        reasons = _gather(failures, group, self.world)
+        for d in dirs:
+            if chosen is not None and _step(d) <= least:
+                break
+            if d in complete:
+                why = [f"rank {r}: {reasons[r][_step(d)]}" for r in range(self.world) if _step(d) in reasons[r]]
+                say(f"checkpoint {d} is damaged, skipped: {'; '.join(why)}")
+            else:
+                say(_incomplete_message(d, self.world))
+        if chosen is None:
+            raise NoUsableCheckpoint(
+                f"no checkpoint in {self.root} can be resumed: all {len(complete)} complete one(s) are damaged "
+                f"({', '.join(d.name for d in complete)}; the reasons are above). Restore them from a copy, or "
+                f"remove {self.root} to start this run over from step 0")
+        return chosen, kept[1]  # this rank's answer was the agreed one: its state is kept
 
     def wait(self) -> None:
         """Block until the write in flight is on disk; re-raise its failure here, in the loop."""
@@ -243,28 +309,114 @@ def _is_complete(d: Path, world: int) -> bool:
             and len({m.get("attempt") for m in markers}) == 1)
 
 
+def _step(d: Path) -> int:
+    return int(d.name[5:])
+
+
+def _checked_complete(d: Path, world: int) -> bool:
+    """Whether every rank of one attempt finished `d`; a checkpoint complete for another world
+    size is an error, not a silent fresh start."""
+    if _is_complete(d, world):
+        return True
+    markers = _markers(d)
+    other = markers[0].get("world") if markers else world
+    if other != world and _is_complete(d, other):
+        raise RuntimeError(f"{d} was written by a run of {other} ranks; this run has {world}: "
+                           "resume with the world size the run was started with")
+    return False
+
+
+def _incomplete_message(d: Path, world: int) -> str:
+    markers = _markers(d)
+    attempts = len({m.get("attempt") for m in markers})
+    return (f"checkpoint {d} is incomplete ({len(markers)} of {world} ranks' markers"
+            + (f", from {attempts} different attempts" if attempts > 1 else "") + "): skipped")
+
+
 def latest_complete(root: Path, world: int, say=print) -> Path | None:
     """The newest checkpoint every rank of one attempt finished. Partial ones (a crash mid-write,
     or markers of different attempts) are skipped, and `say` tells which; a complete checkpoint
     of another world size is an error, not a silent fresh start."""
     for d in reversed(_step_dirs(root)):
-        if _is_complete(d, world):
+        if _checked_complete(d, world):
             return d
-        markers = _markers(d)
-        other = markers[0].get("world") if markers else world
-        if other != world and _is_complete(d, other):
-            raise RuntimeError(f"{d} was written by a run of {other} ranks; this run has {world}: "
-                               "resume with the world size the run was started with")
-        attempts = len({m.get("attempt") for m in markers})
-        say(f"checkpoint {d} is incomplete ({len(markers)} of {world} ranks' markers"
-            + (f", from {attempts} different attempts" if attempts > 1 else "") + "): skipped")
+        say(_incomplete_message(d, world))
     return None
 
 
-def load_trainer(ckpt: Path, trainer, rank: int, world: int) -> int:
-    """Restore this rank's model shard and optimizer state; checks the layout, then that the
-    live state hashes to what was written (bit for bit)."""
-    state = torch.load(ckpt / f"trainer_rank{rank}.pt", map_location="cpu", weights_only=True)
+class NoUsableCheckpoint(RuntimeError):
+    """The run has complete checkpoints, and every one failed to verify on some rank."""
+
+
+def _short(e: BaseException) -> str:
+    """An exception as one short line: its first sentence (torch's reader errors go on with
+    several more of general advice), at most 200 characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    first, dot, rest = text.partition(". ")
+    text = first + "." if dot and len(first) >= 20 else text
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def verify_rank_files(ckpt: Path, rank: int, dp_rank: int | None) -> tuple[dict | None, str | None]:
+    """(this rank's trainer state as read, None) when its files in `ckpt` are whole, else
+    (None, why not): the trainer file reads and hashes to the SHA-256 of the rank's marker;
+    with `dp_rank` (a controller), its DP group's controller files are there and read."""
+    from safetensors.torch import load_file
+
+    name = f"trainer_rank{rank}.pt"
+    path = ckpt / name
+    if not path.is_file():
+        return None, f"{name} is missing"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch reports a cut file as a zip reader failure, among others
+        return None, f"{name} cannot be read (truncated or damaged: {_short(e)})"
+    lacking = [k for k in ("model", "optimizer", "step", "world", "tensor_parallel")
+               if not isinstance(state, dict) or k not in state]
+    if lacking:
+        return None, f"{name} lacks {', '.join(lacking)}"
+    try:
+        want = json.loads((ckpt / f"done_rank{rank}").read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"done_rank{rank} holds no SHA-256 of the trainer state ({_short(e)})"
+    if state_digest({"model": state["model"], "optimizer": state["optimizer"]}) != want:
+        return None, f"{name} does not hash to the SHA-256 in done_rank{rank}: its contents changed after writing"
+    if dp_rank is not None:
+        for member, read in ((f"controller_dp{dp_rank}.json", lambda p: json.loads(p.read_text())),
+                             (f"controller_dp{dp_rank}.safetensors", lambda p: load_file(str(p)))):
+            if not (ckpt / member).is_file():
+                return None, f"{member} is missing"
+            try:
+                read(ckpt / member)
+            except Exception as e:
+                return None, f"{member} cannot be read (truncated or damaged: {_short(e)})"
+    return state, None
+
+
+def _agree(mine: int, group) -> tuple[int, int]:
+    """The least and the greatest of every rank's `mine` (one all-reduce)."""
+    if group is None:
+        return mine, mine
+    both = torch.tensor([-mine, mine], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return -int(both[0]), int(both[1])
+
+
+def _gather(failures: dict[int, str], group, world: int) -> list[dict[int, str]]:
+    """Every rank's failures, by rank (rank 0 names them all)."""
+    if group is None:
+        return [failures]
+    out: list = [None] * world
+    dist.all_gather_object(out, failures, group=group)
+    return out
+
+
+def load_trainer(ckpt: Path, trainer, rank: int, world: int, state: dict | None = None) -> int:
+    """Restore this rank's model shard and optimizer state (`state`: the trainer file as
+    `verify_rank_files` read it; else read here); checks the layout, then that the live state
+    hashes to what was written (bit for bit)."""
+    if state is None:
+        state = torch.load(ckpt / f"trainer_rank{rank}.pt", map_location="cpu", weights_only=True)
     layout = (state["world"], state["tensor_parallel"], state.get("pipeline_parallel", 1))
     if layout != (world, trainer.cfg.tensor_parallel, trainer.cfg.pipeline_parallel):
         raise RuntimeError(f"{ckpt} was written by {layout[0]} ranks at TP {layout[1]} x PP {layout[2]}; this run "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
+from dataio.index import check_shard_specs
 from dataio.reader import DataConfig, check_metric_name
 from models.family import read_spec
 from models.trainer import TrainerConfig
@@ -17,6 +18,11 @@ from yatt_mm.reward.rewarder import RewardConfig
 from yatt_mm.rl.algorithms import AlgorithmConfig
 from yatt_mm.rl.dynamic_sampling import DynamicSamplingConfig
 from yatt_mm.rl.split import SplitConfig
+
+
+# The fewest tokens a rollout prompt can take: one question token, and one medium (the reader
+# skips samples without media) of at least one token between its two vision markers
+PROMPT_FLOOR = 4
 
 
 @dataclass
@@ -158,6 +164,13 @@ class EvalConfig:
                 raise ValueError(f"samples={s.samples} answers per prompt at temperature 0 are all the same greedy "
                                  f"answer: set {what} > 0 (e.g. 0.6), or samples: 1")
 
+    def check_inputs(self) -> None:
+        """The held-out sets' shards are there (FileNotFoundError naming the setting)."""
+        if self.shards:
+            check_shard_specs(self.shards, "eval.shards")
+        for i, s in enumerate(self.sets):
+            check_shard_specs(s.shards, f"eval.sets[{i}].shards")
+
     def active(self) -> list[EvalSet]:
         """The held-out sets with every setting filled in (eval.shards: one set named ""); none
         when eval is off."""
@@ -192,6 +205,8 @@ class RLConfig:
         self._check_gpu_shares()
         self._check_rollout_parallel()
         self._check_staleness()
+        self._check_context()
+        self._check_batch()
         if self.rollout.engine.tools.active and self.algorithm.overlong.soft_penalty.buffer:
             raise ValueError("algorithm.overlong.soft_penalty measures a response against rollout.sampling.max_tokens, "
                              "which multi-turn rollouts (rollout.engine.tools) apply per turn: set its buffer to 0 "
@@ -202,6 +217,63 @@ class RLConfig:
                 raise ValueError(
                     "run.placement=partial runs the rollout beside GenRM judges served by vLLM servers: "
                     + (f"set backend: server for judge(s) {', '.join(local)}" if local else "configure reward.judges"))
+
+    def _check_context(self) -> None:
+        """A prompt and its response share the engine's context (rollout.engine.max_model_len),
+        prompt first: a response limit must leave the prompt room. A prompt holds at least a
+        question token and one medium (a sample without media is skipped) of at least one
+        token between its two vision markers: PROMPT_FLOOR tokens, less than any real prompt
+        takes, so no config that can run is refused. With data.max_sample_tokens the reader
+        admits samples of up to that many tokens, response limit included (dataio/budget.py):
+        the engine must hold such a sample, and the budget must leave a prompt room after the
+        response limit, counted as the reader counts it (its chat-template allowance too)."""
+        from dataio.budget import TEMPLATE_TOKENS
+
+        context = self.rollout.engine.max_model_len
+        limits = {"rollout.sampling.max_tokens": self.rollout.sampling.max_tokens}
+        if self.eval.every:  # the held-out answers come from the same engine
+            limits["eval.max_tokens"] = self.eval.max_tokens
+            limits |= {f"eval.sets[{i}].max_tokens": s.max_tokens for i, s in enumerate(self.eval.sets) if s.max_tokens}
+        for name, limit in limits.items():
+            if limit > context - PROMPT_FLOOR:
+                raise ValueError(f"{name}={limit} leaves a prompt no room in rollout.engine.max_model_len={context} "
+                                 f"(prompt and response share it, and a prompt with its media takes at least "
+                                 f"{PROMPT_FLOOR} tokens): set {name} <= {context - PROMPT_FLOOR}, or raise "
+                                 "rollout.engine.max_model_len")
+        budget, limit = self.data.max_sample_tokens, self.rollout.sampling.max_tokens
+        if budget and budget > context:
+            raise ValueError(f"data.max_sample_tokens={budget} admits samples (prompt, media and the response limit) "
+                             f"that rollout.engine.max_model_len={context} cannot hold: set data.max_sample_tokens "
+                             f"<= {context}, or raise max_model_len")
+        if budget and limit + TEMPLATE_TOKENS + PROMPT_FLOOR > budget:
+            raise ValueError(f"rollout.sampling.max_tokens={limit} leaves no prompt budget in data.max_sample_tokens="
+                             f"{budget} (the budget counts the response limit, a {TEMPLATE_TOKENS}-token chat template "
+                             "and the prompt with its media): every sample would be skipped as over_token_budget; set "
+                             f"max_tokens <= {budget - TEMPLATE_TOKENS - PROMPT_FLOOR}, or raise "
+                             "data.max_sample_tokens")
+
+    def _check_batch(self) -> None:
+        """Batch settings a step can meet: each DP group's step has rollout.prompts_per_step
+        groups of rollout.sampling.n responses; the mini-batches split them, group by group."""
+        groups, n = self.rollout.prompts_per_step, self.rollout.sampling.n
+        if self.algorithm.mini_batches > groups:
+            raise ValueError(f"algorithm.mini_batches={self.algorithm.mini_batches} splits each DP group's step into "
+                             f"mini-batches of whole groups, but a step has rollout.prompts_per_step={groups} groups: "
+                             f"the extra optimizer steps would have nothing to train on; set mini_batches <= {groups}, "
+                             "or raise prompts_per_step")
+        if n == 1 and self.algorithm.advantage != "reinforce_pp":
+            raise ValueError(f"rollout.sampling.n=1: algorithm.advantage={self.algorithm.advantage} measures a "
+                             "response against the other responses to its prompt, and a group of one has none (its "
+                             "advantage is always 0): set n >= 2, or algorithm.advantage=reinforce_pp")
+        ds = self.dynamic_sampling
+        if n == 1 and ds.enabled and ds.filter == "reward_spread":
+            raise ValueError("rollout.sampling.n=1: dynamic sampling keeps groups whose rewards differ, which a group "
+                             "of one response never does (every step would be padded with masked groups): set n >= 2, "
+                             "or dynamic_sampling.enabled=false")
+        if ds.enabled and ds.max_waves * ds.max_wave_groups < groups:
+            raise ValueError(f"dynamic_sampling: max_waves={ds.max_waves} waves of at most max_wave_groups="
+                             f"{ds.max_wave_groups} groups cannot fill a step of rollout.prompts_per_step={groups} "
+                             f"groups: raise max_wave_groups to >= {-(-groups // ds.max_waves)} or max_waves")
 
     def _check_staleness(self) -> None:
         """Generating ahead runs the controller's rollout in a thread of its rank while the trainer
@@ -262,6 +334,13 @@ class RLConfig:
 
     def check_world(self, world_size: int) -> None:
         self.policy.trainer.check_world(world_size, "policy.trainer")
+
+    def check_inputs(self) -> None:
+        """Before any rank starts: the training data and the held-out sets the run reads are
+        there (FileNotFoundError naming the setting)."""
+        self.data.check_inputs("data")
+        if self.eval.every:
+            self.eval.check_inputs()
 
     def check_model(self) -> None:
         """After resolve_models: the policy splits into the trainer's TP x PP layout, and media

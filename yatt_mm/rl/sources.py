@@ -26,8 +26,17 @@ from yatt_mm.rl.samples import Prompt
 Consumed = tuple[int, str, str]  # (epoch, key, blend source) of one sample read
 
 
+def missing_text(sample: Sample) -> tuple[str, str] | None:
+    """(reason, detail) when a sample lacks the question or the answer a rollout needs."""
+    if not sample.prompt:
+        return "no_question", "no prompt or question in its .json, and no .txt member"
+    if sample.answer is None:
+        return "no_answer", "no answer in its .json, and no .cls member"
+    return None
+
+
 def to_prompt(sample: Sample) -> Prompt | None:
-    if not sample.prompt or sample.answer is None:
+    if missing_text(sample):
         return None
     origin = f"{sample.epoch}/{sample.shard}/{sample.key}"  # a blend's sources count their epochs apart
     return Prompt(key=sample.key, question=sample.prompt, answer=str(sample.answer),
@@ -65,6 +74,7 @@ class ParallelSource(PromptSource):
             prompt = to_prompt(sample)
             if prompt is None:
                 self.skipped_no_question += 1  # counted; reported in metrics (data_metrics)
+                self.reader.quarantine(sample, *missing_text(sample))  # and named, as the reader's own skips
                 continue
             out.append(prompt)
         return out

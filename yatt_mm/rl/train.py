@@ -32,7 +32,7 @@ from yatt_mm.reward.genrm import InProcessJudge
 from yatt_mm.reward.judges import build_judges
 from yatt_mm.reward.rewarder import Rewarder
 from yatt_mm.rl.actor import Actor
-from yatt_mm.rl.checkpoint import Checkpointer
+from yatt_mm.rl.checkpoint import Checkpointer, NoUsableCheckpoint
 from yatt_mm.rl.config import RLConfig
 from yatt_mm.rl.evaluation import read_held_out
 from yatt_mm.rl.controller import Controller
@@ -165,7 +165,13 @@ def train(cfg: RLConfig) -> int:
               + (f", EP {run.ranks.ep_size}" if run.ranks.ep_size > 1 else "") + ", rollout engines of "
               f"{cfg.rollout.engine.tensor_parallel_size} rank(s), run dir {run.run_dir}\n"
               f"{run.phases.plan.describe()}", flush=True)
-    start = resume(run) if cfg.run.resume else 0
+    try:
+        start = resume(run) if cfg.run.resume else 0
+    except NoUsableCheckpoint as e:  # every rank agreed on it: all stop, with one line instead of a traceback
+        if run.ranks.rank == 0:
+            print(f"yatt-mm rl: {e}", file=sys.stderr, flush=True)
+        shut_down(run)
+        return 2
     if start == 0 and (m := evaluate(run, -1)):
         run.metrics.log(0, m)
     rollout = rollout_for(run)  # generated in the step, or a step ahead (run.max_staleness)
@@ -182,7 +188,8 @@ def resume(run: Run) -> int:
     logs = [run.run_dir / "metrics.jsonl"] if run.ranks.rank == 0 else []
     if run.ranks.leader:
         logs.append(run.run_dir / f"consumed_rank{run.ranks.rank}.jsonl")
-    step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run, -1), logs)
+    step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run, -1), logs,
+                                   group=run.ranks.world_cpu)
     if run.controller is not None:
         run.controller.policy_version = step  # the engine now holds the weights of `step` steps
     dist.barrier(group=run.ranks.world_cpu)
@@ -196,6 +203,11 @@ def finish(run: Run) -> None:
         weights = run.trainer.export_hf()  # collective over TP
         if run.ranks.rank == 0:
             print(f"trained policy written to {save_hf_dir(weights, run.policy_dir, run.run_dir / 'final')}", flush=True)
+    shut_down(run)
+
+
+def shut_down(run: Run) -> None:
+    """Close the metrics, the judges and the engines: at the end, or when the run cannot start."""
     run.metrics.close()
     run.judges.close()
     dist.barrier(group=run.ranks.world_cpu)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dataio.index import check_shard_specs
 from dataio.reader import DataConfig
 from models.trainer import TrainerConfig
 from yatt_mm.metrics import MetricsConfig
@@ -56,6 +57,13 @@ class SFTConfig:
 
     def check_world(self, world_size: int) -> None:
         self.trainer.check_world(world_size, "trainer")
+
+    def check_inputs(self) -> None:
+        """Before any rank starts: the training shards and the held-out shards are there
+        (FileNotFoundError naming the setting)."""
+        self.data.check_inputs("data")
+        if self.eval.shards:
+            check_shard_specs(self.eval.shards, "eval.shards")
 
     def check_model(self) -> None:
         """After resolve_models: the model splits into the trainer's TP x PP layout, and media

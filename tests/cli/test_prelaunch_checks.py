@@ -1,0 +1,171 @@
+"""Inputs a run cannot use are refused before any rank starts: `yatt-mm rl` (or `sft`) exits 2
+with one line on stderr naming the setting and the fix, and nothing else happens (no run
+directory, nothing on stdout). Each case runs the command in this process, without --nproc: a
+check that let its case through would go on to load models and run in-process, and the test
+would fail on the exit code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dataio.synth import write_shards
+from yatt_mm.cli import main
+from yatt_mm.config import load
+from yatt_mm.rl.config import RLConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "tiny_demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("prelaunch") / "train"
+    write_shards(str(root), images=4, videos=0, samples_per_shard=4, seed=1, tasks=["colour"])
+    return root
+
+
+def _refused(capsys, tmp_path, argv: list[str], command: str = "rl") -> str:
+    """The one stderr line of `yatt-mm COMMAND ARGV`, which must exit 2 having started nothing."""
+    run_dir = tmp_path / "run"
+    code = main([command, *argv, f"{'run.' if command == 'rl' else ''}run_dir={run_dir}"])
+    out = capsys.readouterr()
+    assert code == 2, (out.out[-2000:], out.err[-2000:])
+    assert out.out == "" and not run_dir.exists()
+    lines = out.err.splitlines()
+    assert len(lines) == 1, out.err
+    return lines[0]
+
+
+def _rl(shards: Path, *settings: str) -> list[str]:
+    """The demo config on the tiny policy (no warm start, no judge), reading `shards`."""
+    return ["--config", str(DEMO), "policy.model=tiny:policy", "reward.judges=[]", f"data.shards=[{shards}]",
+            f"eval.shards=[{shards}]", *settings]
+
+
+# ---------------------------------------------------------------- the config file itself
+
+
+def test_a_yaml_syntax_error_names_its_line_and_column(capsys, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("run:\n  steps: 3\n  name: [a, b\nrollout:\n  prompts_per_step: 2\n")
+    assert _refused(capsys, tmp_path, ["--config", str(config)]) == (
+        f"yatt-mm rl: config error: config file {config}: YAML syntax error at line 4, column 8: expected ',' or "
+        "']', but got ':' (while parsing a flow sequence, which starts at line 3, column 9)")
+
+
+def test_a_config_file_that_is_not_utf8_names_the_byte_and_where(capsys, tmp_path):
+    config = tmp_path / "latin1.yaml"
+    config.write_bytes("run:\n  name: café\n".encode("latin-1"))
+    assert _refused(capsys, tmp_path, ["--config", str(config)]) == (
+        f"yatt-mm rl: config error: config file {config} is not UTF-8 text: byte 0xe9 at line 2, column 12; save it "
+        "as UTF-8")
+
+
+def test_an_override_whose_value_is_not_yaml_names_the_override(capsys, tmp_path, shards):
+    assert _refused(capsys, tmp_path, _rl(shards, "data.shards=[a, b")) == (
+        "yatt-mm rl: config error: override 'data.shards=[a, b': the value is not valid: YAML syntax error at column "
+        "6: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence, which starts at column 1) "
+        "(quote a value meant as text)")
+
+
+# ---------------------------------------------------------------- the data the run reads
+
+
+@pytest.mark.parametrize("setting, line", [
+    ("data.shards=[{missing}]",
+     "data.shards: {missing} does not exist (give tar files, a directory of them or a glob)"),
+    ("data.shards=[{empty}]", "data.shards: the directory {empty} holds no shards (.tar, or .tar.gz, .tgz, .tar.bz2, "
+                              ".tar.xz files); make them with yatt-mm prep or yatt-mm data synth"),
+    ("data.shards=[{shards}, '{empty}/*.tar']", "data.shards[1]: {empty}/*.tar matches no file"),
+    ("data.index={missing}", "data.index: {missing} does not exist; build it with `yatt-mm data index SHARDS... "
+                             "--out INDEX` or leave it unset (the index is then built from the shards)"),
+    ("data.blend=[{{name: a, shards: [{shards}]}}, {{name: b, shards: [{missing}]}}]",
+     "data.blend[1].shards: {missing} does not exist (give tar files, a directory of them or a glob)"),
+    ("eval.shards=[{empty}]", "eval.shards: the directory {empty} holds no shards (.tar, or .tar.gz, .tgz, "
+                              ".tar.bz2, .tar.xz files); make them with yatt-mm prep or yatt-mm data synth"),
+    ("eval.sets=[{{name: a, shards: [{shards}]}}, {{name: b, shards: [{missing}]}}]",
+     "eval.sets[1].shards: {missing} does not exist (give tar files, a directory of them or a glob)"),
+])
+def test_shards_that_are_not_there_are_refused_naming_the_setting(capsys, tmp_path, shards, setting, line):
+    places = {"missing": tmp_path / "nowhere", "empty": tmp_path / "empty", "shards": shards}
+    places["empty"].mkdir()
+    # a blend or eval sets replace the single dataset the helper sets
+    extra = ["data.shards=[]"] if setting.startswith("data.blend") else []
+    extra += ["eval.shards=[]"] if setting.startswith("eval.sets") else []
+    got = _refused(capsys, tmp_path, _rl(shards, *extra, setting.format(**places)))
+    assert got == "yatt-mm rl: " + line.format(**places)
+
+
+def test_sft_checks_its_shards_too(capsys, tmp_path):
+    assert _refused(capsys, tmp_path, ["--config", str(ROOT / "configs" / "tiny_sft.yaml"),
+                                       f"data.shards=[{tmp_path / 'nowhere'}]"], command="sft") == (
+        f"yatt-mm sft: data.shards: {tmp_path / 'nowhere'} does not exist (give tar files, a directory of them or a "
+        "glob)")
+
+
+# ---------------------------------------------------------------- settings a run cannot meet
+
+
+@pytest.mark.parametrize("settings, line", [
+    (["rollout.sampling.max_tokens=100000"],
+     "rollout.sampling.max_tokens=100000 leaves a prompt no room in rollout.engine.max_model_len=2048 (prompt and "
+     "response share it, and a prompt with its media takes at least 4 tokens): set rollout.sampling.max_tokens <= "
+     "2044, or raise rollout.engine.max_model_len"),
+    (["eval.max_tokens=2045"],
+     "eval.max_tokens=2045 leaves a prompt no room in rollout.engine.max_model_len=2048 (prompt and response share "
+     "it, and a prompt with its media takes at least 4 tokens): set eval.max_tokens <= 2044, or raise "
+     "rollout.engine.max_model_len"),
+    (["data.max_sample_tokens=4096"],
+     "data.max_sample_tokens=4096 admits samples (prompt, media and the response limit) that "
+     "rollout.engine.max_model_len=2048 cannot hold: set data.max_sample_tokens <= 2048, or raise max_model_len"),
+    (["data.max_sample_tokens=1000", "rollout.sampling.max_tokens=990"],
+     "rollout.sampling.max_tokens=990 leaves no prompt budget in data.max_sample_tokens=1000 (the budget counts the "
+     "response limit, a 32-token chat template and the prompt with its media): every sample would be skipped as "
+     "over_token_budget; set max_tokens <= 964, or raise data.max_sample_tokens"),
+    (["algorithm.mini_batches=9"],
+     "algorithm.mini_batches=9 splits each DP group's step into mini-batches of whole groups, but a step has "
+     "rollout.prompts_per_step=8 groups: the extra optimizer steps would have nothing to train on; set mini_batches "
+     "<= 8, or raise prompts_per_step"),
+    (["rollout.sampling.n=1"],
+     "rollout.sampling.n=1: algorithm.advantage=grpo measures a response against the other responses to its "
+     "prompt, and a group of one has none (its advantage is always 0): set n >= 2, or "
+     "algorithm.advantage=reinforce_pp"),
+    (["rollout.sampling.n=1", "algorithm.advantage=reinforce_pp"],
+     "rollout.sampling.n=1: dynamic sampling keeps groups whose rewards differ, which a group of one response never "
+     "does (every step would be padded with masked groups): set n >= 2, or dynamic_sampling.enabled=false"),
+    (["dynamic_sampling.max_wave_groups=2"],
+     "dynamic_sampling: max_waves=3 waves of at most max_wave_groups=2 groups cannot fill a step of "
+     "rollout.prompts_per_step=8 groups: raise max_wave_groups to >= 3 or max_waves"),
+    (["reward.functions[0].weight=-1"], "reward.functions[0].weight must be >= 0, got -1.0"),
+    (["reward.judges=[{judge: {name: g, model: 'tiny:judge'}, weight: -0.5}]"],
+     "reward.judges[0].weight must be >= 0, got -0.5"),
+    (["reward.functions[0].weight=0"],
+     "reward: every reward weight is 0, so every response's reward is 0 and no group ever trains: give a function "
+     "or a judge a weight > 0"),
+])
+def test_settings_a_run_cannot_meet_are_refused_naming_them(capsys, tmp_path, shards, settings, line):
+    assert _refused(capsys, tmp_path, _rl(shards, *settings)) == "yatt-mm rl: config error: " + line
+
+
+def test_the_limits_themselves_are_accepted():
+    """The checks refuse only what cannot run: each setting at its limit loads."""
+    cfg = load(RLConfig, DEMO, ["rollout.sampling.max_tokens=2044", "eval.max_tokens=2044", "algorithm.mini_batches=8",
+                                "reward.functions[0].weight=0", "rollout.sampling.n=1",
+                                "algorithm.advantage=reinforce_pp", "dynamic_sampling.enabled=false"])
+    assert cfg.rollout.sampling.max_tokens == 2044 and cfg.algorithm.mini_batches == 8
+    load(RLConfig, DEMO, ["data.max_sample_tokens=2048", "rollout.sampling.max_tokens=2012",
+                          "dynamic_sampling.max_wave_groups=3"])
+
+
+# ---------------------------------------------------------------- the pipeline-stage hint
+
+
+def test_more_pipeline_stages_than_layers_is_refused_with_a_stage_count_that_fits(capsys, tmp_path, shards,
+                                                                                   tiny_policy):
+    """The tiny policy (built by the fixture, so its build's progress is not on this stderr) has
+    2 language layers."""
+    assert _refused(capsys, tmp_path, _rl(shards, "--nproc", "3", "policy.trainer.pipeline_parallel=3")) == (
+        "yatt-mm rl: policy.trainer.pipeline_parallel=3: the model has 2 language layers and every pipeline stage "
+        "needs at least 1: set policy.trainer.pipeline_parallel to at most 2 (2: one layer a stage)")
