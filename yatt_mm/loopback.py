@@ -1,7 +1,7 @@
 """Where a run listens. A run on one machine opens its listening sockets on loopback only, so
-nothing on the network can reach its rendezvous, its process groups or its judge servers; a run
-on several machines listens where the other machines can reach it (see docs/gpu-and-multinode.md
-for each port).
+nothing on the network can reach its rendezvous, its process groups or (unless `judge.host` says
+otherwise, with an API key) its judge servers; a run on several machines listens where the other
+machines can reach it (see docs/gpu-and-multinode.md for each port).
 
 torch's TCPStore listens on every interface whatever host name it is given, unless it is handed a
 socket already bound (`master_listen_fd`): the one-node launch does that for torchrun's
@@ -11,7 +11,8 @@ through torchrun's public registry), and the engine worker for its weights store
 listen on the interface `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` name: the launcher sets both
 to the loopback interface for a one-node run, unless the user's environment sets them.
 
-Standard library only at import: the config check (`is_loopback`) runs before any rank starts.
+Standard library only at import: the config check (`check_served_host`) runs before any rank
+starts.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def _rendezvous_handler(params):
             return True
 
         def next_rendezvous(self):
-            return RendezvousInfo(PrefixStore(params.run_id, self.store), 0, 1, RendezvousStoreInfo(HOST, self.store.port))
+            store_info = RendezvousStoreInfo(HOST, self.store.port)  # what the ranks' default group connects to
+            return RendezvousInfo(PrefixStore(params.run_id, self.store), 0, 1, store_info)
 
         def is_closed(self) -> bool:
             return self.closed
