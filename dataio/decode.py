@@ -8,7 +8,9 @@ processor unchanged).
 decord is guarded (see `VideoDecodePool`): it is unmaintained, and a container that
 over-reports its frame count can deadlock `get_batch` while holding the GIL, which no thread
 can interrupt. So by default video decoding runs in long-lived child processes that are killed
-after `decode_timeout_s`, and frame counts are checked before any `get_batch`.
+after `decode_timeout_s`, and frame counts are checked before any `get_batch`. Each child also
+dies with the process that started it, however that one dies (`die_with_parent`): a child stuck
+in decord outlives every signal its Python code could handle.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import mmap
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import reduction
 
@@ -309,6 +313,59 @@ def decode_frame_sequence(datas: list[bytes], cfg: MediaConfig, fps: float | Non
 VIDEO_DECODER = "dataio.decode:decode_video_bytes"
 
 
+def die_with_parent() -> None:
+    """Call first in a child process: SIGKILL reaches it when the thread that started it ends
+    (Linux PR_SET_PDEATHSIG; a signal the kernel delivers, so also to a child stuck in C with the
+    GIL held), and it exits at once if the process that started it is gone already (died before
+    the request). yatt_mm.processes has the same for the trainer's processes; dataio imports
+    nothing of yatt_mm."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the child outlives a killed parent, as without this
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        os._exit(1)
+
+
+class EndsWithItsParent:
+    """`fn`, for torchdata's process workers (data.worker_kind: process), which otherwise poll
+    their queue forever once the reading process is killed -9: the first call in a worker process
+    starts a thread there that ends the worker when the process that forked it is gone. Not the
+    kernel's parent-death signal: that fires when the forking *thread* ends, and the thread that
+    starts an epoch's workers may end before the epoch does (the next step's rollout thread). A
+    worker that never got an item is not covered (an epoch with fewer items than workers)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.parent = os.getpid()
+        self.watched_in: int | None = None
+
+    def __call__(self, item):
+        if os.getpid() not in (self.parent, self.watched_in):
+            self.watched_in = os.getpid()
+            threading.Thread(target=_exit_when_orphaned, args=(self.parent,), daemon=True,
+                             name="yatt-mm-parent-watch").start()
+        return self.fn(item)
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    import time
+
+    while os.getppid() == parent:  # the parent gone, the kernel hands this process to another
+        time.sleep(0.5)
+    os._exit(1)
+
+
+# The kernel's parent-death signal fires when the *thread* that started a child ends, not its
+# process; the reader's decode threads end with each epoch while other threads may still use the
+# children they started. So every decode child is started from this one thread, which lives as
+# long as the process.
+_STARTER = ThreadPoolExecutor(1, thread_name_prefix="yatt-mm-video-starter")
+
+
 _SHM_GRAIN = 1 << 20  # the frame buffer grows in whole MiB
 
 
@@ -323,6 +380,7 @@ def _worker_main(conn, decoder: str, shared: bool = False) -> None:
     shared: the parent first sends an anonymous shared-memory file (memfd). The child writes the
     frames into it (growing it when a clip needs more) and sends only the header; a pipe would
     cost a copy into the socket, a copy out and ~100 syscalls for a 6 MB clip."""
+    die_with_parent()
     mod, _, fn = decoder.partition(":")
     decode = getattr(importlib.import_module(mod), fn)
     fd, mm = None, None
@@ -443,7 +501,7 @@ class VideoDecodePool:
             if w is None or not w.proc.is_alive():
                 if w is not None:
                     w.kill()
-                w = _Worker(self._ctx, self.decoder, self.shared_memory)
+                w = _STARTER.submit(_Worker, self._ctx, self.decoder, self.shared_memory).result()
             head = {"cfg": asdict(cfg), "window": list(window), "expected_frames": expected_frames}
             w.conn.send_bytes(json.dumps(head).encode())
             w.conn.send_bytes(data)

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Literal
 import numpy as np
 
 from dataio.budget import TokenBudget
-from dataio.decode import MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
+from dataio.decode import EndsWithItsParent, MediaConfig, VideoDecodePool, decode_frame_sequence, decode_image, \
     decode_video_bytes, VIDEO_DECODER
 from dataio.errors import MediaError
 from dataio.index import Index, check_index_path, check_shard_specs, open_dataset
@@ -344,8 +344,8 @@ class DataReader:
             return
         from torchdata.nodes import IterableWrapper, Loader, ParallelMapper, Prefetcher
 
-        node = ParallelMapper(IterableWrapper(todo), map_fn=self.decoder, num_workers=c.workers, in_order=True,
-                              method=c.worker_kind)
+        node = ParallelMapper(IterableWrapper(todo), map_fn=EndsWithItsParent(self.decoder), num_workers=c.workers,
+                              in_order=True, method=c.worker_kind)  # workers end with this process, however it ends
         if c.prefetch:
             node = Prefetcher(node, prefetch_factor=c.prefetch)
         loader = Loader(node)

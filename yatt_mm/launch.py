@@ -113,11 +113,17 @@ class Nodes:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
 
-    def torchrun_args(self) -> list[str]:
+    def torchrun(self) -> list[str]:
+        """torchrun's command line up to the per-node options. One node: torchrun with a
+        rendezvous store of its own on a free port of 127.0.0.1 (several runs can share a
+        machine; nothing on the network reaches it: yatt_mm/loopback.py). Several: torchrun's
+        static rendezvous at node 0's address, which every node must reach."""
         if self.nnodes == 1:
-            return ["--standalone"]  # a free port of its own: several runs can share a machine
-        return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
-                "--master-addr", self.master_addr, "--master-port", str(self.master_port)]
+            from yatt_mm.loopback import torchrun_args
+
+            return [sys.executable, "-m", "yatt_mm.loopback", *torchrun_args()]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes), "--node-rank",
+                str(self.node_rank), "--master-addr", self.master_addr, "--master-port", str(self.master_port)]
 
 
 # What every rank's environment gets on CPU unless the user's sets it. OMP_WAIT_POLICY=PASSIVE: an
@@ -136,28 +142,26 @@ CPU_RANK_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
     """Run `python -m module args` as `nproc` ranks on this node (of `nodes`). torchrun is told to
     stop when this process dies, however it dies (an OOM killer or a scheduler that kills the
-    parent), and it stops its ranks: no orphaned run goes on writing into the run directory."""
+    parent), and it stops its ranks: no orphaned run goes on writing into the run directory.
+    A one-node run's ranks listen on loopback only (yatt_mm/loopback.py)."""
+    import signal
+
+    from models.runtime import has_gpu
+    from yatt_mm.loopback import one_node_env
+    from yatt_mm.processes import die_with_parent
+
     if nproc < 1:
         raise SystemExit(f"--nproc must be >= 1, got {nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", *(nodes or Nodes()).torchrun_args(),
-           "--nproc-per-node", str(nproc), "-m", module, *args]
-    from models.runtime import has_gpu
-
+    nodes = nodes or Nodes()
+    cmd = [*nodes.torchrun(), "--nproc-per-node", str(nproc), "-m", module, *args]
     env = {**({} if has_gpu() else CPU_RANK_ENV_DEFAULTS), **os.environ}
     if nproc > 1:  # what torchrun sets itself when it is unset, less the 4-line banner it prints about it
         env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, preexec_fn=_stop_with_parent, env=env)
-
-
-def _stop_with_parent() -> None:
-    """In the child before it starts: SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the child outlives a killed launcher, as without this
+    if nodes.nnodes == 1:
+        env.update(one_node_env(env))
+    launcher = os.getpid()
+    # the launcher's main thread starts torchrun and waits for it: SIGTERM when the launcher dies
+    return subprocess.call(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM, launcher), env=env)
 
 
 def lock_run_dir(run_dir: Path, node_rank: int = 0):

@@ -456,14 +456,18 @@ def test_options_and_overrides_in_any_order_and_the_launcher_resolves_models(tmp
     assert launched["args"] == ["--config", str(tmp_path / "config.yaml")]
     again = load(RLConfig, tmp_path / "config.yaml")  # what the ranks read: resolved, equal
     assert again.run.steps == 4 and again.policy.model == cfg.policy.model and again.run.run_dir == str(tmp_path)
-    assert launched["nodes"].torchrun_args() == ["--standalone"]
+    # one machine: torchrun with the rendezvous store on loopback (tests/e2e/test_run_processes.py
+    # checks every listening socket of a live run)
+    one = launched["nodes"].torchrun()
+    assert one[1:3] == ["-m", "yatt_mm.loopback"] and one[one.index("--rdzv-backend") + 1] == "yatt-mm-loopback"
+    assert one[one.index("--rdzv-endpoint") + 1] == "127.0.0.1:0" and "--standalone" not in one
 
     # one of several machines: torchrun's static rendezvous at node 0, a run dir every node sees
     nodes = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.7", "--master-port", "29555"]
     assert launch.run_command("t", RLConfig, "m", lambda cfg: 1, argv[:-1] + nodes) == 2  # no explicit run dir
     assert launch.run_command("t", RLConfig, "m", lambda cfg: 1, argv + nodes) == 0
-    assert launched["nodes"].torchrun_args() == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.7",
-                                                 "--master-port", "29555"]
+    assert launched["nodes"].torchrun()[1:] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+                                                "--master-addr", "10.0.0.7", "--master-port", "29555"]
 
 
 def test_a_world_that_does_not_fit_the_tensor_parallel_size_is_refused(capsys):

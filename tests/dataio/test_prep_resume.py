@@ -1,6 +1,7 @@
 """Interrupting `yatt-mm prep video` (kill -9, Ctrl-C) loses at most the shards in flight, never
-shows a half-written shard to readers, and rerunning the same command completes the job with
-every clip exactly once: the same bytes as a run that was never interrupted."""
+shows a half-written shard to readers, leaves none of its worker processes running, and
+rerunning the same command completes the job with every clip exactly once: the same bytes as a
+run that was never interrupted."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from prep_media import write_video
@@ -66,6 +68,7 @@ def run_until_shards(cmd: list[str], out: str, shards: int, sig: int) -> subproc
         if proc.poll() is not None:
             out_, err = proc.communicate(timeout=60)
             pytest.fail(f"prep finished before it could be interrupted (make the corpus bigger): {err.decode()[-500:]}")
+        proc.children = psutil.Process(proc.pid).children(recursive=True)  # the forkserver, the pool's workers
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:  # a failed or timed-out test leaves no prep running
@@ -95,6 +98,8 @@ def test_resume_after_kill_9(many_videos, tmp_path):
     out = str(tmp_path / "out")
     proc = run_until_shards(cli(many_videos, "--out", out, *ARGS), out, 2, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
+    # its worker processes end with it: none is left to hold memory or to write into OUT
+    assert proc.children and not psutil.wait_procs(proc.children, timeout=10)[1]
     done_before = assert_visible_shards_complete(out)
     assert 2 <= done_before < len(ref_shards)
     assert not os.path.exists(os.path.join(out, "index.parquet"))  # written when the run completes

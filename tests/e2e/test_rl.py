@@ -436,12 +436,14 @@ def _assert_epoch_drawn_exactly_once(run_dir, keys: int):
 
 
 def _rank_process(launcher: subprocess.Popen, rank: int):
-    """The torchrun worker process of global rank `rank` under `launcher`."""
+    """The torchrun worker process of global rank `rank` under `launcher` (torchrun's agent: torch's
+    module, or on one node yatt_mm.loopback's, which runs it)."""
     import psutil
 
     for p in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if p.environ().get("RANK") == str(rank) and "torch.distributed.run" in " ".join(p.parent().cmdline()):
+            agent = " ".join(p.parent().cmdline())
+            if p.environ().get("RANK") == str(rank) and any(m in agent for m in ("torch.distributed.run", "yatt_mm.loopback")):
                 return p
         except psutil.Error:
             continue

@@ -25,7 +25,8 @@ def _overlaps(run_dir) -> int:
 
 
 def _engine_workers(launcher: subprocess.Popen) -> list:
-    """The engine workers (yatt_mm/engines/worker.py) the launcher's ranks started."""
+    """The engine workers (yatt_mm/engines/worker.py) the launcher's ranks started, with their
+    supervisors (yatt_mm/processes.py: one each, whose command line names the worker too)."""
     return [p for p in psutil.Process(launcher.pid).children(recursive=True)
             if "yatt_mm.engines.worker" in " ".join(p.cmdline())]
 
@@ -62,7 +63,7 @@ def test_staleness_1_trains_one_version_behind_overlapped_and_resumes_exactly_af
         _wait_for(lambda: all((ckpt / f"done_rank{r}").is_file() for r in range(2)) and _steps_logged(run_dir) >= 2,
                   launcher, "step 2's checkpoint")
         workers = _engine_workers(launcher)
-        assert len(workers) == 2  # each controller's engine in a process of its own
+        assert len(workers) == 4  # each controller's engine in a process of its own, and its supervisor
         _kill_rank_and_wait(launcher, rank=1)
         # the workers died with their ranks (rank 1 killed, rank 0 stopped by torchrun): no engine left behind
         psutil.wait_procs(workers, timeout=30)

@@ -40,7 +40,7 @@ def test_linear_attention_checkpoints_run_in_bf16_on_cpu_and_the_rest_in_fp32(di
         assert engine_dtype(dirs[name]) == dtype, name
         assert engine_kwargs(EngineConfig(model=str(dirs[name])))["dtype"] == dtype, name
         judge = SimpleNamespace(name="judge", model=str(dirs[name]), host="127.0.0.1", port=1,
-                                gpu_memory_utilization=0.5, threads=0, devices="", startup_timeout_s=1)
+                                gpu_memory_utilization=0.5, threads=0, devices="", startup_timeout_s=1, api_key_env="")
         command = JudgeServer(judge).command()
         assert command[command.index("--dtype") + 1] == dtype, name
 

@@ -42,7 +42,8 @@ def test_device_normalisation_is_turned_off_only_where_video_is_normalised_apart
     from yatt_mm.engines.server import JudgeServer
 
     def served(model):
-        return SimpleNamespace(name="j", model=str(model), host="127.0.0.1", port=1, gpu_memory_utilization=0.5)
+        return SimpleNamespace(name="j", model=str(model), host="127.0.0.1", port=1, gpu_memory_utilization=0.5,
+                               api_key_env="")
 
     assert "--no-mm-device-do-normalize" in JudgeServer(served(apart)).command()
     assert not any("normalize" in a for a in JudgeServer(served(tiny3)).command())

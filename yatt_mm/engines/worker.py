@@ -20,8 +20,9 @@ Two channels of calls too: one for generation and the chat template, one for wei
 new weights can reach the worker while a generation is in flight (run.partial_rollout: loaded
 whole between two engine steps).
 
-The worker dies with its rank (the kernel's parent-death signal), so a kill -9 of a rank leaves
-no engine behind to hold memory or cores.
+The worker runs under a supervisor (yatt_mm/processes.py) in a process group of its own, so it and
+any process its vLLM starts (on GPUs, vLLM's EngineCore) die with the rank, however the rank dies:
+a kill -9 of a rank leaves no engine behind to hold memory or cores.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ import torch
 import torch.distributed as dist
 
 from models import runtime
-from models.comm import free_port
+from yatt_mm import processes
 from yatt_mm.engines.engine import EngineConfig, GenerationResult, Request, Response, SamplingConfig
+from yatt_mm.loopback import HOST as LOOPBACK
+from yatt_mm.loopback import listening_socket, loopback_interface
 
 # torchrun's variables: without them the worker's vLLM runs as a lone process (its "uni" executor)
 JOB_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
@@ -59,12 +62,20 @@ def weights_backend() -> str:
     return "nccl" if runtime.has_gpu() else "gloo"
 
 
-def weights_group(host: str, port: int, rank: int) -> Any:
-    """The rank (0) and its worker (1), for the weight copy."""
-    store = dist.TCPStore(host, port, 2, is_master=rank == 0, timeout=WEIGHTS_TIMEOUT)
+def weights_group(host: str, port: int, rank: int, listen_fd: int | None = None) -> Any:
+    """The rank (0) and its worker (1), for the weight copy, listening on loopback only: the
+    rank's store on `listen_fd`, a socket bound there (a TCPStore given only a host listens on
+    every interface, yatt_mm/loopback.py), gloo on a device of `host`."""
+    if rank == 0:
+        store = dist.TCPStore(host, port, 2, True, WEIGHTS_TIMEOUT, master_listen_fd=listen_fd)
+    else:
+        store = dist.TCPStore(host, port, 2, False, WEIGHTS_TIMEOUT)
     if weights_backend() == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, 2)
-    return dist.ProcessGroupGloo(store, rank, 2, WEIGHTS_TIMEOUT)
+        return dist.ProcessGroupNCCL(store, rank, 2)  # on one node: NCCL_SOCKET_IFNAME is loopback's here
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # both ends on this machine
+    options._timeout = WEIGHTS_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
 def broadcast_bucket(group, flat: torch.Tensor) -> None:
@@ -78,25 +89,29 @@ class EngineWorker:
 
     def __init__(self, engines: dict[str, EngineConfig], log_path: str | Path, devices: str = "",
                  startup_timeout_s: float = 600.0):
-        host = "127.0.0.1"
+        host = LOOPBACK
         key = secrets.token_bytes(32)
         listener = Listener((host, 0), authkey=key)
-        weights_port = free_port(host)
+        weights_socket = listening_socket(host)
+        weights_port = weights_socket.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
         env[KEY_ENV] = key.hex()
+        # vLLM's process groups inside the worker never leave this machine: on loopback, whatever
+        # the run's own interface settings (a job of several nodes sets them to its network)
+        env.update(dict.fromkeys(("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"), loopback_interface()))
         env["VLLM_CONFIGURE_LOGGING"] = "1"  # its own log file, as a judge server's
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_path)
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "yatt_mm.engines.worker", f"{host}:{listener.address[1]}", str(os.getpid()),
-                 f"{host}:{weights_port}"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        with open(log_path, "ab") as log:  # self.proc: the worker's supervisor, which ends with the worker
+            self.proc = processes.start_supervised(
+                [sys.executable, "-m", "yatt_mm.engines.worker", f"{host}:{listener.address[1]}", f"{host}:{weights_port}"],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
         # calls; and the weights' own channel, so that new weights can reach the worker while a
         # call is in flight (partial rollout)
         self.conn, self.weights_conn = self._accept(listener, startup_timeout_s)
-        self.weights = weights_group(host, weights_port, 0)
+        self.weights = weights_group(host, weights_port, 0, listen_fd=weights_socket.detach())  # the store owns it now
         self._lock, self._weights_lock = threading.Lock(), threading.Lock()
         # run.partial_rollout: weights that arrive while any of the worker's engines generates are
         # loaded between two of its steps; a rollout in flight goes on with them
@@ -115,13 +130,14 @@ class EngineWorker:
             thread.join(0.2)
         listener.close()
         if len(accepted) < 2:
-            self.proc.kill()
+            processes.end_group(self.proc, 5.0)
             raise TimeoutError(f"the engine worker did not connect within {timeout:.0f} s; see {self.log_path}")
         return accepted
 
     @property
     def pids(self) -> list[int]:
-        return [self.proc.pid] if self.proc.poll() is None else []
+        """The worker's processes: its supervisor, the worker, and what vLLM started there."""
+        return processes.group_members(self.proc.pid) if self.proc.poll() is None else []
 
     def engine(self, name: str) -> "RemoteEngine":
         return RemoteEngine(self, name)
@@ -161,8 +177,8 @@ class EngineWorker:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        processes.end_group(self.proc, 5.0)  # whatever of its group is left
 
 
 class RemoteEngine:
@@ -216,19 +232,6 @@ class RemoteEngine:
 
 
 # -- the worker process -------------------------------------------------------------------------
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the rank that started it dies (Linux), however it dies."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:  # it died before the signal was armed
-        os._exit(1)
-
 
 def _unpack(flat: torch.Tensor, specs: list) -> list[tuple[str, torch.Tensor]]:
     out, offset = [], 0
@@ -320,8 +323,8 @@ class Worker:
         return None
 
 
-def serve(address: str, parent: int, weights_address: str) -> None:
-    _die_with_parent(parent)
+def serve(address: str, weights_address: str) -> None:
+    # its supervisor ends it (and what it started) when the rank dies; nothing to arm here
     host, port = address.rsplit(":", 1)
     key = bytes.fromhex(os.environ.pop(KEY_ENV))
     conn = Client((host, int(port)), authkey=key)
@@ -331,4 +334,4 @@ def serve(address: str, parent: int, weights_address: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    serve(sys.argv[1], sys.argv[2])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 import re
 import time
 from collections import Counter
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+from yatt_mm.loopback import KEY_ENV, check_served_host
 
 # The comparison at the heart of a reference-guided judge; the default template puts the question
 # (and the media, as chat parts) before it. The tiny judge's warm start learns the comparison
@@ -44,7 +47,7 @@ class JudgeConfig:
     max_tokens: int = 16  # most tokens per judge answer
     fallback_score: float = 0.0  # score when no vote parses or the server fails (counted by reason)
     # server backend
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the judge server listens; any other than loopback needs an API key (api_key_env)
     port: int = 0  # 0: pick a free port
     timeout_s: float = 30.0  # HTTP timeout per request to the judge server, seconds
     retries: int = 2  # extra attempts after a failed request, before the fallback score
@@ -59,6 +62,10 @@ class JudgeConfig:
     threads: int = 1
     server_per: Literal["node", "dp_group"] = "node"  # one server a node (its first controller starts it), or one per DP group
     gpu_memory_utilization: float = 0.3  # GPUs: the share of its GPU the judge's vLLM may take (server or in-process)
+    # the environment variable that holds the judge server's API key: required when host is not a
+    # loopback address, used whenever set (the server then refuses requests without it). The key
+    # itself is never a setting, so it never reaches config.yaml or a metrics tracker
+    api_key_env: str = KEY_ENV
 
     RANGES = {"score_range": "any", "votes": ">= 1", "temperature": ">= 0", "max_tokens": ">= 1",
               "fallback_score": "any", "port": "[0, 65535]", "timeout_s": "> 0", "retries": ">= 0", "backoff_s": ">= 0",
@@ -67,6 +74,8 @@ class JudgeConfig:
     def validate(self) -> None:  # the backend's name is checked where the backends are (WeightedJudge)
         if len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]:
             raise ValueError(f"score_range must be [lo, hi] with lo < hi, got {list(self.score_range)}")
+        if self.backend == "server":
+            check_served_host(self.name, self.host, self.api_key_env)
 
 
 @dataclass
@@ -227,6 +236,10 @@ class ServerJudge:
         self.node_pids: list[int] = []  # the owner's: the ranks on the server's node (set by yatt_mm/reward/judges.py)
         self.stats = JudgeStats()
         self._client = None
+        # the server's API key, as vLLM takes it; read here, so it lives in this process's memory
+        # and environment only (never in a log line or a metric)
+        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         # a prompt's n responses share its images: each is encoded once (the image is kept, so
         # its id is not reused while the entry lives); cleared with the client
         self._image_urls: dict[int, tuple[object, str]] = {}
@@ -260,7 +273,8 @@ class ServerJudge:
         import aiohttp
 
         if self._client is None:
-            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s),
+                                                 headers=self._headers)
         start = time.perf_counter()
         payload = self._payload(item)
         failure = "unreachable"
