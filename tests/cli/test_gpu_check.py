@@ -80,3 +80,31 @@ def test_gpu_check_without_a_gpu_says_to_use_cpu():
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2 and "--cpu" in proc.stderr
+
+
+def test_gpu_check_counts_a_real_batch_by_the_plans_flops():
+    """The GPU check's MFU (scripts/gpu_stages/speed.py) counts the FLOPs of a real batch (each
+    row's real length, each distinct image's patches) with the plan's formula: on rows and images the plan's shape
+    describes, the two agree exactly, MoE included (gpu_check's own copy counted all 128 experts
+    of Qwen3-VL-30B-A3B a token: 8.1x the plan's figure here; Qwen2-VL and Qwen3-VL: the same
+    figures before and after)."""
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    from yatt_mm.plan import MicroBatchShape, load_spec, train_flops
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_stages.speed import train_flops as batch_flops
+
+    spec = load_spec("Qwen/Qwen3-VL-30B-A3B-Instruct")
+    # two rows of 1024 real tokens, each with its own image of 32 x 32 patches (256 merged tokens)
+    grid = torch.tensor([[1, 32, 32], [1, 32, 32]])
+    mb = SimpleNamespace(inputs=SimpleNamespace(attention_mask=torch.ones(2, 1024, dtype=torch.long),
+                                                image_grid_thw=grid, image_sources=None))
+    shape = MicroBatchShape(rows=2, seq=1024, scored=256, media_tokens=512, frame_tokens=256)
+    assert batch_flops(spec, [mb]) == train_flops(spec, shape)
+    # a shorter row counts its own length: less than the padded shape
+    mb.inputs.attention_mask[1, 512:] = 0
+    assert batch_flops(spec, [mb]) < train_flops(spec, shape)
