@@ -3,11 +3,11 @@
 One DP group (one rank) on this 2-core machine, 8 prompts x 8 responses a step, every group
 trained (no dynamic sampling) at a learning rate of 1e-12, which leaves the policy as it started
 (with learning the answers grew from 16 to 46 tokens in 5 steps, and the placements' runs would
-compare different work). The policy is the
-demo's warm start cut to 4 of its 12 SFT steps: it has learnt to stop, not yet always, which
-gives a long-tailed length mix (mean 21-25 tokens, median about 10, a few of the 64
-responses running to `max_tokens` 96); the judge is the demo's GenRM (2 votes). The engine
-batches at most 8 sequences, as a GPU's batch limit would with long sequences.
+compare different work). The policy is the demo's warm start cut to 4 of its 12 SFT steps: it
+has learnt to stop, not yet always, which gives a long-tailed length mix (mean 21-25 tokens,
+median about 10, a few of the 64 responses running to `max_tokens` 96); the judge is the demo's
+GenRM (2 votes). The engine batches at most 8 sequences, as a GPU's batch limit would with long
+sequences.
 
 - Full colocation: rollout, then the in-process judge on the whole batch, judging at 2 torch
   threads and the rollout at 1 and at 2 (`split.rollout_threads`), both in every round; the
@@ -47,14 +47,15 @@ from _rl import demo_data, demo_rl_records  # noqa: E402
 # of the demo policy's 12 warm-start steps: a long tail of lengths (a smoke run takes the demo's
 # own warm start, which the other RL benchmarks' smoke runs share)
 POLICY_STEPS = full_or_smoke(4, None)
-MAX_TOKENS, RESPONSES, PROMPTS = full_or_smoke((96, 8, 8), (16, 4, 4))
+# the engine batches at most MAX_NUM_SEQS sequences, as a GPU's batch limit would with long ones
+MAX_TOKENS, RESPONSES, PROMPTS, MAX_NUM_SEQS = full_or_smoke((96, 8, 8, 8), (16, 4, 4, 4))
 # The policy must not learn here, so that every step has the same length mix. The config refuses
 # a learning rate of 0 (policy.trainer.lr must be > 0); at 1e-12 Adam moves a weight by about
 # 1e-12 a step, below the last bit of any float32 weight larger than about 1e-5: the policy stays
 # the warm start (5 train steps of it at 1e-12 changed 729 of its 746,240 weights, by at most 9e-12).
 FIXED_POLICY_LR = 1e-12
 COMMON = [f"rollout.sampling.max_tokens={MAX_TOKENS}", f"rollout.sampling.n={RESPONSES}",
-          f"rollout.prompts_per_step={PROMPTS}", f"rollout.engine.max_num_seqs={PROMPTS}",
+          f"rollout.prompts_per_step={PROMPTS}", f"rollout.engine.max_num_seqs={MAX_NUM_SEQS}",
           "dynamic_sampling.enabled=false", "run.check_sync=false", f"policy.trainer.lr={FIXED_POLICY_LR}"]
 JUDGE = "{name: genrm, model: '%s', votes: 2, max_tokens: 6%%s}" % full_or_smoke("warmstart:judge", "tiny:judge")
 IN_PROCESS = f"reward.judges=[{{judge: {JUDGE % ''}, weight: 0.5}}]"
@@ -87,7 +88,7 @@ def calibrate(policy: str, judge: str) -> None:
     PROFILE.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "yatt_mm.simulate.calibrate", str(PROFILE), "--policy", policy, "--judge",
                     judge, "--data", str(demo_data() / "train"), "--max-tokens", str(MAX_TOKENS), "--max-num-seqs",
-                    str(PROMPTS), "--prompts", str(PROMPTS), "--n", str(RESPONSES), "--votes", "2", "--rounds",
+                    str(MAX_NUM_SEQS), "--prompts", str(PROMPTS), "--n", str(RESPONSES), "--votes", "2", "--rounds",
                     str(full_or_smoke(5, 1))], check=True, cwd=ROOT)
 
 

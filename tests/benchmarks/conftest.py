@@ -48,5 +48,6 @@ def smoke_runs(smoke_env) -> Callable[[str], SmokeRun]:
 
 def pytest_terminal_summary(terminalreporter):
     if _seconds:
-        parts = ", ".join(f"{s.removesuffix('.py')} {t:.0f} s" for s, t in sorted(_seconds.items(), key=lambda x: -x[1]))
+        slowest_first = sorted(_seconds.items(), key=lambda item: -item[1])
+        parts = ", ".join(f"{script.removesuffix('.py')} {seconds:.0f} s" for script, seconds in slowest_first)
         terminalreporter.write_line(f"benchmark smoke runs, {sum(_seconds.values()):.0f} s in all: {parts}")

@@ -19,9 +19,9 @@ def test_every_benchmark_declares_its_last_line():
     `make test`, and its smoke run fails among the slow tests."""
     scripts, promises = benchmark_scripts(), last_lines()
     assert len(scripts) > 20
-    assert not set(scripts) - set(promises), f"declare their last lines in benchmarks/_common.py LAST_LINES: " \
-                                             f"{sorted(set(scripts) - set(promises))}"
-    assert not set(promises) - set(scripts), f"LAST_LINES names no such benchmark: {sorted(set(promises) - set(scripts))}"
+    undeclared, unknown = sorted(set(scripts) - set(promises)), sorted(set(promises) - set(scripts))
+    assert not undeclared, f"declare their last lines in benchmarks/_common.py LAST_LINES: {undeclared}"
+    assert not unknown, f"LAST_LINES names no such benchmark: {unknown}"
     for script, promise in promises.items():
         assert promise.after is None or promise.after in promises, (script, promise.after)
         assert promise.numbers or promise.others, script
@@ -35,7 +35,8 @@ def test_the_check_finds_a_broken_last_line():
             "rows": {}, "setting": "tiny", "tiny": {}}
     assert last_line_problems(f"round 1\n{json.dumps(good)}\n", promise) == []
     assert last_line_problems("", promise) == ["printed nothing"]
-    assert last_line_problems(f"{json.dumps(good)}\nTraceback ...\n", promise)[0].startswith("the last line is not JSON")
+    traceback_last = last_line_problems(f"{json.dumps(good)}\nTraceback ...\n", promise)
+    assert traceback_last[0].startswith("the last line is not JSON")
     assert last_line_problems("[1, 2]", promise)[0].startswith("the last line is not a JSON object")
     assert last_line_problems(json.dumps({**good, "yatt_s_per_step": float("nan")}), promise) == [
         "'yatt_s_per_step' is nan, not a finite number"]
