@@ -10,7 +10,26 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, SMOKE, full_or_smoke, output_root
+
+# A smoke run's judge: the untrained tiny judge (built offline in seconds) instead of the demo's
+# warm start, whose SFT takes minutes. Its verdicts are unparseable and count as fallbacks, but
+# it generates and is scored like the real one, so every phase of the step still runs.
+SMOKE_JUDGE = "{judge: {name: genrm, model: 'tiny:judge', votes: 2, max_tokens: 6}, weight: 0.5}"
+
+
+def demo_data() -> Path:
+    """The demo's shards (`train` and `eval` below it), made once: runs/demo-data when measuring,
+    its twin under the smoke output folder in a smoke run (same contents, so the cached warm
+    starts are the same)."""
+    from yatt_mm.demo import DATA, make_data
+
+    base = full_or_smoke(ROOT, output_root())
+    base.mkdir(parents=True, exist_ok=True)
+    os.chdir(base)  # make_data writes the demo's relative data directory
+    make_data()
+    os.chdir(ROOT)
+    return base / DATA
 
 
 def demo_rl_records(steps: int, *settings: str, inspect: Callable[[Path], None] | None = None,
@@ -18,14 +37,12 @@ def demo_rl_records(steps: int, *settings: str, inspect: Callable[[Path], None] 
     """Metrics records of the demo's config run for `steps` steps on `nproc` ranks, with the
     demo's data and cached warm starts, no eval and no final save, plus `settings`.
     `inspect(run_dir)` sees the run directory before it is deleted."""
-    from yatt_mm.demo import DATA, make_data
-
-    os.chdir(ROOT)  # the demo's data directory is relative to the repo root
-    make_data()
+    data = demo_data()
+    smoke = [f"reward.judges=[{SMOKE_JUDGE}]"] if SMOKE else []  # `settings` come after: theirs win
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", str(nproc),
-               f"run.run_dir={tmp}/run", f"run.steps={steps}", f"data.shards=[{DATA / 'train'}]", "eval.every=0",
-               "run.save_final=false", *settings]
+               f"run.run_dir={tmp}/run", f"run.steps={steps}", f"data.shards=[{data / 'train'}]",
+               f"eval.shards=[{data / 'eval'}]", "eval.every=0", "run.save_final=false", *smoke, *settings]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200)
         if proc.returncode != 0:
             sys.exit(f"rl run failed:\n{proc.stderr[-3000:]}")

@@ -44,14 +44,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rl import ROOT, demo_rl_records  # noqa: E402
+from _common import ROOT, full_or_smoke, output_root, shown  # noqa: E402
+from _rl import demo_rl_records  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from yatt_mm.simulate.staleness import GENERATION, TRAINING, predict_here, read_phases  # noqa: E402
 
 MODES = {"sync": [], "async": ["run.placement=disaggregated", "run.max_staleness=1"]}
 SKIP_FIRST = 2  # start-up, and the first step of a rollout ahead (it generates its own samples)
-KEEP = ROOT / "runs" / "bench-async"  # the runs' timelines and metrics, for `yatt-mm simulate`
+KEEP = output_root() / "bench-async"  # the runs' timelines and metrics, for `yatt-mm simulate`
+# the fewest steps a run may have: a steady state of two steps beside the mid-run eval; a smoke
+# run's one steady step (step 3 to 4 of 4) is enough to compute every figure once
+MIN_STEPS = full_or_smoke(SKIP_FIRST + 4, SKIP_FIRST + 2)
 
 
 def read_timeline(run_dir: Path, rank: int) -> list[dict]:
@@ -143,11 +147,12 @@ def run(mode: str, steps: int, seed: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="paired rounds (each: one run of each mode)")
-    p.add_argument("--steps", type=int, default=8, help="RL steps per run (the held-out eval after the last)")
+    p.add_argument("--rounds", type=int, default=full_or_smoke(3, 1), help="paired rounds (each: one run of each mode)")
+    p.add_argument("--steps", type=int, default=full_or_smoke(8, MIN_STEPS),
+                   help="RL steps per run (the held-out eval after the last)")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.steps < SKIP_FIRST + 4:
-        p.error(f"--rounds must be >= 1 and --steps >= {SKIP_FIRST + 4} (a steady state beside the mid-run eval)")
+    if args.rounds < 1 or args.steps < MIN_STEPS:
+        p.error(f"--rounds must be >= 1 and --steps >= {MIN_STEPS} (a steady state beside the mid-run eval)")
     rounds = []
     shutil.rmtree(KEEP, ignore_errors=True)
     for r in range(args.rounds):
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         "staleness_mean": round(statistics.mean(x["async"]["staleness_mean"] for x in rounds), 3),
         "stale_dropped": sum(x["async"]["dropped"] for x in rounds),
         "rounds": args.rounds, "steps": args.steps,
-        "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": str(KEEP.relative_to(ROOT)),
+        "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": shown(KEEP),
     }
     print(f"staleness 1 / 0 seconds per step: {ratio:.3f} (median of {args.rounds} rounds; target <= 0.75: "
           f"{'met' if out['met'] else 'not met'}; no overlap gets below {out['step_time_ratio_bound']:.2f} on this "

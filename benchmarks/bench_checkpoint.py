@@ -17,16 +17,20 @@ import json
 import statistics
 from pathlib import Path
 
+from _common import full_or_smoke
 from _rl import demo_rl_records
 
-STEPS = 5
+STEPS = full_or_smoke(5, 2)  # the first checkpoint's write is reported by the second step
 
 
 def main() -> None:
     sizes = []
 
     def checkpoint_size(run_dir: Path) -> None:
-        (last,) = sorted((run_dir / "checkpoints").iterdir())
+        # the newest: rank 0 prunes right after its own write, so the checkpoint before the last
+        # stays on disk when the other rank finished the last one later (keep_checkpoints counts
+        # complete ones only)
+        last = max((run_dir / "checkpoints").glob("step_*"), key=lambda d: int(d.name.removeprefix("step_")))
         sizes.append(sum(f.stat().st_size for f in last.iterdir()))
 
     records = demo_rl_records(STEPS, "run.checkpoint_every=1", "run.keep_checkpoints=1", inspect=checkpoint_size)

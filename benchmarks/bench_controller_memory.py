@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _common import full_or_smoke
 from models.comm import free_port
 
-GROUP_COUNTS = (1, 2, 4)
-PROMPTS_PER_STEP = 16
-STEPS = 3
+# read again by every spawned group process (it imports this module): the same in all of them
+GROUP_COUNTS = full_or_smoke((1, 2, 4), (1, 2))
+PROMPTS_PER_STEP = full_or_smoke(16, 2)
+STEPS = full_or_smoke(3, 1)
 
 
 def make_data(path: str) -> None:

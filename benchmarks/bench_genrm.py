@@ -12,9 +12,10 @@ import random
 import time
 
 import models  # noqa: F401
+from _common import full_or_smoke
 
 
-def main(items_n: int = 64) -> None:
+def main(items_n: int = full_or_smoke(64, 8)) -> None:
     from dataio.synth import colour_image
     from models.tiny import tiny_model_dir
     from yatt_mm.reward.genrm import InProcessJudge, JudgeConfig, JudgeItem, ServerJudge

@@ -26,11 +26,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import photo_like_jpeg, write_shards  # noqa: E402
+from benchmarks._common import full_or_smoke, photo_like_jpeg, write_shards  # noqa: E402
 from dataio.decode import MediaConfig, decode_image  # noqa: E402
 
-N_IMAGES = int(os.environ.get("BENCH_IMAGES", 600))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", 5))
+N_IMAGES = int(os.environ.get("BENCH_IMAGES", full_or_smoke(600, 16)))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", full_or_smoke(5, 1)))
 CORES = 2
 FULL = MediaConfig(image_draft=False)  # 512x512 -> 504x504 (target is not smaller: no draft anyway)
 DRAFT = MediaConfig(image_max_pixels=224 * 224, image_draft=True)  # -> 224x224 via a 1/2-scale decode

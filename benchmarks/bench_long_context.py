@@ -55,6 +55,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import full_or_smoke
+
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=65536)
 VISION = dict(depth=2, hidden_size=256, num_heads=4, intermediate_size=512)
@@ -262,9 +264,10 @@ def rank_main(args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=sorted(WIDTHS), default="qwen3vl", help="the model family")
-    ap.add_argument("--tokens", type=int, default=8192, help="sequence length of the sample")
-    ap.add_argument("--frames", type=int, default=256, help="video frames (two per temporal patch)")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds, each CP 1 then CP 2")
+    # a smoke run: 16 frames (8 temporal patches of 16 tokens) in a 512-token sequence, one round
+    ap.add_argument("--tokens", type=int, default=full_or_smoke(8192, 512), help="sequence length of the sample")
+    ap.add_argument("--frames", type=int, default=full_or_smoke(256, 16), help="video frames (two per temporal patch)")
+    ap.add_argument("--rounds", type=int, default=full_or_smoke(2, 1), help="timed rounds, each CP 1 then CP 2")
     args = ap.parse_args()
     if "RANK" in os.environ:
         rank_main(args)

@@ -47,6 +47,7 @@ from pathlib import Path
 
 importlib.import_module("models")  # first: the CPU runtime hooks, before torch and megatron load
 import torch  # noqa: E402
+from _common import SMOKE  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,10 @@ LAYOUTS = {
         ("Q25 bf16 selective", "Q25", "bf16", "selective", False, 2, 224, 64, 64),
     ]),
 }
+if SMOKE:  # every layout still launched (one process, DP 2, TP 2), one short row of the small model each
+    LAYOUTS = {"tp1dp1": (1, 1, [("S fp32 none short", "S", "fp32", "none", False, 1, 64, 16, 16)]),
+               "tp1dp2": (2, 1, [("S fp32 none distopt", "S", "fp32", "none", True, 1, 64, 16, 16)]),
+               "tp2dp1": (2, 2, [("S bf16 selective", "S", "bf16", "selective", False, 1, 64, 16, 16)])}
 def image_grid(media: int) -> tuple[int, int, int]:
     """The (t, h, w) patch grid of every image of a row with `media` image tokens: 16 x 16 patches
     (64 merged tokens), or 8 x 8 (16 tokens) where 64 does not divide the row's media."""
@@ -224,7 +229,7 @@ def run_layout(layout: str) -> list[dict]:
 
 def main() -> int:
     start = time.perf_counter()
-    for name in MODELS:  # built here, once, before the ranks start
+    for name in {config[1] for _, _, configs in LAYOUTS.values() for config in configs}:  # before the ranks start
         model_dir(name)
     results = [r for layout in LAYOUTS for r in run_layout(layout)]
     for r in results:

@@ -20,9 +20,13 @@ import time
 
 import models  # noqa: F401 - CPU runtime hooks first
 import torch
+from _common import full_or_smoke
+
+# a smoke run: 2 groups of 4 responses on the tiny model
+GROUPS, RESPONSES = full_or_smoke((8, 8), (2, 4))
 
 
-def mixed_batch(processor, groups: int = 8, n: int = 8, seed: int = 0):
+def mixed_batch(processor, groups: int = GROUPS, n: int = RESPONSES, seed: int = 0):
     from dataio.synth import colour_image
     from yatt_mm.engines.engine import Response
     from yatt_mm.rl.samples import Group, Prompt, SampleBuilder
@@ -42,16 +46,16 @@ def mixed_batch(processor, groups: int = 8, n: int = 8, seed: int = 0):
     return samples
 
 
-def main(rounds: int = 3, micro_batch_tokens: int = 2048) -> None:
+def main(rounds: int = full_or_smoke(3, 1), micro_batch_tokens: int = 2048) -> None:
     from transformers import AutoProcessor
 
     from models.comm import init_parallel
-    from models.tiny import wide_model_dir
+    from models.tiny import tiny_model_dir, wide_model_dir
     from models.trainer import TrainerConfig, VLMTrainer
     from yatt_mm.rl.samples import micro_batches
 
     init_parallel(1)
-    path = str(wide_model_dir())
+    path = str(full_or_smoke(wide_model_dir, lambda: tiny_model_dir("policy"))())
     trainer = VLMTrainer(path, TrainerConfig(lr=1e-6))
     processor = AutoProcessor.from_pretrained(path)
     samples = mixed_batch(processor)

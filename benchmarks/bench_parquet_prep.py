@@ -27,6 +27,8 @@ import time
 
 import psutil
 
+from _common import full_or_smoke
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS_PER_GROUP = 100
 
@@ -89,7 +91,7 @@ def read_whole(path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=2048, help="size of the parquet file to write")
+    ap.add_argument("--mb", type=int, default=full_or_smoke(2048, 4), help="size of the parquet file to write")
     ap.add_argument("--read-whole", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.read_whole:

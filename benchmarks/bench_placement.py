@@ -1,12 +1,13 @@
 """Partial vs full colocation on this machine: rollout + reward seconds per RL step.
 
 One DP group (one rank) on this 2-core machine, 8 prompts x 8 responses a step, every group
-trained (no dynamic sampling) and the learning rate 0 (with learning the answers grew from 16 to
-46 tokens in 5 steps, and the placements' runs would compare different work). The policy is the
-demo's warm start cut to 4 of its 12 SFT steps: it has learnt to stop, not yet always, which
-gives a long-tailed length mix (mean 21-25 tokens, median about 10, a few of the 64
-responses running to `max_tokens` 96); the judge is the demo's GenRM (2 votes). The engine
-batches at most 8 sequences, as a GPU's batch limit would with long sequences.
+trained (no dynamic sampling) at a learning rate of 1e-12, which leaves the policy as it started
+(with learning the answers grew from 16 to 46 tokens in 5 steps, and the placements' runs would
+compare different work). The policy is the demo's warm start cut to 4 of its 12 SFT steps: it
+has learnt to stop, not yet always, which gives a long-tailed length mix (mean 21-25 tokens,
+median about 10, a few of the 64 responses running to `max_tokens` 96); the judge is the demo's
+GenRM (2 votes). The engine batches at most 8 sequences, as a GPU's batch limit would with long
+sequences.
 
 - Full colocation: rollout, then the in-process judge on the whole batch, judging at 2 torch
   threads and the rollout at 1 and at 2 (`split.rollout_threads`), both in every round; the
@@ -40,16 +41,26 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rl import ROOT, demo_rl_records  # noqa: E402
+from _common import ROOT, SMOKE, full_or_smoke, output_root, shown  # noqa: E402
+from _rl import demo_data, demo_rl_records  # noqa: E402
 
-POLICY_STEPS = 4  # of the demo policy's 12 warm-start steps: a long tail of lengths
-COMMON = ["rollout.sampling.max_tokens=96", "rollout.sampling.n=8", "rollout.prompts_per_step=8",
-          "rollout.engine.max_num_seqs=8", "dynamic_sampling.enabled=false", "run.check_sync=false",
-          "policy.trainer.lr=0"]  # the policy does not learn here: every step has the same length mix
-JUDGE = "{name: genrm, model: 'warmstart:judge', votes: 2, max_tokens: 6%s}"
+# of the demo policy's 12 warm-start steps: a long tail of lengths (a smoke run takes the demo's
+# own warm start, which the other RL benchmarks' smoke runs share)
+POLICY_STEPS = full_or_smoke(4, None)
+# the engine batches at most MAX_NUM_SEQS sequences, as a GPU's batch limit would with long ones
+MAX_TOKENS, RESPONSES, PROMPTS, MAX_NUM_SEQS = full_or_smoke((96, 8, 8, 8), (16, 4, 4, 4))
+# The policy must not learn here, so that every step has the same length mix. The config refuses
+# a learning rate of 0 (policy.trainer.lr must be > 0); at 1e-12 Adam moves a weight by about
+# 1e-12 a step, below the last bit of any float32 weight larger than about 1e-5: the policy stays
+# the warm start (5 train steps of it at 1e-12 changed 729 of its 746,240 weights, by at most 9e-12).
+FIXED_POLICY_LR = 1e-12
+COMMON = [f"rollout.sampling.max_tokens={MAX_TOKENS}", f"rollout.sampling.n={RESPONSES}",
+          f"rollout.prompts_per_step={PROMPTS}", f"rollout.engine.max_num_seqs={MAX_NUM_SEQS}",
+          "dynamic_sampling.enabled=false", "run.check_sync=false", f"policy.trainer.lr={FIXED_POLICY_LR}"]
+JUDGE = "{name: genrm, model: '%s', votes: 2, max_tokens: 6%%s}" % full_or_smoke("warmstart:judge", "tiny:judge")
 IN_PROCESS = f"reward.judges=[{{judge: {JUDGE % ''}, weight: 0.5}}]"
 SERVED = f"reward.judges=[{{judge: {JUDGE % ', backend: server'}, weight: 0.5}}]"
-KEEP = ROOT / "runs" / "bench-placement"  # the runs' timelines, for `yatt-mm simulate`
+KEEP = output_root() / "bench-placement"  # the runs' timelines, for `yatt-mm simulate`
 # this machine's calibration (python -m yatt_mm.simulate.calibrate, the same workload), for the
 # simulator's validation. The split decides with speeds proportional to cores (the default): a
 # calibration measured under other tenants' load once sent it to 1.5 judge cores, where the
@@ -57,18 +68,18 @@ KEEP = ROOT / "runs" / "bench-placement"  # the runs' timelines, for `yatt-mm si
 # Measured into the output folder, never over the committed configs/profiles/cpu_2core.yaml: a
 # benchmark leaves tracked files alone. Adopting a new measurement is an explicit copy (see
 # docs/benchmarks.md).
-PROFILE = ROOT / "runs" / "bench-placement.cpu_profile.yaml"
+PROFILE = output_root() / "bench-placement.cpu_profile.yaml"
 
 
 def models() -> tuple[str, str]:
-    """The policy (the long-tailed warm start) and the demo's judge, built or found cached."""
-    from yatt_mm.demo import DATA, make_data
+    """The policy (the long-tailed warm start) and the demo's judge, built or found cached (a
+    smoke run's judge: the untrained tiny judge, as in the other RL benchmarks' smoke runs)."""
+    from models.tiny import tiny_model_dir
     from yatt_mm.demo.warmstart import warm_start
 
-    os.chdir(ROOT)
-    make_data()
-    return (str(warm_start("policy", DATA / "train", steps=POLICY_STEPS, quiet=True)),
-            str(warm_start("judge", DATA / "train", quiet=True)))
+    train = demo_data() / "train"
+    judge = tiny_model_dir("judge") if SMOKE else warm_start("judge", train, quiet=True)
+    return str(warm_start("policy", train, steps=POLICY_STEPS, quiet=True)), str(judge)
 
 
 def calibrate(policy: str, judge: str) -> None:
@@ -76,8 +87,9 @@ def calibrate(policy: str, judge: str) -> None:
     the split's decisions and the simulator's validation below use it."""
     PROFILE.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "yatt_mm.simulate.calibrate", str(PROFILE), "--policy", policy, "--judge",
-                    judge, "--max-tokens", "96", "--max-num-seqs", "8", "--prompts", "8", "--n", "8", "--votes", "2",
-                    "--rounds", "5"], check=True, cwd=ROOT)
+                    judge, "--data", str(demo_data() / "train"), "--max-tokens", str(MAX_TOKENS), "--max-num-seqs",
+                    str(MAX_NUM_SEQS), "--prompts", str(PROMPTS), "--n", str(RESPONSES), "--votes", "2", "--rounds",
+                    str(full_or_smoke(5, 1))], check=True, cwd=ROOT)
 
 
 def uncontended(record: dict) -> bool:
@@ -107,12 +119,13 @@ def full_colocation(policy: str, rollout_threads: int) -> list[str]:
             "split.judge_threads=2"]
 
 
-def main(rounds: int = 3, steps: int = 5) -> None:
+def main(rounds: int = full_or_smoke(3, 1), steps: int = full_or_smoke(5, 2)) -> None:
     policy, judge = models()
     calibrate(policy, judge)
     # full colocation at both thread counts in every round: a first pass of a few steps picked
     # the slower one once (the tiny engine's rollout time swings 1.3-2.9 s with the long tail)
-    settings = {"full1": full_colocation(policy, 1), "full2": full_colocation(policy, 2),
+    fulls = full_or_smoke(("full1", "full2"), ("full1",))  # a smoke run: the second thread count left out
+    settings = {**{mode: full_colocation(policy, int(mode[-1])) for mode in fulls},
                 "partial": [f"policy.model={policy}", "run.placement=partial", SERVED]}
     seconds = {mode: [] for mode in settings}
     quiet = {mode: [] for mode in settings}  # the steps no other tenant slowed (see `uncontended`)
@@ -129,7 +142,6 @@ def main(rounds: int = 3, steps: int = 5) -> None:
             print(f"round {r} {mode}: " + " ".join(f"{s:.2f}" for s in seconds[mode][-len(done):]) + " s"
                   + (f" (judge share {' '.join(f'{x:.2f}' for x in shares[-len(done):])})" if mode == "partial" else ""),
                   flush=True)
-    fulls = ("full1", "full2")
     kept = min(fulls, key=lambda k: statistics.median(seconds[k]))  # the better-used cores: what partial must beat
     full = statistics.median(seconds[kept])
     for r in range(rounds):  # the simulator compares with the faster full setting's runs
@@ -144,7 +156,7 @@ def main(rounds: int = 3, steps: int = 5) -> None:
                               for mode, v in quiet.items()},
               "judge_share_median": round(statistics.median(shares), 3) if shares else None,
               "response_length_mean": round(statistics.mean(lengths), 2),
-              "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": str(KEEP.relative_to(ROOT))}
+              "load_average_end": round(os.getloadavg()[0], 2), "runs_kept": shown(KEEP)}
     import validate_simulator
 
     validate_simulator.main(str(PROFILE))  # its JSON line and the figure

@@ -16,8 +16,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHARDS_1X = 4
-PER_SHARD = 60
+from benchmarks._common import full_or_smoke  # noqa: E402
+
+SHARDS_1X = full_or_smoke(4, 2)
+PER_SHARD = full_or_smoke(60, 8)
+VIDEOS = full_or_smoke(8, 2)  # of each 1x copy's samples
 
 
 def child(root: str) -> None:
@@ -40,7 +43,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         one, ten = os.path.join(tmp, "x1"), os.path.join(tmp, "x10")
-        paths = write_shards(one, images=SHARDS_1X * PER_SHARD - 8, videos=8, samples_per_shard=PER_SHARD,
+        paths = write_shards(one, images=SHARDS_1X * PER_SHARD - VIDEOS, videos=VIDEOS, samples_per_shard=PER_SHARD,
                              image_size=448, video_size=112, seed=1)
         os.makedirs(ten)
         for c in range(10):

@@ -16,7 +16,8 @@ TRL's step grows 10-30x (libgomp's spinning threads), yatt-mm's far less; the pe
 in the JSON show it.
 
 TRL is an optional benchmark dependency: `pip install -e '.[bench]'` (trl, accelerate and
-datasets, pinned; torch and transformers stay as they are).
+datasets, pinned; torch and transformers stay as they are). Without it a measurement refuses to
+start; a smoke run (BENCH_SMOKE=1) times yatt-mm's side alone and reports TRL's figures as null.
 
     python benchmarks/bench_rl_vs_trl.py [--setting tiny|wide|both] [--rounds 2] [--defaults-only]
 
@@ -39,8 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 6
+from _common import ROOT, SMOKE, full_or_smoke, output_root
+
+STEPS = full_or_smoke(6, 2)  # step 1 pays one-time warm-up and is left out
 PROMPTS, COMPLETIONS, LR = 8, 8, 5e-5
 SETTINGS = {  # max completion tokens, and the model: the warm start, or a wider one built offline
     "tiny": {"max_tokens": 8, "model": "warmstart"},
@@ -55,6 +57,10 @@ EXTRA_ROWS = {"data.workers=0": ["data.workers=0"]}
 def data_dir(root: Path) -> Path:
     from dataio.synth import write_shards
 
+    if SMOKE:  # the demo's data: its warm start is the one the other RL benchmarks' smoke runs build
+        from _rl import demo_data
+
+        return demo_data() / "train"
     out = root / "train"
     if not out.exists():
         write_shards(str(out), images=128, videos=0, samples_per_shard=32, seed=11, tasks=["colour"])
@@ -179,12 +185,13 @@ def trl_worker(args: dict) -> None:
 
 # -- the comparison ---------------------------------------------------------------------------
 
-def compare(name: str, rounds: int, root: Path, extra_rows: dict[str, list[str]]) -> dict:
+def compare(name: str, rounds: int, root: Path, extra_rows: dict[str, list[str]], with_trl: bool = True) -> dict:
+    """`with_trl` False (a smoke run without TRL installed): yatt-mm's runs only, TRL's figures null."""
     data = data_dir(root)
     setting = SETTINGS[name]
     model = model_dir(setting["model"], data)
     runs = {"defaults": lambda: yatt_round(model, data, setting["max_tokens"]),
-            "trl": lambda: trl_round(model, data, setting["max_tokens"]),
+            **({"trl": lambda: trl_round(model, data, setting["max_tokens"])} if with_trl else {}),
             **{row: (lambda o=tuple(o): yatt_round(model, data, setting["max_tokens"], o))
                for row, o in extra_rows.items()}}
     results: dict[str, list[dict]] = {k: [] for k in runs}
@@ -195,21 +202,23 @@ def compare(name: str, rounds: int, root: Path, extra_rows: dict[str, list[str]]
             label = "trl" if side == "trl" else f"yatt-mm {side}"
             print(f"[{name}] round {r + 1}/{rounds} {label:24s} {res['s_per_step']:.3f} s/step  "
                   + " ".join(f"{k}={v:.3f}" for k, v in res["phases"].items()), flush=True)
-    t = statistics.median(x["s_per_step"] for x in results["trl"])
+    t = statistics.median(x["s_per_step"] for x in results["trl"]) if with_trl else None
     rows = {}
     for row, res in results.items():
         if row == "trl":
             continue
         y = statistics.median(x["s_per_step"] for x in res)
+        trl = f"TRL {t:.3f} s/step, TRL/yatt-mm {t / y:.2f}" if with_trl else "TRL not installed"
         print(f"[{name}] {PROMPTS} prompts x {COMPLETIONS} completions <= {setting['max_tokens']} tokens, model "
-              f"{model.name}: yatt-mm ({row}) {y:.3f} s/step, TRL {t:.3f} s/step, TRL/yatt-mm {t / y:.2f}", flush=True)
-        rows[row] = {"yatt_s_per_step": round(y, 4), "trl_s_per_step": round(t, 4), "ratio": round(t / y, 3),
+              f"{model.name}: yatt-mm ({row}) {y:.3f} s/step, {trl}", flush=True)
+        rows[row] = {"yatt_s_per_step": round(y, 4), "trl_s_per_step": round(t, 4) if with_trl else None,
+                     "ratio": round(t / y, 3) if with_trl else None,
                      "yatt_phases_s": {k: round(v, 4) for k, v in res[-1]["phases"].items()},
                      "yatt_rounds_s": [round(x["s_per_step"], 4) for x in res]}
     keys = ("yatt_s_per_step", "trl_s_per_step", "ratio", "yatt_phases_s", "yatt_rounds_s")
     return {**{k: rows["defaults"][k] for k in keys},
-            "trl_phases_s": {k: round(v, 4) for k, v in results["trl"][-1]["phases"].items()},
-            "trl_rounds_s": [round(x["s_per_step"], 4) for x in results["trl"]], "rows": rows}
+            "trl_phases_s": {k: round(v, 4) for k, v in results["trl"][-1]["phases"].items()} if with_trl else None,
+            "trl_rounds_s": [round(x["s_per_step"], 4) for x in results["trl"]] if with_trl else None, "rows": rows}
 
 
 def main() -> None:
@@ -217,16 +226,21 @@ def main() -> None:
         trl_worker(json.loads(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--setting", choices=["tiny", "wide", "both"], default="both")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--defaults-only", action="store_true", help="no extra rows: yatt-mm at the defaults and TRL")
+    # a smoke run: the tiny setting, one round, no extra rows
+    parser.add_argument("--setting", choices=["tiny", "wide", "both"], default=full_or_smoke("both", "tiny"))
+    parser.add_argument("--rounds", type=int, default=full_or_smoke(2, 1))
+    parser.add_argument("--defaults-only", action="store_true", default=SMOKE,
+                        help="no extra rows: yatt-mm at the defaults and TRL")
     args = parser.parse_args()
-    if importlib.util.find_spec("trl") is None:
+    with_trl = importlib.util.find_spec("trl") is not None
+    if not with_trl and not SMOKE:
         sys.exit("TRL is not installed: pip install -e '.[bench]'")
-    root = Path(tempfile.gettempdir()) / "yatt-mm-bench-rl-vs-trl"
+    if not with_trl:
+        print("TRL is not installed: this smoke run times yatt-mm's side only", flush=True)
+    root = full_or_smoke(Path(tempfile.gettempdir()), output_root()) / "yatt-mm-bench-rl-vs-trl"
     names = ["tiny", "wide"] if args.setting == "both" else [args.setting]
     extra_rows = {} if args.defaults_only else EXTRA_ROWS
-    results = {name: compare(name, args.rounds, root, extra_rows) for name in names}
+    results = {name: compare(name, args.rounds, root, extra_rows, with_trl) for name in names}
     first = results[names[0]]
     print(json.dumps({**{k: first[k] for k in ("yatt_s_per_step", "trl_s_per_step", "ratio", "rows")},
                       "setting": names[0], **{n: results[n] for n in names}}))

@@ -18,9 +18,13 @@ import random
 import time
 
 import models  # noqa: F401
+from _common import full_or_smoke
+
+IMAGE_PROMPTS, VIDEO_PROMPTS = full_or_smoke((16, 8), (2, 1))
+N, MAX_TOKENS = full_or_smoke((4, 32), (2, 8))
 
 
-def main(rounds: int = 5) -> None:
+def main(rounds: int = full_or_smoke(5, 1)) -> None:
     from vllm import SamplingParams
 
     from dataio.synth import colour_image, moving_ball_video
@@ -31,12 +35,12 @@ def main(rounds: int = 5) -> None:
     engine = RolloutEngine(EngineConfig(model=str(tiny_model_dir("policy"))))
     rng = random.Random(0)
     prompts = []
-    for i in range(24):
-        s = colour_image(rng) if i < 16 else moving_ball_video(rng)
+    for i in range(IMAGE_PROMPTS + VIDEO_PROMPTS):
+        s = colour_image(rng) if i < IMAGE_PROMPTS else moving_ball_video(rng)
         prompts.append(Prompt(f"k{i}", s.question, s.answer, [s.image] if s.image else [],
                               [s.video] if s.video is not None else []))
-    sampling = SamplingConfig(n=4, max_tokens=32, temperature=1.0)
-    params = SamplingParams(n=4, max_tokens=32, temperature=1.0, logprobs=0)  # what generate() asks for
+    sampling = SamplingConfig(n=N, max_tokens=MAX_TOKENS, temperature=1.0)
+    params = SamplingParams(n=N, max_tokens=MAX_TOKENS, temperature=1.0, logprobs=0)  # what generate() asks for
     raw_inputs = [engine._vllm_input(p.request()) for p in prompts]  # prepared outside the timing
 
     def ours() -> float:

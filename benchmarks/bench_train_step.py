@@ -28,6 +28,7 @@ import time
 
 import models  # noqa: F401 - CPU runtime hooks first
 import torch
+from _common import full_or_smoke
 
 
 def make_batch(processor, spec, n: int, micro: int):
@@ -64,10 +65,10 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", choices=sorted(KINDS), default="qwen2vl", help="which tiny model family")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps-per-round", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=full_or_smoke(6, 1))
+    ap.add_argument("--steps-per-round", type=int, default=full_or_smoke(3, 1))
+    ap.add_argument("--batch", type=int, default=full_or_smoke(16, 4))
+    ap.add_argument("--micro", type=int, default=full_or_smoke(8, 2))
     args = ap.parse_args()
 
     tiny_kind, hf_class = KINDS[args.kind]

@@ -21,17 +21,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import write_shards  # noqa: E402
+from benchmarks._common import full_or_smoke, write_shards  # noqa: E402
 from dataio.decode import MediaConfig, resize_frames, sample_frame_indices  # noqa: E402
 
-N_CLIPS = int(os.environ.get("BENCH_CLIPS", 24))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", 5))
+N_CLIPS = int(os.environ.get("BENCH_CLIPS", full_or_smoke(24, 2)))
+# frames a clip holds (16 are sampled); drawing one takes ~30 ms here, a smoke run draws fewer
+CLIP_FRAMES = full_or_smoke(96, 32)
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", full_or_smoke(5, 1)))
 CORES = 2
 MEDIA = MediaConfig(video_frames=16, video_max_pixels=256 * 28 * 28)
 
 
-def make_clip(seed: int, frames: int = 96, w: int = 480, h: int = 272) -> bytes:
-    """A moving-pattern mp4 (MPEG-4 part 2 from OpenCV), 480x272, 96 frames at 24 fps."""
+def make_clip(seed: int, frames: int = CLIP_FRAMES, w: int = 480, h: int = 272) -> bytes:
+    """A moving-pattern mp4 (MPEG-4 part 2 from OpenCV), 480x272, `frames` frames at 24 fps."""
     from dataio.synth import encode_mp4
 
     rng = np.random.default_rng(seed)
@@ -144,7 +146,7 @@ def main() -> None:
     def med_ratio(a):
         return round(float(np.median([g[a][0] / g["decord"][0] for g in rounds])), 3)
 
-    out = {"clips": N_CLIPS, "clip": "480x272 mp4v, 96 frames", "frames_per_clip": 16, "workers": 2,
+    out = {"clips": N_CLIPS, "clip": f"480x272 mp4v, {CLIP_FRAMES} frames", "frames_per_clip": 16, "workers": 2,
            "rounds": ROUNDS, "load_avg_start_end": [round(load0, 1), round(load1, 1)],
            "clips_per_s": round(best["dataio"], 2), "decord_clips_per_s": round(best["decord"], 2),
            "ratio_to_decord": round(best["dataio"] / best["decord"], 3),

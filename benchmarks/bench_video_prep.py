@@ -20,13 +20,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._common import full_or_smoke  # noqa: E402
 from dataio.prep.clips import stride_clips  # noqa: E402
 from dataio.prep.runner import run_prep  # noqa: E402
 from dataio.prep.work import PrepOptions  # noqa: E402
 
-N_VIDEOS = int(os.environ.get("BENCH_VIDEOS", 12))
-SECONDS = float(os.environ.get("BENCH_SECONDS", 10))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
+# a smoke run: one video per worker, two clips each
+N_VIDEOS = int(os.environ.get("BENCH_VIDEOS", full_or_smoke(12, 2)))
+SECONDS = float(os.environ.get("BENCH_SECONDS", full_or_smoke(10, 4)))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", full_or_smoke(3, 1)))
 CORES = 2
 OPTS = PrepOptions(max_clip_len=2.0, min_clip_len=1.0, fps=2.0, max_frames=32, max_side=448)
 

@@ -33,6 +33,7 @@ import time
 
 import models  # noqa: F401 - CPU runtime hooks first
 import torch
+from _common import full_or_smoke
 
 
 def saved_mib(fn, exclude) -> tuple[torch.Tensor, float]:
@@ -78,9 +79,10 @@ def main() -> int:
     from models.trainer import TrainerConfig, build_module
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--frames", type=int, default=16)
-    ap.add_argument("--side", type=int, default=448, help="frame side in pixels (a multiple of 28)")
-    ap.add_argument("--rounds", type=int, default=3)
+    # a smoke run: one temporal patch of 112 x 112 (64 patches, 4 windows)
+    ap.add_argument("--frames", type=int, default=full_or_smoke(16, 2))
+    ap.add_argument("--side", type=int, default=full_or_smoke(448, 112), help="frame side in pixels (a multiple of 28)")
+    ap.add_argument("--rounds", type=int, default=full_or_smoke(3, 1))
     args = ap.parse_args()
     if args.side % 28 or args.frames % 2:
         raise SystemExit("--side must be a multiple of 28 and --frames even (2 frames make a temporal patch)")

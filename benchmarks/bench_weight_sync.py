@@ -32,9 +32,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import models  # noqa: F401
+from _common import full_or_smoke
+
+# a smoke run: the tiny model (3 MB) in buckets of 1 MB, so that it still syncs in several
+BUCKET_MB = full_or_smoke(16.0, 1.0)
 
 
-def main(rounds: int = 5, bucket_mb: float = 16.0) -> None:
+def main(rounds: int = full_or_smoke(5, 1), bucket_mb: float = BUCKET_MB) -> None:
     from safetensors.torch import load_file, save_file
 
     from models.tiny import tiny_model_dir
@@ -76,9 +80,9 @@ def main(rounds: int = 5, bucket_mb: float = 16.0) -> None:
 
 # -- memory: two ranks under torchrun -------------------------------------------------------
 def sync_memory(bucket_mb: float) -> dict:
-    from models.tiny import wide_model_dir
+    from models.tiny import tiny_model_dir, wide_model_dir
 
-    path = wide_model_dir()  # ~36M parameters, 8 text layers
+    path = full_or_smoke(wide_model_dir, lambda: tiny_model_dir("policy"))()  # ~36M parameters, 8 text layers
     out = {}
     for mode, mb in (("one_bucket", 1e6), ("bucketed", bucket_mb)):
         env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed tensors leave the process
@@ -130,7 +134,7 @@ def worker(path: str, bucket_mb: float) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size of the bucketed sync")
+    ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="bucket size of the bucketed sync")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.bucket_mb)

@@ -5,7 +5,8 @@ compared with the median the other placement's own runs measured: full colocatio
 from the partial runs' timelines, partial colocation (at the splits those runs used) from the
 full runs' timelines. The first step of each run is left out, as bench_placement does.
 
-Run after benchmarks/bench_placement.py (which keeps its runs under runs/bench-placement).
+Run after benchmarks/bench_placement.py (which keeps its runs under runs/bench-placement; in a
+smoke run, BENCH_SMOKE=1, both use the smoke output folder instead of runs/).
 Writes runs/bench-placement/simulator_validation.png (the committed figure in benchmarks/results/
 changes only when someone copies a new one over it). Last line: JSON with the measured and
 predicted medians and the errors.
@@ -24,8 +25,9 @@ sys.path.insert(0, str(ROOT))
 from yatt_mm.simulate.predict import predict  # noqa: E402
 from yatt_mm.simulate.profile import load_profile  # noqa: E402
 from yatt_mm.simulate.trace import read_run  # noqa: E402
+from _common import output_root, shown  # noqa: E402
 
-RUNS = ROOT / "runs" / "bench-placement"
+RUNS = output_root() / "bench-placement"
 FIGURE = RUNS / "simulator_validation.png"  # beside the runs; benchmarks/results/ holds the committed one
 
 
@@ -38,9 +40,10 @@ def uncontended(step, units: int) -> bool:
     return (wave.rollout_cpu or 0.0) / max(wave.wave.generation_seconds, 1e-9) >= 0.8 * expected
 
 
-def validate(profile_path: str = str(ROOT / "configs" / "profiles" / "cpu_2core.yaml"), contended: bool = True) -> dict:
+def validate(profile_path: str = str(ROOT / "configs" / "profiles" / "cpu_2core.yaml"),
+             contended: bool = True) -> dict | None:
     """The kept runs replayed under the other placement; measured vs predicted medians (with
-    `contended` False: only the steps no other tenant slowed)."""
+    `contended` False: only the steps no other tenant slowed, None when a placement has none)."""
     cal = load_profile(profile_path).calibration
     traces = {}
     for run in sorted(RUNS.glob("*-*")):
@@ -49,6 +52,8 @@ def validate(profile_path: str = str(ROOT / "configs" / "profiles" / "cpu_2core.
         traces.setdefault(trace.placement, []).append(trace)
     traces = {p: [t for t in ts if t.steps] for p, ts in traces.items()}
     if set(p for p, ts in traces.items() if ts) != {"full", "partial"}:
+        if not contended:  # every step of a placement slowed by other tenants: nothing to compare
+            return None
         sys.exit(f"need runs of both placements under {RUNS}: run benchmarks/bench_placement.py first")
     # partial colocation is compared at the split most of its steps ran with (the dynamic split
     # may have tried others), full colocation over every step
@@ -78,24 +83,27 @@ def validate(profile_path: str = str(ROOT / "configs" / "profiles" / "cpu_2core.
               "predicted_ratio": round(predicted["partial"] / predicted["full"], 3),
               "steps": {p: sum(len(t.steps) for t in ts) for p, ts in traces.items()},
               "profile": str(Path(profile_path).relative_to(ROOT)) if Path(profile_path).is_relative_to(ROOT)
-              else profile_path, "figure": str(FIGURE.relative_to(ROOT))}
+              else profile_path, "figure": shown(FIGURE)}
     return result
 
 
 def main(*args: str) -> None:
-    quiet = validate(*args, contended=False)
     result = validate(*args)
+    # None where other tenants slowed every step of a placement (a loaded machine, or a smoke
+    # run's single step): the figure then shows every step only
+    quiet = validate(*args, contended=False)
     split = result["judge_cores"]
-    _figure([("full, every step", result["measured_full"], result["predicted_full_from_partial"]),
-             (f"partial ({split:g} judge cores),\nevery step", result["measured_partial"],
-              result["predicted_partial_from_full"]),
-             ("full, steps no other\ntenant slowed", quiet["measured_full"], quiet["predicted_full_from_partial"]),
-             (f"partial ({quiet['judge_cores']:g} judge cores),\nsteps no other tenant slowed",
-              quiet["measured_partial"], quiet["predicted_partial_from_full"])])
-    result["uncontended_steps_only"] = {k: quiet[k] for k in ("measured_full", "predicted_full_from_partial",
-                                                               "error_full", "measured_partial",
-                                                               "predicted_partial_from_full", "error_partial",
-                                                               "steps", "measured_ratio")}
+    bars = [("full, every step", result["measured_full"], result["predicted_full_from_partial"]),
+            (f"partial ({split:g} judge cores),\nevery step", result["measured_partial"],
+             result["predicted_partial_from_full"])]
+    if quiet is not None:
+        bars += [("full, steps no other\ntenant slowed", quiet["measured_full"], quiet["predicted_full_from_partial"]),
+                 (f"partial ({quiet['judge_cores']:g} judge cores),\nsteps no other tenant slowed",
+                  quiet["measured_partial"], quiet["predicted_partial_from_full"])]
+    _figure(bars)
+    result["uncontended_steps_only"] = None if quiet is None else {
+        k: quiet[k] for k in ("measured_full", "predicted_full_from_partial", "error_full", "measured_partial",
+                              "predicted_partial_from_full", "error_partial", "steps", "measured_ratio")}
     print(json.dumps(result))
 
 
