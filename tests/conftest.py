@@ -60,6 +60,18 @@ def two_cores():
 
 
 @pytest.fixture(scope="session")
+def demo_shards(tmp_path_factory) -> list[str]:
+    """Overrides pointing a tiny config's train and eval shards at a few real shards: the
+    launcher refuses shards that do not exist before anything starts, and a clean checkout has no
+    runs/demo-data (`yatt-mm demo --data-only` makes it)."""
+    from dataio.synth import write_shards
+
+    out = tmp_path_factory.mktemp("demo-shards")
+    write_shards(str(out), images=8, videos=0, samples_per_shard=8, seed=1, tasks=["colour"])
+    return [f"data.shards=[{out}]", f"eval.shards=[{out}]"]
+
+
+@pytest.fixture(scope="session")
 def tiny_policy():
     from models.tiny import tiny_model_dir
 

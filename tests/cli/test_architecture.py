@@ -439,11 +439,11 @@ def test_plugins_take_module_function(tmp_path, monkeypatch):
         get_builder("my_plugins:nothing")
 
 
-def test_options_and_overrides_in_any_order_and_the_launcher_resolves_models(tmp_path, monkeypatch):
+def test_options_and_overrides_in_any_order_and_the_launcher_resolves_models(tmp_path, monkeypatch, demo_shards):
     import yatt_mm.launch as launch
 
     seen = {}
-    argv = ["run.steps=3", "--config", "configs/tiny_demo.yaml", *TINY, "rollout.sampling.n=2"]
+    argv = ["run.steps=3", "--config", "configs/tiny_demo.yaml", *TINY, *demo_shards, "rollout.sampling.n=2"]
     assert launch.run_command("t", RLConfig, "m", lambda cfg: seen.setdefault("cfg", cfg) and 0, argv) == 0
     cfg = seen["cfg"]
     assert cfg.run.steps == 3 and cfg.rollout.sampling.n == 2
@@ -452,7 +452,8 @@ def test_options_and_overrides_in_any_order_and_the_launcher_resolves_models(tmp
     launched = {}
     monkeypatch.setattr(launch, "relaunch",
                         lambda module, n, args, nodes: launched.update(module=module, n=n, args=args, nodes=nodes) or 0)
-    argv = ["--config", "configs/tiny_demo.yaml", "run.steps=4", "--nproc", "2", *TINY, f"run.run_dir={tmp_path}"]
+    argv = ["--config", "configs/tiny_demo.yaml", "run.steps=4", "--nproc", "2", *TINY, *demo_shards,
+            f"run.run_dir={tmp_path}"]
     assert launch.run_command("t", RLConfig, "yatt_mm.rl.train", lambda cfg: 1, argv) == 0
     assert launched["module"] == "yatt_mm.rl.train" and launched["n"] == 2
     assert launched["args"] == ["--config", str(tmp_path / "config.yaml")]

@@ -56,7 +56,7 @@ def _one_line(err: str, prog: str, message: str) -> None:
     assert "Traceback" not in err
 
 
-def test_rl_launcher_refuses_before_any_rank_starts(bad_model, tmp_path, capsys):
+def test_rl_launcher_refuses_before_any_rank_starts(bad_model, tmp_path, capsys, demo_shards):
     model, message = bad_model
     run_dir = tmp_path / "run"
 
@@ -64,7 +64,7 @@ def test_rl_launcher_refuses_before_any_rank_starts(bad_model, tmp_path, capsys)
         raise AssertionError("the run began with a model it cannot train")
 
     argv = ["--config", str(ROOT / "configs/tiny_demo.yaml"), "--nproc", "2", f"policy.model={model}",
-            "reward.judges=[]", f"run.run_dir={run_dir}"]
+            "reward.judges=[]", f"run.run_dir={run_dir}", *demo_shards]
     assert run_command("yatt-mm rl", RLConfig, "yatt_mm.rl.train", ranks_started, argv) == 2
     _one_line(capsys.readouterr().err, "yatt-mm rl", message)
     assert not run_dir.exists()  # made (and locked) only on the way to torchrun
