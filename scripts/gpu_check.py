@@ -44,6 +44,7 @@ tests/cli/test_gpu_check.py only (it shows one stage's failure is recorded witho
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(out_dir / "gpu_check.json",
                     {"device": torch.cuda.get_device_name(0) if not cpu else "cpu", "torch": torch.__version__,
                      "widths": widths, "layers": args.layers, "train_dtype": dtype, "argv": sys.argv[1:],
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, selected)
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     # Qwen3.5's DeltaNet: fla's kernels where it is installed, else the pure-torch rule
+                     "fla": importlib.util.find_spec("fla") is not None}, selected)
     signal.signal(signal.SIGTERM, on_sigterm)
     start = time.perf_counter()
     code = 0

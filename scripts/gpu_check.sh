@@ -48,10 +48,16 @@ for pair in megatron.core:megatron-core einops:einops PIL:pillow; do
 done
 if ((${#missing[@]})); then
   if [[ ! -d $WHEELS ]]; then
-    echo "gpu_check: missing ${missing[*]} and no wheel folder $WHEELS: run scripts/gpu_wheels.sh where PyPI is reachable and carry the folder along (carry=[\"$WHEELS\"])" >&2
+    echo "gpu_check: missing ${missing[*]} and no wheel folder $WHEELS: run scripts/gpu_wheels.sh where PyPI is reachable and copy the folder here" >&2
     exit 2
   fi
   echo "gpu_check: installing ${missing[*]} from $WHEELS into $SITE"
   "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" --target "$SITE" "${missing[@]}"
+fi
+# fla (flash-linear-attention: Qwen3.5's DeltaNet kernels, the gpu extra's), where its wheels are
+# in the folder: the qwen35 stages then run its Triton kernels, else Megatron's pure-torch rule
+if ! "$PY" -c "import fla" 2>/dev/null && compgen -G "$WHEELS/flash_linear_attention-*.whl" >/dev/null; then
+  echo "gpu_check: installing flash-linear-attention from $WHEELS into $SITE"
+  "$PY" -m pip install --quiet --no-index --no-deps --find-links "$WHEELS" --target "$SITE" flash-linear-attention fla-core
 fi
 exec timeout --kill-after=15 "${GPU_CHECK_LIMIT_S:-420}" "$PY" scripts/gpu_check.py "$@"
