@@ -101,10 +101,11 @@ def test_the_launchers_model_check_refuses_a_split_that_does_not_add_up():
 
 
 @pytest.mark.slow
-def test_the_launcher_refuses_a_split_that_does_not_add_up_before_any_rank_starts():
+def test_the_launcher_refuses_a_split_that_does_not_add_up_before_any_rank_starts(demo_shards):
     out = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--config", "configs/tiny_demo.yaml", "--nproc", "2",
                           "policy.model=tiny:judge", "reward.judges=[]", "policy.trainer.pipeline_parallel=2",
-                          "policy.trainer.pipeline_layers=[1, 1]"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          "policy.trainer.pipeline_layers=[1, 1]", *demo_shards], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == ("yatt-mm rl: policy.trainer.pipeline_layers=[1, 1]: they add up to 2 "
                                                    "but the model has 3 layers")
