@@ -1,12 +1,13 @@
 """The family-neutral half of HF <-> Megatron weight conversion (models/<family>/convert.py has
 the rest: names, layouts and tensor-parallel shapes).
 
-Here: a parameter's name in the whole model (`whole_model_name`: a pipeline stage numbers its
-language layers from 0) and in the checkpoint (`checkpoint_name`: tied embeddings), the sync
-unit (`sync_unit`: what converts to HF tensors on its own), copying converted tensors into a
-stage (`copy_into`), one stage's export in buckets (`stage_buckets`), and the pipeline hand-over
-that gives every rank the whole model's buckets (`pipeline_buckets`). A family calls these with
-its own converter, shard and gather.
+Here: a parameter's name in the checkpoint (`checkpoint_name`: tied embeddings; its name in the
+whole model, `whole_model_name`, is models/stages.py's), the sync unit (`sync_unit`: what
+converts to HF tensors on its own), copying converted tensors into a stage (`copy_into`), one
+stage's export in buckets (`stage_buckets`, LoRA's adapted weights merged), the pipeline
+hand-over that gives every rank the whole model's buckets (`pipeline_buckets`), and a LoRA
+adapter's export beside them (`adapter_buckets`). A family calls these with its own converter,
+shard and gather.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from itertools import groupby
 
 import torch
 
+from models.lora import PEFT_PREFIX, is_adapter, lora_linears, merged
+from models.stages import whole_model_name
+
 _LAYER_PREFIX = re.compile(r"^(language|vision)\.decoder\.layers\.\d+\.")
-_LANGUAGE_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.")
 TIED_OUTPUT = "language.output_layer.weight"
 
 
@@ -29,14 +32,6 @@ def sync_unit(name: str) -> str:
     fused weight), or one top-level module (embeddings, final norm, head, patch embed, merger)."""
     layer = _LAYER_PREFIX.match(name)
     return layer.group(0) if layer else ".".join(name.split(".")[:2])
-
-
-def whole_model_name(name: str, model: torch.nn.Module) -> str:
-    """The name a parameter of this pipeline stage has in the whole model: a stage numbers its
-    language layers from 0, the whole model from the stage's `layer_offset`."""
-    offset = getattr(model, "layer_offset", 0)
-    return _LANGUAGE_LAYER.sub(lambda m: f"language.decoder.layers.{int(m.group(1)) + offset}.", name) \
-        if offset else name
 
 
 def checkpoint_name(name: str, model: torch.nn.Module,
@@ -87,7 +82,8 @@ def stage_buckets(model: torch.nn.Module, tp_group, dtype: torch.dtype | None, b
     bucket: dict[str, torch.Tensor] = {}
     size, done = 0, set()
     named = [(whole_model_name(n, model), p) for n, p in model.named_parameters()
-             if not (n == TIED_OUTPUT and model.spec.tie_word_embeddings)]  # the last stage's copy of the embeddings
+             if not (n == TIED_OUTPUT and model.spec.tie_word_embeddings)  # the last stage's copy of the embeddings
+             and not is_adapter(n)]  # LoRA: the adapters are merged into their weights below
     for unit, params in groupby(named, key=lambda item: sync_unit(item[0])):
         if unit in done:  # a unit split across the module order would be converted half
             raise RuntimeError(f"parameters of {unit} are not contiguous in the model")
@@ -98,7 +94,7 @@ def stage_buckets(model: torch.nn.Module, tp_group, dtype: torch.dtype | None, b
         if bucket and bucket_bytes is not None and size + unit_bytes > bucket_bytes:
             yield bucket  # before gathering the next unit: the two never sit side by side
             bucket, size = {}, 0
-        full = gather(params)
+        full = gather(merged(model, params))  # one unit's merged weights at a time
         for k, t in to_hf(full).items():
             bucket[k] = (t.to(dtype) if dtype else t).contiguous()
         size += unit_bytes
@@ -140,3 +136,54 @@ def pipeline_buckets(model: torch.nn.Module,
             for t in bucket.values():  # over the accelerator group: NCCL on GPUs
                 torch.distributed.broadcast(t, src, group=group)
             yield bucket
+
+
+# -- LoRA adapters (models/lora.py), exported beside the weights ------------------------------
+def _gather_adapter(t: torch.Tensor, dim: int, gated: bool, group) -> torch.Tensor:
+    """The whole tensor from every TP rank's part, split on `dim`; `gated`: each part is
+    [its gate part; its up part] (linear_fc1's layout), reassembled as [gate; up]."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size == 1:
+        return t.detach()
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    if gated:
+        halves = [p.chunk(2, dim) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return torch.cat(parts, dim)
+
+
+def whole_pairs(module: torch.nn.Module, tp_group, grads: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{whole-model name of an adapted linear: (A, B)} of this pipeline stage, whole (gathered
+    over TP: a collective); with `grads`, their gradients instead (Megatron's main_grad, else grad)."""
+    def value(p):
+        if not grads:
+            return p
+        return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+
+    out = {}
+    for name, linear in lora_linears(module):
+        a, b = value(linear.lora_A), value(linear.lora_B)
+        if linear.lora_kind == "column":
+            b = _gather_adapter(b, 0, linear.lora_gated, tp_group)
+        else:
+            a = _gather_adapter(a, 1, False, tp_group)
+        out[whole_model_name(name, module)] = (a.detach(), b.detach())
+    return out
+
+
+def adapter_buckets(module: torch.nn.Module, family, tp_group, dtype: torch.dtype | None = None
+                    ) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole adapter as PEFT names it ({base_model.model.<HF module>.lora_A/B.weight: tensor}),
+    one bucket per pipeline stage, on every rank: a collective over TP and PP."""
+    def local():
+        pairs = family.lora_to_hf(module.spec, whole_pairs(module, tp_group))
+        out = {}
+        for path, (a, b) in pairs.items():
+            for which, t in (("lora_A", a), ("lora_B", b)):
+                out[f"{PEFT_PREFIX}{path}.{which}.weight"] = (t.to(dtype) if dtype else t).contiguous()
+        yield out
+
+    yield from pipeline_buckets(module, local())

@@ -65,6 +65,10 @@ class ModelFamily:
     # (spec, tp, cp, prefix) -> None, or ValueError naming `prefix`+setting: what the family's
     # context-parallel path needs of the model beyond cp dividing the world (None: nothing)
     check_context_parallel: Callable[..., None] | None = None
+    # (spec, {whole-model name of an adapted language linear: (whole A, whole B)}) -> {HF module
+    # path as transformers 5 lays the model out, e.g. model.language_model.layers.0.self_attn.q_proj:
+    # (A, B)}: models/lora.py's adapters as PEFT and vLLM name them (None: no LoRA for the family yet)
+    lora_to_hf: Callable[..., dict] | None = None
 
 
 def lazy(module: str, name: str) -> Callable:

@@ -9,7 +9,10 @@ sum of the earlier stages' counts, which the families' HF conversion follows (`l
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+
+_LANGUAGE_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.")
 
 
 def check_stage_layers(num_layers: int, pp: int, layers: Sequence[int] = (), prefix: str = "") -> None:
@@ -56,3 +59,11 @@ def megatron_layout(layers: Sequence[int]) -> list[list[str]]:
     out[0].insert(0, "embedding")
     out[-1].append("loss")
     return out
+
+
+def whole_model_name(name: str, model) -> str:
+    """The name a parameter of this pipeline stage has in the whole model: a stage numbers its
+    language layers from 0, the whole model from the stage's `layer_offset`."""
+    offset = getattr(model, "layer_offset", 0)
+    return _LANGUAGE_LAYER.sub(lambda m: f"language.decoder.layers.{int(m.group(1)) + offset}.", name) \
+        if offset else name

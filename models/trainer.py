@@ -22,6 +22,9 @@ import torch
 from models.comm import accelerator_device, broadcast_packed, comm
 from models.family import family_of, read_spec
 from models.inputs import VLMInputs
+from models.convert import adapter_buckets
+from models.lora import LoRAConfig, adapter_state, adapters_off, add_adapters, peft_config
+from models.lora import check_layout as check_lora
 from models.offload import HostOffload, optimizer_tensors
 from models.optimizer import build_optimizer, inner_optimizers
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
@@ -157,10 +160,15 @@ LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torc
 
 
 class VLMTrainer:
-    def __init__(self, hf_dir: str, cfg: TrainerConfig):
+    """`lora` (models/lora.py, rank > 0): the base frozen, adapters on the language model's
+    linears trained (seeded by cfg.seed); `freeze_vision`: the vision tower (and its merger)
+    frozen. Frozen parameters get no gradient buffer and no optimizer state."""
+
+    def __init__(self, hf_dir: str, cfg: TrainerConfig, lora: LoRAConfig | None = None, freeze_vision: bool = False):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
         self.cfg = cfg
+        self.lora = lora if lora is not None and lora.enabled else None
         self.hf_dir = hf_dir
         self.spec = read_spec(hf_dir)
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
@@ -172,6 +180,11 @@ class VLMTrainer:
             raise ValueError(f"context_parallel={cfg.context_parallel} but init_parallel made CP groups of "
                              f"{groups.cp_size} ranks")
         module = build_module(hf_dir, self.spec, cfg)
+        if freeze_vision and getattr(module, "vision", None) is not None:  # the first pipeline stage's
+            module.vision.requires_grad_(False)
+        if self.lora is not None:
+            check_lora(self.lora, family_of(self.spec), cfg)
+            add_adapters(module, self.lora, cfg.seed)
         self.module = module
         self.config = module.config
         self.model = DistributedDataParallel(
@@ -319,7 +332,34 @@ class VLMTrainer:
                 for p, saved in zip([p for g in opt.optimizer.param_groups for p in g["params"]], shard["params"]):
                     p.copy_(saved)
 
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this rank's weights: all of them, or with LoRA the adapter
+        alone (the frozen base is the policy's HF checkpoint, named by path and hash)."""
+        return adapter_state(self.module) if self.lora is not None else self.module.state_dict()
+
+    def load_checkpoint_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora is None:
+            self.module.load_state_dict(state)
+            return
+        live = adapter_state(self.module)
+        if set(state) != set(live):
+            raise RuntimeError(f"the checkpoint's adapter has {len(state)} tensors, this run's {len(live)} "
+                               f"(e.g. {sorted(set(state) ^ set(live))[:3]}): set policy.lora as the run that "
+                               "wrote it had it")
+        with torch.no_grad():
+            for name, p in live.items():
+                p.copy_(state[name])
+
     # -- weights -----------------------------------------------------------------------------
+    def export_adapter(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The LoRA adapter as PEFT names it, whole (gathered over TP and PP), on every rank."""
+        return {k: t for bucket in adapter_buckets(self.module, family_of(self.spec), self.tp_group, dtype)
+                for k, t in bucket.items()}
+
+    def adapter_config(self) -> dict:
+        """adapter_config.json of the adapter (PEFT's), naming the base checkpoint."""
+        return peft_config(self.lora, self.hf_dir)
+
     def export_hf(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """HF-named full tensors of the whole model (gathered over TP and PP), on every rank."""
         return {k: t for bucket in family_of(self.spec).export_hf_buckets(self.module, self.tp_group, dtype, None)
@@ -366,6 +406,18 @@ class ReferencePolicy:
         if self.device.type == "cuda":
             self.module.to("cpu")
             torch.cuda.empty_cache()
+
+
+class BaseWithoutAdapter:
+    """The reference policy of a LoRA run: the trainer's own model with its adapters off, so the
+    KL penalty needs no second copy of the weights."""
+
+    def __init__(self, trainer: VLMTrainer):
+        self.trainer = trainer
+
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        with adapters_off(self.trainer.module):
+            return self.trainer.logprobs(micro_batches)
 
 
 def build_module(hf_dir: str, spec, cfg: TrainerConfig) -> torch.nn.Module:

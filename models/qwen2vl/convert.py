@@ -233,3 +233,31 @@ def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype 
         model, tp_group, dtype, bucket_bytes,
         lambda params: {name: gather(name, p, tp_group, spec.is_qwen25) for name, p in params},
         lambda full: megatron_to_hf(full, spec)))
+
+
+_LORA_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.(.+)$")
+
+
+def lora_to_hf(spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               text_prefix: str = "model.language_model.") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """LoRA pairs of the language model's Megatron linears (whole tensors, whole-model names; see
+    models/lora.py) -> {HF module path: (A, B)} as transformers 5 lays out Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL alike. A fused layer's B splits as its weight does (QKV by query group, [gate; up] in
+    halves), and its one A goes with each projection."""
+    out = {}
+    for name, (a, b) in pairs.items():
+        layer, linear = _LORA_LAYER.match(name).groups()
+        dst = f"{text_prefix}layers.{layer}."
+        if linear == "self_attention.linear_qkv":
+            q, k, v = _qkv_from_megatron(b, spec.num_kv_heads, spec.num_heads)
+            out |= {f"{dst}self_attn.q_proj": (a, q), f"{dst}self_attn.k_proj": (a, k), f"{dst}self_attn.v_proj": (a, v)}
+        elif linear == "self_attention.linear_proj":
+            out[f"{dst}self_attn.o_proj"] = (a, b)
+        elif linear == "mlp.linear_fc1":
+            gate, up = b.chunk(2)
+            out |= {f"{dst}mlp.gate_proj": (a, gate), f"{dst}mlp.up_proj": (a, up)}
+        elif linear == "mlp.linear_fc2":
+            out[f"{dst}mlp.down_proj"] = (a, b)
+        else:
+            raise KeyError(f"{name}: no HF projection for this adapted linear")
+    return out

@@ -18,6 +18,7 @@ QWEN2VL = register(ModelFamily(
     media_factor=patch_merge_factor,  # 14 x 2 = 28
     tiny_kinds=KINDS,
     make_tiny=lazy("models.qwen2vl.tiny", "make_tiny"),
+    lora_to_hf=lazy("models.qwen2vl.convert", "lora_to_hf"),
     parity_module="models.qwen2vl.parity",
     # Qwen2.5-VL's temporal positions are seconds x tokens_per_second
     timed_video_types=("qwen2_5_vl",),

@@ -18,6 +18,7 @@ QWEN3VL = register(ModelFamily(
     media_factor=patch_merge_factor,  # 16 x 2 = 32
     tiny_kinds=KINDS,
     make_tiny=lazy("models.qwen3vl.tiny", "make_tiny"),
+    lora_to_hf=lazy("models.qwen2vl.convert", "lora_to_hf"),
     parity_module="models.qwen3vl.parity",
     # the processor writes each temporal patch's timestamp (from the video's fps) into the prompt
     timed_video_types=("qwen3_vl",),

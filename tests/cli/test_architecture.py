@@ -263,10 +263,14 @@ def test_help_config_lists_every_setting_with_its_doc():
                                                   "judge genrm 0.3\\): lower a gpu_memory_utilization"),
     ("rollout.engine.tensor_parallel_size=2", "tensor_parallel_size=2: an engine spans 1 rank or the ranks of one DP"),
     ("rollout.engine.gpu_memory_utilization=1.5", "rollout.engine.gpu_memory_utilization must be in \\(0, 1\\), got 1.5"),
+    # Megatron fuses q/k/v (and gate/up) into one layer with one adapter
+    (("policy.lora.rank=8", "policy.lora.target_modules=[q_proj,o_proj]"),
+     "policy.lora: target_modules has \\['q_proj'\\] without \\['k_proj', 'v_proj'\\]: Megatron fuses"),
+    ("policy.lora.target_modules=[qkv]", "policy.lora: target_modules: \\['qkv'\\] are not projections of the language"),
 ])
 def test_bad_values_fail_at_load_naming_the_setting(override, message):
     with pytest.raises(ConfigError, match=message):
-        load(RLConfig, ROOT / "configs/tiny_demo.yaml", [override])
+        load(RLConfig, ROOT / "configs/tiny_demo.yaml", [override] if isinstance(override, str) else list(override))
 
 
 @pytest.mark.parametrize("root", [RLConfig, SFTConfig])
@@ -308,6 +312,8 @@ RL, SFT = (RLConfig, "tiny_demo.yaml"), (SFTConfig, "tiny_sft.yaml")
     (RL, "dynamic_sampling.ema=0", "dynamic_sampling.ema must be in (0, 1], got 0.0"),
     (RL, "dynamic_sampling.max_buffer=-1", "dynamic_sampling.max_buffer must be >= 0, got -1"),
     (RL, "sync.bucket_mb=0", "sync.bucket_mb must be > 0, got 0.0"),
+    (RL, "policy.lora.rank=-1", "policy.lora.rank must be >= 0, got -1"),
+    (RL, "policy.lora.dropout=1", "policy.lora.dropout must be in [0, 1), got 1.0"),
     (RL, "eval.every=-1", "eval.every must be >= 0, got -1"),
     (RL, "eval.max_tokens=0", "eval.max_tokens must be >= 1, got 0"),
     (RL, "split.judge_share=1", "split.judge_share must be in (0, 1), got 1.0"),

@@ -13,6 +13,7 @@ Cases:
 - recompute[:KIND]   tests/dist/recompute.py (activation recompute: gradients and saved bytes)
 - shared_media       tests/dist/shared_media.py at TP 2
 - distopt            tests/dist/distopt.py at DP 2
+- lora:TP:PP[:KIND]  tests/dist/lora.py (LoRA against transformers + peft; KIND a tiny model, default policy)
 Rank 0 prints a line per case as it starts (a failure's traceback follows the last one) and, at
 the end, one JSON line: {case: its result}. A case that fails ends the launch (torchrun stops
 the other rank), so no rank waits on a collective the other will never join.
@@ -60,6 +61,11 @@ def run_case(case: str) -> dict:
         from distopt import run
 
         return run()
+    if name == "lora":
+        from lora import run
+
+        tp, pp, *kind = args
+        return run(int(tp), int(pp), *kind)
     raise SystemExit(f"unknown case {case!r} (see this script's docstring)")
 
 

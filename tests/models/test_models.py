@@ -72,7 +72,7 @@ def test_rope_index_matches_transformers_and_follows_vllm_for_long_videos(tiny_p
 # launch is ~10 s of imports on two cores; each case builds its own model and groups)
 CASES = ["parity:policy:1:1", "parity:policy25:1:1", "parity:policy:2:1", "parity:policy25:2:1",
          "parity:policy:1:2", "train:1:fp32", "train:2:fp32", "train:1:bf16", "shared_media", "distopt",
-         "packing:1", "packing:2", "recompute", "recompute:policy25"]
+         "packing:1", "packing:2", "recompute", "recompute:policy25", "lora:1:1", "lora:2:1", "lora:1:2"]
 
 
 # and the slow tests' cases, in a launch of their own: the 3-layer model at PP 2 on uneven stages
@@ -393,3 +393,32 @@ def test_distributed_optimizer_matches_the_plain_one_with_half_the_state(cases):
     assert r["loss_max_diff"] < 1e-6 * max(abs(x) for x in r["losses"]) and r["weight_max_diff"] < 1e-5, r
     assert r["state_bytes_sharded"] * 2 == r["state_bytes_plain"], r
     assert r["restore_bitwise"], r
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_lora_equals_transformers_with_peft_and_trains_the_adapter_only(tp, pp, cases):
+    """policy.lora on the Megatron trainer (tests/dist/lora.py): with the same adapter (B random,
+    not the zeros it starts at), the logits equal transformers + peft's, the merged export (what
+    the full weight sync sends) equals them too, and without a pipeline so do the adapter's
+    gradients; the optimizer and DDP hold the adapter only, a step moves every adapter tensor and
+    no base weight, and the reference (adapters off) does not move with it."""
+    r = cases[f"lora:{tp}:{pp}"]
+    print(f"LoRA at TP {tp} x PP {pp} vs transformers + peft:", r)
+    assert (r["tp"], r["pp"], r["adapter_tensors"]) == (tp, pp, 28)  # 2 layers x 7 projections x (A, B)
+    # measured 1.4e-5 to 2.6e-5 at every layout, as the base model's parity (the vision tower's sums)
+    assert set(r["logits_max_diff"]) == {"text", "image", "multi_image", "video"}
+    assert all(d < 1e-4 for d in r["logits_max_diff"].values()), r
+    assert r["merged_vs_peft_max_diff"] < 1e-4, r  # measured 1.7e-5 to 1.9e-5
+    if pp == 1:  # relative to the largest gradient; measured 5e-7 to 7.5e-7 (a missing TP reduction: 0.26-0.5)
+        assert r["grads_compared"] == 14 and r["grad_b_max_diff"] < 1e-5 and r["grad_a_max_diff"] < 1e-5, r
+    assert r["trainable"] and r["base_unchanged"] and r["adapters_all_moved"], r
+    # gradient buffers and the optimizer's parameters: the adapter's only (the distributed
+    # optimizer's over DP ranks: its shard of them)
+    assert r["grad_buffer_numel"] == r["adapter_numel"] and r["optimizer_numel"] <= r["adapter_numel"], r
+    assert r["reference_vs_policy_max_diff"] > 1.0 and r["reference_after_step_max_diff"] == 0.0, r
+    if tp > 1:  # a column layer's A and a row layer's B, whole on every TP rank, stay alike
+        assert r["replicated_differ"] == {}, r
+    if (tp, pp) == (1, 1):  # policy.freeze_vision without LoRA: the language model trains alone
+        f = r["freeze_vision"]
+        assert f["vision_unchanged"] and f["language_moved"], f
+        assert f["grad_buffer_numel"] == f["optimizer_numel"] == f["language_numel"], f

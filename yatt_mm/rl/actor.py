@@ -17,7 +17,7 @@ import torch
 from models.comm import comm
 from models.moe_metrics import ExpertLoad
 from models.routing_replay import RoutingReplay
-from models.trainer import MicroBatch, ReferencePolicy, VLMTrainer
+from models.trainer import BaseWithoutAdapter, MicroBatch, ReferencePolicy, VLMTrainer
 from yatt_mm.engines.engine import engine_dtype
 from yatt_mm.rl.advantages import advantages, token_returns, whiten, whiten_sums
 from yatt_mm.rl.algorithms import AlgorithmConfig
@@ -48,14 +48,15 @@ PER_TOKEN_METRICS = {
 
 class Actor:
     def __init__(self, trainer: VLMTrainer, algorithm: AlgorithmConfig, micro_batch_tokens: int, pad_id: int,
-                 max_logprob_diff: float = 0.0, reference: ReferencePolicy | None = None, packing: bool = False):
+                 max_logprob_diff: float = 0.0, reference: ReferencePolicy | BaseWithoutAdapter | None = None,
+                 packing: bool = False):
         self.trainer = trainer
         self.algorithm = algorithm
         self.micro_batch_tokens = micro_batch_tokens
         self.pad_id = pad_id
         self.max_logprob_diff = max_logprob_diff or default_max_logprob_diff(
             trainer.cfg.dtype, engine_dtype(getattr(trainer, "hf_dir", None)))  # the engine of the trainer's checkpoint
-        self.reference = reference  # frozen starting weights, when algorithm.kl_coef > 0
+        self.reference = reference  # frozen starting weights (LoRA: the base, adapters off), when kl_coef > 0
         self.packing = packing  # micro-batches as packed rows of real tokens (models/packing.py)
         self._fused_gap: dict[str, float] = {}  # fused: the gap the last update's training forward measured
         # mixture-of-experts models only: the moe/* metrics (a trainer without a module: none)

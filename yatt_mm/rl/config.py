@@ -10,7 +10,9 @@ from typing import Literal
 
 from dataio.index import check_shard_specs
 from dataio.reader import DataConfig, check_metric_name
-from models.family import read_spec
+from models.family import family_of, read_spec
+from models.lora import LoRAConfig
+from models.lora import check_layout as check_lora_layout
 from models.trainer import TrainerConfig
 from yatt_mm.engines.engine import EngineConfig, SamplingConfig
 from yatt_mm.metrics import MetricsConfig
@@ -68,6 +70,11 @@ class RunConfig:
 class PolicyConfig:
     model: str = "tiny:policy"  # an HF Qwen2-VL directory, or tiny:KIND / warmstart:KIND (built by the launcher)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # Megatron trainer settings
+    # LoRA (models/lora.py): with rank > 0 the base is frozen and low-rank adapters on the language
+    # model's projections are trained; the KL's reference is the base with the adapters off
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # the vision tower and its merger frozen: no gradients, no optimizer state (with LoRA the whole base is)
+    freeze_vision: bool = False
 
 
 @dataclass
@@ -349,6 +356,7 @@ class RLConfig:
         from yatt_mm.engines.media import media_for_model
 
         self.policy.trainer.check_model(self.policy.model, "policy.trainer")
+        check_lora_layout(self.policy.lora, family_of(read_spec(self.policy.model)), self.policy.trainer)
         self.algorithm.check_model(bool(getattr(read_spec(self.policy.model), "num_experts", 0)), self.policy.model)
         self.data.media = media_for_model(self.data.media, self.policy.model, "data.media.factor")
 

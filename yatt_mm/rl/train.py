@@ -21,7 +21,7 @@ from dataio.blend import BlendedReader, open_reader
 from dataio.reader import DataConfig, DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
 from models.comm import comm, init_parallel
-from models.trainer import ReferencePolicy, VLMTrainer
+from models.trainer import BaseWithoutAdapter, ReferencePolicy, VLMTrainer
 from yatt_mm.config import save
 from yatt_mm.engines.engine import RolloutEngine
 from yatt_mm.engines.worker import EngineWorker
@@ -65,9 +65,12 @@ class Run:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", ranks.rank, ranks.world,
                                          cfg.run.keep_checkpoints, attempt_id())
         self.policy_dir = str(check_hf_dir(cfg.policy.model))
-        self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer)
+        self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer, cfg.policy.lora, cfg.policy.freeze_vision)
         processor = AutoProcessor.from_pretrained(self.policy_dir)
-        reference = ReferencePolicy(self.policy_dir, cfg.policy.trainer) if cfg.algorithm.kl_coef > 0 else None
+        reference = None
+        if cfg.algorithm.kl_coef > 0:  # LoRA: the base is the trainer's own model, adapters off
+            reference = BaseWithoutAdapter(self.trainer) if self.trainer.lora is not None else \
+                ReferencePolicy(self.policy_dir, cfg.policy.trainer)
         self.actor = Actor(self.trainer, cfg.algorithm, cfg.run.micro_batch_tokens, processor.tokenizer.pad_token_id,
                            cfg.run.max_logprob_diff, reference, cfg.run.packing)
         # Every rank starts its engines, TP peers, CP peers and later pipeline stages included:

@@ -1,0 +1,293 @@
+"""LoRA on the Megatron language model, beside the model families: a low-rank pair (A, B) added to
+Megatron's column- and row-parallel linears of the language layers, chosen by their HF names,
+with the base weights frozen.
+
+    y = W x + (alpha / r) * B A dropout(x)
+
+Under tensor parallelism each pair is laid out like its weight (probed against a dense fp64
+reference, docs/rl.md "LoRA"):
+- column-parallel layers (linear_qkv, linear_fc1; W split on its output rows): A [r, in] whole
+  on every TP rank, B [out / tp, r] split like W. The r-wide A x enters the TP region through
+  Megatron's copy (backward: an all-reduce), so A's gradient and the input's are whole and alike
+  on every rank, for r numbers a token instead of the hidden width.
+- row-parallel layers (linear_proj, linear_fc2; W split on its input columns): A [r, in / tp]
+  split like W, the r-wide partial products all-reduced, B [out, r] whole on every rank.
+Megatron fuses HF's q/k/v projections into linear_qkv and gate/up into linear_fc1, each with one
+adapter: those HF names are targeted together (one A shared by the fused projections; the PEFT
+adapter written for vLLM and peft repeats it for each).
+
+The merge W + (alpha / r) B A is local to each rank (`merged`), and the adapter is
+gathered whole over TP and PP for vLLM or a PEFT directory (models/convert.py's
+`adapter_buckets`, beside the weights' export); a family turns
+Megatron's linears into HF module paths (ModelFamily.lora_to_hf). The reference policy of the
+KL penalty is the same model with its adapters off (`adapters_off`): no second weight copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.stages import whole_model_name
+
+# HF projection -> the Megatron linear of a language layer that holds it
+TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+           "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+           "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
+_LAYER = re.compile(r"^language\.decoder\.layers\.\d+\.(.+)$")
+PEFT_PREFIX = "base_model.model."  # what peft puts before a module path in adapter_model.safetensors
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0  # LoRA rank r; 0: no LoRA, every weight trained
+    alpha: float = 16.0  # LoRA alpha: the adapter's update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input while training (peft's lora_dropout)
+    # the language model's projections that get an adapter, by their HF names; q/k/v_proj go
+    # together (Megatron fuses them into one layer, with one adapter), and so do gate/up_proj
+    target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
+
+    RANGES = {"rank": ">= 0", "alpha": "> 0", "dropout": "[0, 1)"}
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.target_modules) - set(TARGETS))
+        if unknown:
+            raise ValueError(f"target_modules: {unknown} are not projections of the language model; choose from "
+                             f"{', '.join(TARGETS)}")
+        if self.enabled and not self.target_modules:
+            raise ValueError(f"rank={self.rank} but target_modules is empty: name the projections to adapt")
+        for linear in set(TARGETS.values()):
+            fused = [name for name, where in TARGETS.items() if where == linear]
+            chosen = [name for name in fused if name in self.target_modules]
+            if chosen and len(chosen) < len(fused):
+                raise ValueError(f"target_modules has {chosen} without {sorted(set(fused) - set(chosen))}: Megatron "
+                                 f"fuses {', '.join(fused)} into one layer ({linear}) with one adapter, so name them "
+                                 "all or none")
+
+    @property
+    def linears(self) -> set[str]:
+        """The Megatron linears (suffixes within a language layer) that get an adapter."""
+        return {TARGETS[name] for name in self.target_modules} if self.enabled else set()
+
+
+def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") -> None:
+    """Whether LoRA runs for this model family and parallel layout (ValueError naming the setting)."""
+    if not cfg.enabled:
+        return
+    if getattr(family, "lora_to_hf", None) is None:
+        raise ValueError(f"{prefix}lora: {family.name} has no LoRA yet (supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL); "
+                         f"set {prefix}lora.rank=0 to train every weight")
+    for name, size in (("context_parallel", trainer_cfg.context_parallel),
+                       ("expert_parallel", trainer_cfg.expert_parallel)):
+        if size > 1:
+            raise ValueError(f"{prefix}lora runs at tensor and pipeline parallelism only so far; "
+                             f"{prefix}trainer.{name}={size}: set it to 1, or {prefix}lora.rank=0")
+
+
+# -- the adapters on the model -----------------------------------------------------------------
+def _kind(linear: torch.nn.Module) -> str | None:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return "column" if isinstance(linear, ColumnParallelLinear) else "row" if isinstance(linear, RowParallelLinear) \
+        else None
+
+
+def lora_linears(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name in this module, linear) of every linear that carries an adapter."""
+    for name, sub in module.named_modules():
+        if hasattr(sub, "lora_A"):
+            yield name, sub
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name (in the Megatron module) is an adapter's."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+DROPOUT_RNG = "lora-dropout-rng"  # the RNG tracker's state for the column layers' dropout
+
+
+def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[str]:
+    """Freeze every weight of `module` (one rank's TP shard of a pipeline stage), then give the
+    targeted language linears an adapter. A is drawn as peft draws it (Kaiming-uniform, a=sqrt(5))
+    from a generator seeded by `seed` and the layer's whole-model name, whole, then split: the
+    same adapter at every TP and PP layout. B starts at zero, so the model starts as the base.
+    Returns the adapted linears' whole-model names."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    module.requires_grad_(False)
+    tp = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tracker = get_cuda_rng_tracker()
+    if cfg.dropout and DROPOUT_RNG not in tracker.get_states():
+        # the same stream on every TP rank (a column layer's input is whole on each): not the
+        # model-parallel state, which differs per TP rank; kept by Megatron's recompute as its own
+        tracker.add(DROPOUT_RNG, seed + 104729)
+    adapted = []
+    for name, linear in list(module.named_modules()):
+        match = _LAYER.match(name)
+        kind = _kind(linear)
+        if not match or kind is None or match.group(1) not in cfg.linears:
+            continue
+        whole = whole_model_name(name, module)
+        out_features, in_features = (linear.weight.shape[0] * (tp if kind == "column" else 1),
+                                     linear.weight.shape[1] * (tp if kind == "row" else 1))
+        gen = torch.Generator().manual_seed(_name_seed(seed, whole))
+        a = torch.empty(cfg.rank, in_features)
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        if kind == "row":
+            a = a.chunk(tp, dim=1)[tp_rank]
+        b = torch.zeros(out_features // tp if kind == "column" else out_features, cfg.rank)
+        device, dtype = linear.weight.device, linear.weight.dtype
+        linear.lora_A = torch.nn.Parameter(a.to(device, dtype).contiguous())
+        linear.lora_B = torch.nn.Parameter(b.to(device, dtype))
+        # Megatron's attributes: which parameters are split over TP (gradient-norm counting, gathers)
+        set_tensor_model_parallel_attributes(linear.lora_A, kind == "row", 1, 1)
+        set_tensor_model_parallel_attributes(linear.lora_B, kind == "column", 0, 1)
+        linear.lora_kind, linear.lora_scaling, linear.lora_on = kind, cfg.scaling, True
+        linear.lora_dropout = cfg.dropout
+        linear.lora_gated = match.group(1) == "mlp.linear_fc1" and module.config.gated_linear_unit
+        linear.register_forward_hook(_add_lora, with_kwargs=True)
+        adapted.append(whole)
+    if not adapted:
+        raise ValueError(f"LoRA: no language linear matches target_modules={cfg.target_modules}")
+    # the adapted weights by identity: `merged` swaps them for their merge, a sync unit at a time
+    module.lora_by_weight = {id(linear.weight): linear for _, linear in lora_linears(module)}
+    return adapted
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}|{name}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _add_lora(linear, args, kwargs, output):
+    """The forward hook of an adapted linear: Megatron's (output, bias) with the adapter's term added."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        reduce_from_tensor_model_parallel_region)
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    if not linear.lora_on:
+        return output
+    x = args[0] if args else kwargs["input_"]
+    out, bias = output
+    if linear.lora_dropout and linear.training:
+        # column: the whole input, the same mask on every TP rank; row: this rank's columns
+        with get_cuda_rng_tracker().fork(DROPOUT_RNG if linear.lora_kind == "column" else "model-parallel-rng"):
+            x = torch.nn.functional.dropout(x, linear.lora_dropout, training=True)
+    h = torch.nn.functional.linear(x, linear.lora_A)  # [s, b, r]: whole (column) or partial (row)
+    if linear.lora_kind == "column":
+        h = copy_to_tensor_model_parallel_region(h)  # backward: the r-wide gradient summed over TP
+    else:
+        h = reduce_from_tensor_model_parallel_region(h)  # the partial products summed over TP
+    return out + torch.nn.functional.linear(h, linear.lora_B) * linear.lora_scaling, bias
+
+
+@contextmanager
+def adapters_off(module: torch.nn.Module):
+    """The base model: every adapter's term left out (the reference policy of the KL penalty)."""
+    linears = [linear for _, linear in lora_linears(module)]
+    for linear in linears:
+        linear.lora_on = False
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.lora_on = True
+
+
+def adapter_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's adapter parameters by name (its TP shard of its stage): what a checkpoint keeps."""
+    return {name: p for name, p in module.named_parameters() if is_adapter(name)}
+
+
+def frozen_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's frozen parameters by name: the base the adapter belongs to."""
+    return {name: p for name, p in module.named_parameters() if not p.requires_grad}
+
+
+# -- export --------------------------------------------------------------------------------------
+def merged(module: torch.nn.Module, params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`params` ((name, parameter) of `module`) as a merged model has them: an adapted linear's
+    weight becomes W + (alpha / r) B A, this rank's shard, carrying W's tensor-parallel
+    attributes, so the family's gather reassembles it as it does W. Called a sync unit at a time,
+    so a merged copy of the model never exists at once. Without adapters: `params` as they are."""
+    adapted = getattr(module, "lora_by_weight", None)  # add_adapters's map
+    if not adapted:
+        return params
+    out = []
+    for name, p in params:
+        linear = adapted.get(id(p))
+        if linear is None:
+            out.append((name, p))
+            continue
+        with torch.no_grad():
+            delta = (linear.lora_B.float() @ linear.lora_A.float()) * linear.lora_scaling
+            weight = (p.float() + delta).to(p.dtype)
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(p, attr):
+                setattr(weight, attr, getattr(p, attr))
+        out.append((name, weight))
+    return out
+
+
+# -- PEFT adapter directories --------------------------------------------------------------------
+def peft_config(cfg: LoRAConfig, base_model: str) -> dict:
+    """adapter_config.json as peft (0.21) writes it for these settings."""
+    return {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": str(base_model), "r": cfg.rank,
+            "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
+            # the language model's projections only: a plain list would also catch a vision tower's
+            # of the same name (Qwen2.5-VL's gate/up/down_proj), which the adapter does not hold
+            "target_modules": rf".*language_model.*\.({'|'.join(sorted(cfg.target_modules))})$",
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None,
+            "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
+            "revision": None}
+
+
+def save_adapter_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that peft's
+    PeftModel.from_pretrained and vLLM's LoRARequest load; written beside and renamed into
+    place, so a reader never sees half of one."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        # copies: a fused layer's projections share one A, and safetensors refuses shared memory
+        save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
