@@ -94,7 +94,8 @@ def prompt_diff(trainer, processor, engine, requests, per_request=None) -> float
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     worst = 0.0
     for req in requests:
-        result = engine.llm.generate([engine._vllm_input(req)], params, use_tqdm=False)[0]
+        result = engine.llm.generate([engine._vllm_input(req)], params, use_tqdm=False,
+                                     lora_request=engine.adapter.request)[0]
         ids = result.prompt_token_ids
         theirs = torch.tensor([d[t].logprob for d, t in zip(result.prompt_logprobs[1:], ids[1:])])
         mb, _ = build(processor, trainer.spec, engine, req, [])
@@ -114,6 +115,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kind", default="policy")
     parser.add_argument("--two-images", action="store_true", help="also a prompt with two images")
+    parser.add_argument("--lora", action="store_true", help="then the adapter-only sync (tests/dist/lora_vs_vllm.py)")
     args = parser.parse_args()
     path = str(tiny_model_dir(args.kind))
     record_vllm_positions()
@@ -168,7 +170,12 @@ def main() -> int:
                 "equal": sync.get("equal", True) and all(torch.equal(t, whole[k]) for k, t in bucket.items())}
     after_max, after_mean = diffs(trainer, processor, engine, requests, sampling)
     after_prompt_max = prompt_diff(trainer, processor, engine, requests)
-    print(json.dumps({"before_max": before_max, "before_mean": before_mean, "after_max": after_max,
+    lora = {}
+    if args.lora:
+        from lora_vs_vllm import run as lora_run
+
+        lora = {"lora": lora_run(path)}
+    print(json.dumps(lora | {"before_max": before_max, "before_mean": before_mean, "after_max": after_max,
                       "after_mean": after_mean, "after_prompt_max": after_prompt_max, "sync_s": sync["seconds"], "sync_bytes": sync["bytes"],
                       "sync_buckets": sync["buckets"], "largest_bucket_bytes": sync["largest"],
                       "buckets_cover_export": sorted(sync["keys"]) == sorted(whole) and sync["equal"],

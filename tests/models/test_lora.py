@@ -33,3 +33,11 @@ def test_the_peft_config_targets_the_language_model_only():
     assert re.fullmatch(pattern, "model.language_model.layers.3.mlp.down_proj")
     assert not re.fullmatch(pattern, "model.visual.blocks.0.mlp.down_proj")
     assert not re.fullmatch(pattern, "model.language_model.layers.3.self_attn.q_proj")  # not targeted
+
+
+def test_the_engine_serves_adapters_at_the_rank_vllm_accepts():
+    from yatt_mm.engines.adapters import engine_lora_kwargs
+
+    assert engine_lora_kwargs(0) == {}  # no LoRA: the engine as without it
+    assert engine_lora_kwargs(8) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    assert engine_lora_kwargs(12)["max_lora_rank"] == 16  # vLLM takes 1, 8, 16, 32, ... 512 only

@@ -264,8 +264,14 @@ def test_uneven_pipeline_stages_train_like_one_process(tmp_path):
     assert [n for _, _, n, _, _ in got["stage_params"]] == [param_counts(spec, 1, 2, s, (1, 2)).total for s in range(2)]
 
 
-def test_trainer_logprobs_match_vllm_before_and_after_weight_sync(tiny_policy):
-    result = _run([sys.executable, str(ROOT / "tests/dist/vlm_vs_vllm.py")])
+@pytest.fixture(scope="module")
+def vlm_vs_vllm(tiny_policy) -> dict:
+    """tests/dist/vlm_vs_vllm.py, and the adapter-only sync's checks after it in the same process."""
+    return _run([sys.executable, str(ROOT / "tests/dist/vlm_vs_vllm.py"), "--lora"])
+
+
+def test_trainer_logprobs_match_vllm_before_and_after_weight_sync(vlm_vs_vllm):
+    result = vlm_vs_vllm
     print("trainer vs vLLM logprob |diff|:", result)  # reported: max and mean, before and after
     # ~10x the figures measured (float32 on both sides, each with its own CPU kernels: another
     # CPU's sums go in another order); 1e-3 let a layer synced 1e-4 off pass
@@ -277,6 +283,24 @@ def test_trainer_logprobs_match_vllm_before_and_after_weight_sync(tiny_policy):
     assert result["sync_buckets"] > 3 and result["largest_bucket_bytes"] < result["sync_bytes"] / 2
     # every prompt token, media included: what a stale or wrong layer shows in
     assert result["buckets_cover_export"] and result["after_prompt_max"] < 1e-4  # measured 1.1e-5
+
+
+def test_an_adapter_sync_gives_vllm_the_trainers_logprobs(vlm_vs_vllm):
+    """sync.lora adapter (tests/dist/lora_vs_vllm.py): the trainer's LoRA adapter loaded into vLLM
+    in place (the same id, load_inplace) gives vLLM the trainer's logprobs, as the merged full
+    sync (the oracle) does; the engine still on the old adapter is far off (what the RL step's
+    gap guard stops on; loaded without load_inplace it stays there: measured 18.4 after the load);
+    the sync moves the adapter's bytes alone."""
+    r = vlm_vs_vllm["lora"]
+    print("adapter sync, trainer vs vLLM logprob |diff|:", r)
+    # as the full sync's figures (float32 both sides): measured 1.9e-6 at the start (B = 0),
+    # 9.1e-6 sampled and 1.5e-5 over every prompt token after the update, merged 1.1e-5 and 1.3e-5
+    assert r["start_max"] < 5e-5 and r["after_max"] < 5e-5 and r["after_mean"] < 1e-5, r
+    assert r["after_prompt_max"] < 1e-4 and r["merged_max"] < 5e-5 and r["merged_prompt_max"] < 1e-4, r
+    assert r["stale_prompt_max"] > 1.0, r  # the update was one vLLM had to take (measured 18.4)
+    # 2 layers x 7 projections x (A, B), 139 KB, against the full sync's 3.0 MB of the tiny model
+    assert r["adapter_tensors"] == 28 and r["sync_bytes"] == r["first_sync_bytes"] == r["adapter_bytes"], r
+    assert r["sync_bytes"] < r["full_sync_bytes"] / 10, r
 
 
 @pytest.mark.parametrize("tp, dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16")])

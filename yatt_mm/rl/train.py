@@ -82,6 +82,7 @@ class Run:
         # it asks for.
         self.trainer.release()
         cfg.rollout.engine.model = self.policy_dir
+        cfg.rollout.engine.lora_rank = cfg.policy.lora.rank if cfg.sync.lora == "adapter" else 0
         cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
         self.worker = None
         if cfg.run.placement == "disaggregated":

@@ -1,0 +1,78 @@
+"""The LoRA adapter a rollout engine samples with (sync.lora: adapter): the trainer's adapter,
+written as a PEFT directory and loaded into vLLM in place, under one id for the whole run.
+
+vLLM (0.32) loads an adapter from a directory; `add_lora` with `load_inplace=True` replaces the
+weights of an id it already holds in milliseconds, where without it an id already loaded keeps
+serving its old weights. Requests name the adapter without `load_inplace` (with it, vLLM would
+reload the directory for every request). Each load writes a new directory (a version) and
+deletes the one before, so a load never reads a directory that is being rewritten.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from models.lora import adapter_bytes, save_adapter_dir
+
+# the ranks vLLM's engine accepts as max_lora_rank (vllm/config/lora.py MaxLoRARanks)
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as max_lora_rank that holds an adapter of `rank`."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}")
+
+
+def engine_lora_kwargs(rank: int) -> dict:
+    """vLLM's settings for serving one adapter of up to `rank` (none when `rank` is 0)."""
+    return dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(rank), max_loras=1) if rank else {}
+
+
+class AdapterSlot:
+    """The one adapter an engine serves; `request` is what generate calls pass (None: the base)."""
+
+    NAME, ID = "policy", 1
+
+    def __init__(self):
+        self.root: Path | None = None  # made on the first load, removed by close()
+        self.version = 0
+        self.path: Path | None = None
+        self.request = None
+
+    def load(self, llm, tensors: dict[str, torch.Tensor], config: dict) -> dict[str, float]:
+        """Write the adapter as a new version's directory and swap it in; {seconds, bytes, tensors}."""
+        start = time.perf_counter()
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="yatt-mm-adapter-"))
+        self.version += 1
+        previous, self.path = self.path, save_adapter_dir(tensors, config, self.root / f"v{self.version}")
+        self._add(llm)
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        return {"seconds": time.perf_counter() - start, "bytes": float(adapter_bytes(tensors)),
+                "tensors": float(len(tensors))}
+
+    def _add(self, llm) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not llm.llm_engine.add_lora(LoRARequest(self.NAME, self.ID, str(self.path), load_inplace=True)):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter in {self.path}")
+        self.request = LoRARequest(self.NAME, self.ID, str(self.path))
+
+    def reload(self, llm) -> None:
+        """Into an engine started anew (release mode shutdown): the adapter it served before."""
+        if self.path is not None:
+            self._add(llm)
+
+    def close(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = self.path = self.request = None
