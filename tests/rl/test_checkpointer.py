@@ -25,7 +25,9 @@ def _trainer(seed: int):
     opt.step()  # optimizer state that must come back exactly
     # a stand-in for VLMTrainer: its checkpoint interface over a plain module and Adam
     cfg = SimpleNamespace(tensor_parallel=1, pipeline_parallel=1, distributed_optimizer=False)
-    return SimpleNamespace(module=module, optimizer=opt, cfg=cfg, optimizer_state=opt.state_dict, load_optimizer_state=opt.load_state_dict)
+    return SimpleNamespace(module=module, optimizer=opt, cfg=cfg, optimizer_state=opt.state_dict,
+                           load_optimizer_state=opt.load_state_dict, checkpoint_weights=module.state_dict,
+                           load_checkpoint_weights=module.load_state_dict, lora=None)
 
 
 class _Source:
@@ -249,3 +251,55 @@ def test_ranks_agree_on_the_newest_checkpoint_every_one_of_them_verifies(tmp_pat
     assert said == [f"checkpoint {tmp_path / 'step_6'} is damaged, skipped: rank 1: trainer_rank1.pt cannot be read "
                     f"(truncated or damaged: {said[0].split('truncated or damaged: ', 1)[-1]}",
                     f"checkpoint {tmp_path / 'step_4'} is damaged, skipped: rank 0: controller_dp0.json is missing"]
+
+
+def _lora_trainer(seed: int, base_seed: int = 0, rank: int = 2):
+    """A stand-in for a LoRA VLMTrainer: a frozen base linear with an adapter pair named as
+    models/lora.py names them, Adam over the adapter alone, and the trainer's own checkpoint
+    methods (VLMTrainer.checkpoint_weights / load_checkpoint_weights) bound to it."""
+    from types import MethodType
+
+    from models.trainer import VLMTrainer
+
+    torch.manual_seed(base_seed)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4)).requires_grad_(False)
+    torch.manual_seed(seed)
+    module[0].lora_A = torch.nn.Parameter(torch.randn(rank, 4))
+    module[0].lora_B = torch.nn.Parameter(torch.randn(4, rank))
+    opt = torch.optim.Adam([module[0].lora_A, module[0].lora_B], lr=0.1)
+    x = torch.randn(3, 4)
+    (module(x) + x @ module[0].lora_A.T @ module[0].lora_B.T).sum().backward()
+    opt.step()
+    cfg = SimpleNamespace(tensor_parallel=1, pipeline_parallel=1, distributed_optimizer=False)
+    trainer = SimpleNamespace(module=module, optimizer=opt, cfg=cfg, optimizer_state=opt.state_dict,
+                              load_optimizer_state=opt.load_state_dict, lora=SimpleNamespace(rank=rank),
+                              hf_dir="/models/base")
+    trainer.checkpoint_weights = MethodType(VLMTrainer.checkpoint_weights, trainer)
+    trainer.load_checkpoint_weights = MethodType(VLMTrainer.load_checkpoint_weights, trainer)
+    return trainer
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_its_base_by_hash_and_resumes_onto_that_base_only(tmp_path):
+    saved = _lora_trainer(0)
+    ckpt = Checkpointer(tmp_path, rank=0, world=1, keep=2, attempt="a")
+    ckpt.save(2, saved)
+    ckpt.wait()
+    state = torch.load(tmp_path / "step_2" / "trainer_rank0.pt", weights_only=True)
+    assert sorted(state["model"]) == ["0.lora_A", "0.lora_B"]  # no base weight, no base Adam state
+    assert state["base"]["path"] == "/models/base" and state["base"]["lora_rank"] == 2
+    assert len(state["base"]["sha256"]) == 64
+    assert len(state["optimizer"]["state"]) == 2
+
+    fresh = _lora_trainer(1)  # the same base, another adapter: restored bit for bit
+    assert load_trainer(tmp_path / "step_2", fresh, rank=0, world=1) == 2
+    for name in ("lora_A", "lora_B"):
+        assert torch.equal(getattr(fresh.module[0], name), getattr(saved.module[0], name))
+    for sa, sb in zip(saved.optimizer.state.values(), fresh.optimizer.state.values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+    with pytest.raises(RuntimeError, match=r"/models/base has other weights .*resume with the base the adapter was"):
+        load_trainer(tmp_path / "step_2", _lora_trainer(1, base_seed=7), rank=0, world=1)
+    with pytest.raises(RuntimeError, match=r"written with policy.lora.rank=2; this run has policy.lora.rank=4"):
+        load_trainer(tmp_path / "step_2", _lora_trainer(1, rank=4), rank=0, world=1)
+    with pytest.raises(RuntimeError, match=r"written with policy.lora.rank=2; this run has policy.lora.rank=0"):
+        load_trainer(tmp_path / "step_2", _trainer(1), rank=0, world=1)  # a full-weight run

@@ -6,7 +6,9 @@ weights). Every rank copies its state in memory (`snapshot`), and a background t
 while the next step's rollout runs:
 
     RUN_DIR/checkpoints/step_N/
-        trainer_rank{r}.pt              this rank's model shard (TP) and optimizer state
+        trainer_rank{r}.pt              this rank's model shard (TP) and optimizer state; with LoRA
+                                        the adapter's shard and its optimizer state, and the frozen
+                                        base named by path and the SHA-256 of its weights
         controller_dp{d}.json           the DP group's data position (reader state) and the
                                         dynamic sampler's valid-rate estimate and buffer
         controller_dp{d}.safetensors    media of the groups waiting in that buffer
@@ -75,7 +77,20 @@ def state_digest(state: dict) -> str:
 
 
 def trainer_digest(trainer) -> str:
-    return state_digest({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer_state()})
+    return state_digest({"model": trainer.checkpoint_weights(), "optimizer": trainer.optimizer_state()})
+
+
+def base_identity(trainer) -> dict | None:
+    """With LoRA, the frozen base a checkpoint's adapter belongs to: the policy's directory and
+    the SHA-256 of the base weights this rank holds (its TP shard of its stage; hashed once per
+    run: the base never changes). None without LoRA (the checkpoint holds every weight)."""
+    if getattr(trainer, "lora", None) is None:
+        return None
+    if getattr(trainer, "_base_sha256", None) is None:
+        from models.lora import frozen_state
+
+        trainer._base_sha256 = state_digest(frozen_state(trainer.module))
+    return {"path": str(trainer.hf_dir), "sha256": trainer._base_sha256, "lora_rank": trainer.lora.rank}
 
 
 def _clone(obj):
@@ -134,7 +149,9 @@ class Checkpointer:
         rollout running ahead has moved the live one past what this step trained)."""
         self.wait()
         t0 = time.perf_counter()
-        snapshot = {"model": _clone(trainer.module.state_dict()), "optimizer": _clone(trainer.optimizer_state()),
+        # with LoRA the adapter alone, and the base it belongs to by path and hash
+        snapshot = {"model": _clone(trainer.checkpoint_weights()), "optimizer": _clone(trainer.optimizer_state()),
+                    "base": base_identity(trainer),
                     "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel,
                     "pipeline_parallel": trainer.cfg.pipeline_parallel,
                     "pipeline_layers": list(getattr(trainer.cfg, "pipeline_layers", [])),
@@ -428,13 +445,27 @@ def load_trainer(ckpt: Path, trainer, rank: int, world: int, state: dict | None 
     if state.get("distributed_optimizer", False) != trainer.cfg.distributed_optimizer:
         raise RuntimeError(f"{ckpt} was written with policy.trainer.distributed_optimizer="
                            f"{state.get('distributed_optimizer', False)}; set it the same to resume")
-    trainer.module.load_state_dict(state["model"])
+    check_base(ckpt, state.get("base"), base_identity(trainer))
+    trainer.load_checkpoint_weights(state["model"])
     trainer.load_optimizer_state(state["optimizer"])
     want = json.loads((ckpt / f"done_rank{rank}").read_text())["sha256"]
     if trainer_digest(trainer) != want:
         raise RuntimeError(f"{ckpt}: rank {rank}'s restored weights and optimizer state do not hash to what was "
                            "written with them: the checkpoint is damaged")
     return int(state["step"])
+
+
+def check_base(ckpt: Path, saved: dict | None, live: dict | None) -> None:
+    """A LoRA checkpoint resumes onto the base it was trained on, and only into a LoRA run of its
+    rank (a full checkpoint only into a full run): else an error that says which setting differs."""
+    rank = lambda base: base["lora_rank"] if base else 0  # noqa: E731
+    if rank(saved) != rank(live):
+        raise RuntimeError(f"{ckpt} was written with policy.lora.rank={rank(saved)}; this run has "
+                           f"policy.lora.rank={rank(live)}: set it the same to resume")
+    if saved and saved["sha256"] != live["sha256"]:
+        raise RuntimeError(f"{ckpt} holds a LoRA adapter of the base {saved['path']} (weights SHA-256 "
+                           f"{saved['sha256'][:12]}...), but this run's policy.model {live['path']} has other weights "
+                           f"({live['sha256'][:12]}...): resume with the base the adapter was trained on")
 
 
 def load_controller(ckpt: Path, controller, dp_rank: int) -> None:
