@@ -291,3 +291,48 @@ def save_adapter_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: st
 
 def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def read_adapter_dir(path: str | Path) -> dict | None:
+    """The adapter_config.json of a PEFT adapter directory (e.g. a LoRA run's RUN_DIR/final);
+    None when `path` is not one."""
+    config = Path(path) / ADAPTER_CONFIG
+    return json.loads(config.read_text()) if config.is_file() else None
+
+
+def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | None = None) -> Path:
+    """The merged HF model of a PEFT LoRA adapter directory (a LoRA run's RUN_DIR/final), what
+    peft's merge_and_unload gives: each adapted projection's weight W + (lora_alpha / r) B A, in
+    W's dtype; every other weight and file as in its base (`base_dir`, else the adapter config's
+    base_model_name_or_path). Works on the checkpoint's tensors, without building the model."""
+    from safetensors.torch import load_file
+
+    from models.hf_io import check_hf_dir, save_hf_dir
+
+    config = read_adapter_dir(adapter_dir)
+    if config is None:
+        raise FileNotFoundError(f"{adapter_dir} is not a PEFT adapter directory (no {ADAPTER_CONFIG}): give a LoRA "
+                                "run's RUN_DIR/final")
+    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"{adapter_dir}: only plain LoRA adapters merge here (peft_type LORA, no rsLoRA or DoRA)")
+    base = check_hf_dir(base_dir or config["base_model_name_or_path"])
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(base.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    adapter = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
+    scaling = config["lora_alpha"] / config["r"]
+    suffix = ".lora_A.weight"
+    for key, a in adapter.items():
+        if not key.endswith(suffix):
+            continue
+        module = key[len(PEFT_PREFIX):-len(suffix)]
+        # transformers 5 names the text model model.language_model.*; checkpoints saved by 4.x, model.*
+        names = [f"{module}.weight", f"{module.replace('model.language_model.', 'model.', 1)}.weight"]
+        name = next((n for n in names if n in weights), None)
+        if name is None:
+            raise KeyError(f"{adapter_dir}: the adapted projection {module} has no weight in {base} (tried "
+                           f"{', '.join(names)}): is it the adapter's base?")
+        b = adapter[key[:-len(suffix)] + ".lora_B.weight"]
+        w = weights[name]
+        weights[name] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+    return save_hf_dir(weights, base, out_dir)

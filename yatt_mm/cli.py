@@ -44,6 +44,7 @@ def _eval(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from models.lora import read_adapter_dir
     from yatt_mm.config import ConfigError, load
     from yatt_mm.launch import resolve_model
     from yatt_mm.rl.config import RLConfig
@@ -59,7 +60,11 @@ def _eval(args: argparse.Namespace) -> int:
         if cfg.rollout.engine.tensor_parallel_size > 1:
             raise ConfigError("yatt-mm eval runs one engine in this process: set rollout.engine.tensor_parallel_size=1 "
                               f"(now {cfg.rollout.engine.tensor_parallel_size}); a run's own eval covers TP engines")
-        cfg.policy.model = resolve_model(cfg.policy.model, cfg.data.all_shards())
+        adapter = read_adapter_dir(cfg.policy.model)  # a LoRA run's final: served on its base
+        if adapter is None:
+            cfg.policy.model = resolve_model(cfg.policy.model, cfg.data.all_shards())
+        else:
+            resolve_model(adapter["base_model_name_or_path"])  # the base must be there
     except (ConfigError, ValueError) as e:
         print(f"yatt-mm eval: {e}", file=sys.stderr)
         return 2
@@ -68,6 +73,22 @@ def _eval(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     print(json.dumps(evaluate_policy(cfg, out, args.dp_size)))
     print(f"wrote {out / 'eval.json'} and {out / 'answers.jsonl'}", file=sys.stderr)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from models.lora import merge_adapter_dir
+
+    if not args.merge:
+        print("yatt-mm export: a LoRA run's RUN_DIR/final is already a PEFT adapter that peft and vLLM load; give "
+              "--merge for the merged HF model", file=sys.stderr)
+        return 2
+    try:
+        out = merge_adapter_dir(args.adapter, args.out, args.base)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"yatt-mm export: {e}", file=sys.stderr)
+        return 2
+    print(f"merged HF model written to {out}")
     return 0
 
 
@@ -207,14 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
                        "in one process: the run's eval metrics, and every answer")
     p.add_argument("--config", required=True, help="an RL config: its eval, data.media and rollout.engine settings, "
                    "e.g. configs/tiny_demo.yaml")
-    p.add_argument("--model", default=None, help="the policy's HF directory, e.g. RUN_DIR/final (default: the "
-                   "config's policy.model)")
+    p.add_argument("--model", default=None, help="the policy's HF directory, or a LoRA run's PEFT adapter "
+                   "directory, e.g. RUN_DIR/final (default: the config's policy.model)")
     p.add_argument("--out", default=None, help="directory for eval.json, answers.jsonl and logs/ (default: "
                    "runs/eval-TIME)")
     p.add_argument("--dp-size", type=int, default=1, help="read each set's prompts as a run of this many DP "
                    "groups did (their shares, together): a run's own eval, reproduced")
     p.add_argument("overrides", nargs="*", help="key=value settings, e.g. eval.samples=8 eval.temperature=0.6")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("export", help="a LoRA run's adapter (RUN_DIR/final) merged into its base: an HF model "
+                       "directory that transformers and vLLM load without peft")
+    p.add_argument("adapter", help="a PEFT LoRA adapter directory, e.g. RUN_DIR/final of a run with policy.lora")
+    p.add_argument("--merge", action="store_true", help="write the base with W + alpha/r B A on every adapted "
+                   "projection (peft's merge_and_unload)")
+    p.add_argument("--out", required=True, help="the merged model's directory (replaced if it exists)")
+    p.add_argument("--base", default=None, help="the base HF directory (default: the adapter's "
+                   "base_model_name_or_path)")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("plot", help="write PNGs of a run: reward curve, phase timeline per rank")
     p.add_argument("run_dir")

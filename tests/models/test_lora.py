@@ -1,6 +1,7 @@
-"""LoRA's settings and what is refused before any rank starts (fast: no model is built). The
-adapters on the trainer are checked against transformers + peft in test_models.py (one launch
-with the other 2-rank cases), the engine's adapter sync in tests/engines/test_lora_engine.py."""
+"""LoRA's settings and what is refused before any rank starts (no model is built), and `yatt-mm
+export --merge` against peft's merge on the tiny policy. The adapters on the trainer are checked
+against transformers + peft in test_models.py (one launch with the other 2-rank cases), the
+engine's adapter sync there too (tests/dist/lora_vs_vllm.py)."""
 
 import re
 
@@ -41,3 +42,47 @@ def test_the_engine_serves_adapters_at_the_rank_vllm_accepts():
     assert engine_lora_kwargs(0) == {}  # no LoRA: the engine as without it
     assert engine_lora_kwargs(8) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
     assert engine_lora_kwargs(12)["max_lora_rank"] == 16  # vLLM takes 1, 8, 16, 32, ... 512 only
+
+
+def test_export_merge_writes_the_model_peft_gives_with_the_adapter(tiny_policy, tmp_path, capsys):
+    """A PEFT adapter directory as a LoRA run's RUN_DIR/final is written (save_adapter_dir,
+    peft_config), random A and B on every projection of the language model: transformers' model
+    of the merged directory gives peft's logits with the adapter, and the weights the adapter
+    does not touch (the vision tower, embeddings) are the base's bit for bit."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from models.lora import PEFT_PREFIX, save_adapter_dir
+    from yatt_mm.cli import main
+
+    config = peft_config(LoRAConfig(rank=4, alpha=8), str(tiny_policy))
+    base = AutoModelForImageTextToText.from_pretrained(str(tiny_policy), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    adapter = {}
+    for name, module in base.named_modules():
+        if re.fullmatch(config["target_modules"], name):
+            adapter[f"{PEFT_PREFIX}{name}.lora_A.weight"] = torch.randn(4, module.in_features, generator=gen) * 0.1
+            adapter[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=gen) * 0.1
+    assert len(adapter) == 2 * 7 * base.config.text_config.num_hidden_layers
+    final = save_adapter_dir(adapter, config, tmp_path / "final")
+
+    assert main(["export", str(final), "--out", str(tmp_path / "merged")]) == 2  # --merge is what it does
+    assert "give --merge" in capsys.readouterr().err
+    assert main(["export", str(final), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    ids = torch.tensor([[5, 17, 42, 99, 3, 64, 7, 12]])
+    with torch.no_grad():
+        merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+        want = PeftModel.from_pretrained(base, str(final)).eval()(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        plain = AutoModelForImageTextToText.from_pretrained(str(tiny_policy), dtype=torch.float32)(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-2  # the adapter changes the logits ...
+    # ... and the merge as peft does: 2.3e-5 on logits of up to ~12 (fp32, another summation order)
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()
+    before, after = load_file(str(next(tiny_policy.glob("*.safetensors")))), load_file(str(tmp_path / "merged" /
+                                                                                              "model.safetensors"))
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert len(changed) == 7 * base.config.text_config.num_hidden_layers
+    assert all(re.search(r"\.(q|k|v|o|gate|up|down)_proj\.weight$", k) and "visual" not in k for k in changed)

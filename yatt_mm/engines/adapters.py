@@ -55,7 +55,7 @@ class AdapterSlot:
         self.version += 1
         previous, self.path = self.path, save_adapter_dir(tensors, config, self.root / f"v{self.version}")
         self._add(llm)
-        if previous is not None:
+        if previous is not None and previous.parent == self.root:  # ours, not a directory serve() was given
             shutil.rmtree(previous, ignore_errors=True)
         return {"seconds": time.perf_counter() - start, "bytes": float(adapter_bytes(tensors)),
                 "tensors": float(len(tensors))}
@@ -66,6 +66,11 @@ class AdapterSlot:
         if not llm.llm_engine.add_lora(LoRARequest(self.NAME, self.ID, str(self.path), load_inplace=True)):
             raise RuntimeError(f"vLLM did not load the LoRA adapter in {self.path}")
         self.request = LoRARequest(self.NAME, self.ID, str(self.path))
+
+    def serve(self, llm, path: str | Path) -> None:
+        """An adapter directory as it is (a LoRA run's RUN_DIR/final: `yatt-mm eval`)."""
+        self.path = Path(path).resolve()
+        self._add(llm)
 
     def reload(self, llm) -> None:
         """Into an engine started anew (release mode shutdown): the adapter it served before."""

@@ -54,7 +54,7 @@ class RunConfig:
     packing: bool = False  # samples concatenated into one row per micro-batch, attention per sample (models/packing.py)
     balance: bool = True  # move groups across DP ranks to even out their cost
     patch_weight: float = 1.0  # cost of a vision patch relative to a text token
-    save_final: bool = True  # write the trained policy as an HF directory at the end
+    save_final: bool = True  # write the trained policy to RUN_DIR/final: an HF directory, with LoRA a PEFT adapter
     checkpoint_every: int = 0  # steps between asynchronous checkpoints (0: none); see rl/checkpoint.py
     keep_checkpoints: int = 2  # complete checkpoints kept on disk
     resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import models  # noqa: F401 - CPU runtime hooks before anything imports torchvision or megatron (yatt-mm eval)
 from dataio.reader import DataConfig, DataReader
+from models.lora import read_adapter_dir
 from yatt_mm.engines.engine import Response, SamplingConfig
 from yatt_mm.reward.rules import RuleFn, get_rule
 from yatt_mm.rl.config import EvalSet, RLConfig
@@ -91,8 +92,8 @@ def metrics(evals: list[HeldOut], total: dict[str, float]) -> dict[str, float]:
 
 
 def evaluate_policy(cfg: RLConfig, out_dir: Path, dp_size: int = 1) -> dict[str, float]:
-    """`yatt-mm eval`: every eval set of `cfg` (eval.every ignored) answered by cfg.policy.model on
-    one in-process engine (rollout.engine's settings); each set's prompts are those `dp_size` DP
+    """`yatt-mm eval`: every eval set of `cfg` (eval.every ignored) answered by cfg.policy.model (an
+    HF directory, or a PEFT adapter directory served on its base) on one in-process engine (rollout.engine's settings); each set's prompts are those `dp_size` DP
     groups of a run read (their shares, together). Writes OUT/eval.json (the metrics) and
     OUT/answers.jsonl (a line per prompt: its set, key, reference, answers and scores; with tools,
     each answer's whole conversation)."""
@@ -105,8 +106,12 @@ def evaluate_policy(cfg: RLConfig, out_dir: Path, dp_size: int = 1) -> dict[str,
     for spec in cfg.eval.filled():
         shares = [read_held_out(spec, cfg.data, rank, dp_size) for rank in range(dp_size)]
         evals.append(HeldOut(spec, shares[0].rule, [p for share in shares for p in share.prompts]))
-    cfg.rollout.engine.model = cfg.policy.model
+    adapter = read_adapter_dir(cfg.policy.model)  # a LoRA run's final: its base, with the adapter on top
+    cfg.rollout.engine.model = adapter["base_model_name_or_path"] if adapter else cfg.policy.model
+    cfg.rollout.engine.lora_rank = adapter["r"] if adapter else 0
     engine = RolloutEngine(cfg.rollout.engine)
+    if adapter:
+        engine.adapter.serve(engine.llm, cfg.policy.model)
     total: dict[str, float] = {}
     with open(out_dir / "answers.jsonl", "w") as lines:
         for held in evals:

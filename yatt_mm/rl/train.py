@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dataio.blend import BlendedReader, open_reader
 from dataio.reader import DataConfig, DataReader
 from models.hf_io import check_hf_dir, save_hf_dir
+from models.lora import save_adapter_dir
 from models.comm import comm, init_parallel
 from models.trainer import BaseWithoutAdapter, ReferencePolicy, VLMTrainer
 from yatt_mm.config import save
@@ -204,9 +205,16 @@ def finish(run: Run) -> None:
     run.checkpointer.wait()
     if run.cfg.run.save_final:
         run.trainer.acquire("weights")  # back from the host if the last phase released it
-        weights = run.trainer.export_hf()  # collective over TP
-        if run.ranks.rank == 0:
-            print(f"trained policy written to {save_hf_dir(weights, run.policy_dir, run.run_dir / 'final')}", flush=True)
+        if run.trainer.lora is not None:  # a PEFT adapter directory of the base (peft and vLLM load it)
+            adapter = run.trainer.export_adapter()  # collective over TP and PP
+            if run.ranks.rank == 0:
+                out = save_adapter_dir(adapter, run.trainer.adapter_config(), run.run_dir / "final")
+                print(f"trained LoRA adapter written to {out} (base: {run.policy_dir})", flush=True)
+        else:
+            weights = run.trainer.export_hf()  # collective over TP
+            if run.ranks.rank == 0:
+                print(f"trained policy written to {save_hf_dir(weights, run.policy_dir, run.run_dir / 'final')}",
+                      flush=True)
     shut_down(run)
 
 
