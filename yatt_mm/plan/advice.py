@@ -41,6 +41,11 @@ def candidate_changes(cfg, cluster: Cluster) -> list[list[str]]:
         out.append([f"rollout.engine.gpu_memory_utilization={round(e.gpu_memory_utilization - 0.1, 2)}"])
     if e.tensor_parallel_size == 1 and t.tensor_parallel > 1:
         out.append([f"rollout.engine.tensor_parallel_size={t.tensor_parallel}"])
+    if not cfg.policy.lora.rank:  # frozen base: no gradients or Adam state but the adapter's; the plan
+        # refuses it where the family or layout has no LoRA, and the change is then dropped
+        out.append(["policy.lora.rank=64", "sync.lora=adapter"])
+        if not cfg.policy.freeze_vision:
+            out.append(["policy.freeze_vision=true"])
     return out
 
 

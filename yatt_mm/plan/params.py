@@ -171,3 +171,22 @@ def active_params(spec) -> int:
     full = param_counts(spec)
     experts = getattr(spec, "num_experts", 0)
     return full.total - (full.experts - full.experts // experts * spec.num_experts_per_tok if experts else 0)
+
+
+def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> int:
+    """The LoRA adapter's parameters on one TP rank of pipeline `stage` (models/lora.py): per
+    language layer, a pair (A [r, in], B [out, r]) on each adapted linear; a column-parallel
+    linear's B split over TP (QKV, [gate; up]), a row-parallel linear's A (output projection,
+    down projection). 0 without LoRA (`lora.rank` 0)."""
+    from models.stages import stage_layers
+
+    if not lora.rank:
+        return 0
+    h, r, inter = spec.hidden_size, lora.rank, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_linear = {"self_attention.linear_qkv": r * h + (q + 2 * kv) // tp * r,  # column: B split
+                  "self_attention.linear_proj": r * (q // tp) + h * r,  # row: A split
+                  "mlp.linear_fc1": r * h + 2 * inter // tp * r,
+                  "mlp.linear_fc2": r * (inter // tp) + h * r}
+    per_layer = sum(per_linear[linear] for linear in lora.linears)
+    return stage_layers(spec.num_layers, pp, layers)[stage] * per_layer

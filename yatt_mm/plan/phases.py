@@ -63,7 +63,7 @@ def _trainer_lines(phase: str, level: str, t: TrainerMemory, cfg, offloads: bool
         lines.append(Line("activations (peak)", t.step_extra))
     elif phase == "logprobs":
         lines.append(Line("forward-only logits", t.activations.forward_only))
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and not t.adapter:  # LoRA: the reference is the base, adapters off
             lines.append(Line("reference policy weights", t.weights))
     elif phase == "sync":
         lines.append(Line("weight export (one bucket / gathered copy)", _export_bytes(cfg, t)))
@@ -75,8 +75,10 @@ def _export_bytes(cfg, t: TrainerMemory) -> int:
     """The HF-named copy the weight sync builds: one sync.bucket_mb bucket at a time where the
     config has buckets (at least the largest tensor, gathered over TP), else the whole model
     (every pipeline stage's part reaches the first stage)."""
-    e = t.weights // max(t.params.total, 1)
+    e = t.weights // max(t.params.total + t.adapter, 1)
     tp = cfg.policy.trainer.tensor_parallel
+    if t.adapter and cfg.sync.lora == "adapter":  # the adapter alone, whole (at most TP x this rank's part)
+        return t.adapter * tp * e
     bucket_mb = getattr(getattr(cfg, "sync", None), "bucket_mb", None)
     whole = t.model_params * e
     if bucket_mb is None:
@@ -151,6 +153,6 @@ def host_lines(cfg, cluster: Cluster, t: TrainerMemory, rollout: EngineMemory,
     for wj in cfg.reward.judges:
         if wj.judge.backend == "inprocess":
             lines.append(Line(f"judge {wj.judge.name} weights asleep, {g} engines", g * judges[wj.judge.name].weights))
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and not t.adapter:  # LoRA: the reference is the trainer's base, adapters off
         lines.append(Line(f"reference policy (kl_coef > 0), {g} ranks", g * t.weights))
     return lines

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from models.lora import check_layout as check_lora
 from yatt_mm.plan.activations import CUDA, Kernels
 from yatt_mm.plan.architectures import load_spec
 from yatt_mm.plan.batch import MicroBatchShape, rl_micro_batch
@@ -78,7 +79,12 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
                         "with DeepStack (Qwen3-VL); use selective, or full without a pipeline")
     shape = rl_micro_batch(cfg, assume.seq_len, assume.media_tokens, assume.frame_tokens,
                            family_of(spec).media_factor(spec))
-    trainer = trainer_memory(spec, cfg.policy.trainer, cluster.world // (tp * pp), shape, kernels)
+    policy = cfg.policy
+    try:  # LoRA where the trainer would refuse it: refused here too
+        check_lora(policy.lora, family_of(spec), t)
+    except ValueError as e:
+        raise PlanError(str(e)) from e
+    trainer = trainer_memory(spec, t, cluster.world // (tp * pp), shape, kernels, policy.lora, policy.freeze_vision)
     engine = cfg.rollout.engine
     rollout = engine_memory("rollout engine", spec, engine.gpu_memory_utilization, cluster.gpu_bytes,
                             engine.tensor_parallel_size, engine.max_model_len)

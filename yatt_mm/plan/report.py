@@ -34,6 +34,14 @@ def format_plan(plan: Plan) -> str:
            f"{s.frame_tokens} tokens (--seq-len, --media-tokens, --frame-tokens)",
            f"trainer per GPU (GiB): weights {gib(t.weights)}, gradients {gib(t.grads)}, optimizer "
            f"{gib(t.optimizer)}, activations {gib(t.activations.peak)} at the peak ({gib(t.activations.saved)} saved)"]
+    if t.adapter:
+        out.append(f"LoRA rank {cfg.policy.lora.rank} ({', '.join(cfg.policy.lora.target_modules)}): "
+                   f"{t.adapter / 1e6:.1f} M adapter parameters per GPU beside the frozen base, the only ones with "
+                   f"gradients and optimizer state; the KL's reference is the base (no second copy); weight sync: "
+                   + ("the adapter alone" if cfg.sync.lora == "adapter" else "the merged weights"))
+    elif cfg.policy.freeze_vision:
+        out.append(f"vision tower frozen: {t.params.vision / 1e9:.2f} B parameters per GPU without gradients or "
+                   "optimizer state")
     out += _parallel_lines(plan)
     for e in [plan.rollout, *plan.judges.values()]:
         state = (f" (each with {e.state_bytes / 2**20:.1f} MiB of linear-attention state besides its KV of the "

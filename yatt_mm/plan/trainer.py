@@ -3,11 +3,12 @@ DP by the distributed optimizer) and activations, on the pipeline stage that nee
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from models.stages import stage_layers
 from yatt_mm.plan.activations import CUDA, Activations, Kernels, activation_bytes
 from yatt_mm.plan.batch import MicroBatchShape
-from yatt_mm.plan.params import Params, param_counts
+from yatt_mm.plan.params import Params, lora_params, param_counts
 
 
 
@@ -22,6 +23,8 @@ class TrainerMemory:
     grads: int
     optimizer: int
     activations: Activations
+    adapter: int = 0  # LoRA: the adapter's parameters on this rank (beside the frozen `params`)
+    trainable: int = 0  # parameters with gradients and optimizer state on this rank
 
     @property
     def persistent(self) -> int:
@@ -43,16 +46,20 @@ class TrainerMemory:
         return self.weights + self.optimizer
 
 
-def trainer_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels = CUDA) -> TrainerMemory:
+def trainer_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels = CUDA, lora=None,
+                   freeze_vision: bool = False) -> TrainerMemory:
     """`trainer`: models.trainer.TrainerConfig; `dp`: the ranks that hold the same dense
     parameters, world / (TP x PP): the data-parallel size times the context-parallel size
-    (Megatron's DDP and distributed optimizer reduce and shard over the dp_cp group). Under
-    pipeline parallelism, the stage whose rank needs the most."""
-    stages = [stage_memory(spec, trainer, dp, shape, kernels, s) for s in range(trainer.pipeline_parallel)]
+    (Megatron's DDP and distributed optimizer reduce and shard over the dp_cp group). `lora`
+    (policy.lora) and `freeze_vision` (policy.freeze_vision): frozen parameters have neither
+    gradients nor optimizer state. Under pipeline parallelism, the stage whose rank needs the most."""
+    stages = [stage_memory(spec, trainer, dp, shape, kernels, s, lora, freeze_vision)
+              for s in range(trainer.pipeline_parallel)]
     return max(stages, key=lambda t: t.peak)
 
 
-def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels, stage: int) -> TrainerMemory:
+def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernels, stage: int, lora=None,
+                 freeze_vision: bool = False) -> TrainerMemory:
     tp, pp = trainer.tensor_parallel, trainer.pipeline_parallel
     ep, cp = getattr(trainer, "expert_parallel", 1), getattr(trainer, "context_parallel", 1)
     layers = tuple(getattr(trainer, "pipeline_layers", ()))  # language layers per stage (empty: even)
@@ -63,8 +70,36 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     # ZeRO-1: dense parameters' state sharded over the DP (x CP) group; a MoE layer's experts,
     # which only the dp / ep ranks of their expert-data-parallel group share, over that group
     dense_shards, expert_shards = (dp, max(1, dp // ep)) if trainer.distributed_optimizer else (1, 1)
-    optimizer = params.dense * state_per_param // dense_shards + params.experts * state_per_param // expert_shards
-    return TrainerMemory(params=params, stage=stage, model_params=param_counts(spec).total, weights=params.total * e,
-                         grads=params.total * 4, optimizer=optimizer,
-                         activations=activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage,
-                                                      layers, cp, getattr(trainer, "context_parallel_comm", "all_gather")))
+    activations = activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage, layers, cp,
+                                   getattr(trainer, "context_parallel_comm", "all_gather"))
+    adapter = lora_params(spec, lora, tp, pp, stage, layers) if lora is not None else 0
+    if adapter:  # the base frozen: the adapter alone has gradients and Adam state
+        trainable, optimizer = adapter, adapter * state_per_param // dense_shards
+        activations = _with_adapter_activations(activations, spec, shape, lora, e, trainer.recompute, tp, cp,
+                                                stage_layers(spec.num_layers, pp, layers)[stage] * (pp - stage))
+    else:
+        dense = params.dense - (params.vision if freeze_vision else 0)
+        trainable = dense + params.experts
+        optimizer = dense * state_per_param // dense_shards + params.experts * state_per_param // expert_shards
+    return TrainerMemory(params=params, stage=stage, model_params=param_counts(spec).total,
+                         weights=(params.total + adapter) * e, grads=trainable * 4, optimizer=optimizer,
+                         activations=activations, adapter=adapter, trainable=trainable)
+
+
+def _with_adapter_activations(a: Activations, spec, shape: MicroBatchShape, lora, e: int, recompute: str, tp: int,
+                              cp: int, layers_held: int) -> Activations:
+    """What LoRA adds to the activations: each adapted linear keeps its r-wide A x for B's
+    gradient (its input is kept for the base weight's backward anyway), and with dropout the
+    dropped-out input and its mask; for every layer of the micro-batches in flight on the stage
+    (1F1B: `layers_held` = its layers x pp - stage). None with full recompute, which keeps only
+    the layers' inputs."""
+    if recompute == "full":
+        return a
+    tokens = -(-shape.tokens // cp)
+    # the adapted linears' inputs on this rank: whole for column-parallel ones, split for row-parallel
+    widths = {"self_attention.linear_qkv": spec.hidden_size, "mlp.linear_fc1": spec.hidden_size,
+              "self_attention.linear_proj": spec.num_heads * spec.head_dim // tp,
+              "mlp.linear_fc2": spec.intermediate_size // tp}
+    per_layer = sum(lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0) for linear in lora.linears)
+    extra = tokens * per_layer * layers_held
+    return replace(a, saved=a.saved + extra, peak=a.peak + extra)
