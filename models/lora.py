@@ -4,8 +4,8 @@ with the base weights frozen.
 
     y = W x + (alpha / r) * B A dropout(x)
 
-Under tensor parallelism each pair is laid out like its weight (probed against a dense fp64
-reference, docs/rl.md "LoRA"):
+Under tensor parallelism each pair is laid out like its weight (checked against transformers +
+peft at TP 2, docs/lora.md):
 - column-parallel layers (linear_qkv, linear_fc1; W split on its output rows): A [r, in] whole
   on every TP rank, B [out / tp, r] split like W. The r-wide A x enters the TP region through
   Megatron's copy (backward: an all-reduce), so A's gradient and the input's are whole and alike
