@@ -295,11 +295,12 @@ class Activations:
 
 def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, kernels: Kernels,
                  pp: int = 1, stage: int = 0, layers: tuple[int, ...] = (), cp: int = 1,
-                 cp_comm: str = "all_gather") -> int:
+                 cp_comm: str = "all_gather", vision_trained: bool = True) -> int:
     """What one micro-batch's forward on pipeline `stage` keeps for the backward, but the loss's
     own part (the sum over the stage's layers of the per-layer formula, plus on the first stage
     the embeddings, pixels and patch merger, on the last the final norm). `shape`: this CP
-    rank's share (batch.context_share)."""
+    rank's share (batch.context_share). A frozen vision tower (`vision_trained` False: LoRA on
+    the language model, policy.freeze_vision) keeps nothing: no gradient reaches it."""
     lm, vis = language_block(spec, shape, tp, cp, cp_comm), vision_block(spec, shape, tp)
     n, first, last = shape.tokens, stage == 0, stage == pp - 1
     n_attention, n_linear = _stage_layer_kinds(spec, pp, stage, layers)
@@ -313,7 +314,7 @@ def _saved_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str, 
     if recompute == "full":
         # the rotary angles, kept once as an input of every checkpoint (Qwen3.5: over its rotary part)
         saved += n * getattr(spec, "rotary_dim", spec.head_dim) * 4
-    if shape.media_tokens and first:
+    if shape.media_tokens and first and vision_trained:
         patches = vis.tokens
         # Qwen2.5-VL: the angles in window order and in frame order, each kept once
         rotary = _rotary_bytes(vis, e, recompute) * (2 if spec.vision_windowed else 1)
@@ -355,7 +356,8 @@ def _recomputed_layer_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recom
 
 def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: str,
                      kernels: Kernels = CUDA, pp: int = 1, stage: int = 0,
-                     layers: tuple[int, ...] = (), cp: int = 1, cp_comm: str = "all_gather") -> Activations:
+                     layers: tuple[int, ...] = (), cp: int = 1, cp_comm: str = "all_gather",
+                     vision_trained: bool = True) -> Activations:
     """Activation memory of the forward and backward of micro-batches on one TP rank of pipeline
     `stage`. On the last stage (the whole model without PP) the peak is the largest of three
     moments: the end of the forward (logits and the loss alive), the output layer's backward (the
@@ -365,7 +367,7 @@ def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: s
     context parallelism (`cp`), all of it for the fullest CP rank's share of the rows."""
     shape = context_share(shape, cp)
     n, vocab, h = shape.tokens, spec.vocab_size // tp, spec.hidden_size
-    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers, cp, cp_comm)
+    body = _saved_bytes(spec, shape, tp, e, recompute, kernels, pp, stage, layers, cp, cp_comm, vision_trained)
     lm = language_block(spec, shape, tp, cp, cp_comm)
     in_flight = dispatched_bytes(lm, e) if lm.experts else 0
     kept = 0 if recompute == "full" or not lm.experts else stage_layers(spec.num_layers, pp, layers)[stage] * in_flight
@@ -373,15 +375,16 @@ def activation_bytes(spec, shape: MicroBatchShape, tp: int, e: int, recompute: s
     if stage < pp - 1:
         held = (pp - stage) * body
         hidden = 2 * n * h * e  # the hidden states received and sent (or their gradients)
-        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, stage == 0, cp, cp_comm)
+        recomputing = _recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, stage == 0 and vision_trained, cp,
+                                              cp_comm)
         return Activations(saved=int(c * held), peak=int(c * (held + hidden + max(recomputing, in_flight))),
                            forward_only=int(c * hidden), dispatched=(pp - stage) * kept, dispatch_in_flight=in_flight)
     loss = shape.scored * vocab * 4  # the fp32 softmax of the scored positions (vocab-parallel cross entropy)
     logits = n * vocab * e
     end_of_forward = body + loss + logits + shape.scored * vocab * e  # the logits and the scored rows picked
     output_backward = body + logits * (2 if shape.rows > 1 else 1) + vocab * h * e + n * h * e
-    recomputing = body + max(_recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, cp=cp, cp_comm=cp_comm),
-                             in_flight)
+    recomputing = body + max(_recomputed_layer_bytes(spec, shape, tp, e, recompute, kernels, vision_trained, cp,
+                                                     cp_comm), in_flight)
     forward_only = logits + shape.scored * vocab * (e + 8)  # logits; the scored rows and their fp32 copies
     return Activations(saved=int(c * (body + loss)), peak=int(c * max(end_of_forward, output_backward, recomputing)),
                        forward_only=int(c * forward_only), dispatched=kept, dispatch_in_flight=in_flight)

@@ -70,9 +70,10 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     # ZeRO-1: dense parameters' state sharded over the DP (x CP) group; a MoE layer's experts,
     # which only the dp / ep ranks of their expert-data-parallel group share, over that group
     dense_shards, expert_shards = (dp, max(1, dp // ep)) if trainer.distributed_optimizer else (1, 1)
-    activations = activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage, layers, cp,
-                                   getattr(trainer, "context_parallel_comm", "all_gather"))
     adapter = lora_params(spec, lora, tp, pp, stage, layers) if lora is not None else 0
+    activations = activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage, layers, cp,
+                                   getattr(trainer, "context_parallel_comm", "all_gather"),
+                                   vision_trained=not (adapter or freeze_vision))
     if adapter:  # the base frozen: the adapter alone has gradients and Adam state
         trainable, optimizer = adapter, adapter * state_per_param // dense_shards
         activations = _with_adapter_activations(activations, spec, shape, lora, e, trainer.recompute, tp, cp,
