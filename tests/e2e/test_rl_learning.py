@@ -179,3 +179,21 @@ def test_a_lora_run_learns_from_the_warm_start_and_resumes_exactly(tmp_path, war
     a, b = load_file(str(final / "adapter_model.safetensors")), load_file(str(resumed_dir / "final" /
                                                                                  "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # a 5-step run beside a judge server (~1.5 min)
+def test_a_lora_run_learns_under_partial_colocation(tmp_path, warm_policy):
+    """The same LoRA run with run.placement=partial: the rollout (serving the adapter) beside a
+    judge server (the untrained tiny judge, weight 0.5: its verdicts are noise), each response
+    streamed to it; the rule reward still lifts held-out accuracy, every sync sends the adapter."""
+    judge = "reward.judges=[{judge: {name: genrm, model: 'tiny:judge', backend: server, votes: 2, max_tokens: 4}, " \
+            "weight: 0.5}]"
+    evals, steps = _held_out_rewards(tmp_path, warm_policy, *LORA, "algorithm.kl_coef=0.01", "rollout.sampling.seed=1",
+                                     "run.placement=partial", judge)
+    print("LoRA, partial colocation: held-out reward", evals)
+    # measured 0.69 -> 1.00, 0.81, 1.00 in three runs (the judge server's timing and the warm
+    # start built afresh vary between runs)
+    assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.1, evals
+    _assert_real_updates_reach_vllm(steps)
+    assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 for r in steps), steps
+    assert all(r["sync/bytes"] == 139264 for r in steps), steps
