@@ -145,7 +145,8 @@ def test_a_lora_run_learns_from_the_warm_start_and_resumes_exactly(tmp_path, war
     steps = _steps(run_dir)
     print("LoRA held-out reward", evals, "train/kl", [r["train/kl"] for r in steps])
     # measured 0.69 -> 1.00 (with rollout.sampling.seed 2, or none, 0.94; with seed 5, 0.81); one of
-    # three runs of this test, each with its warm start built afresh, stayed at 0.69
+    # three runs of this test stayed at 0.69 (the warm start builds bit for bit alike: the run
+    # itself varied, on a machine shared with other jobs)
     assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, evals
     _assert_real_updates_reach_vllm(steps)
     # the adapter alone: 2 layers x 7 projections x (A, B), 139 KB (the full sync: 3.0 MB)
@@ -191,8 +192,7 @@ def test_a_lora_run_learns_under_partial_colocation(tmp_path, warm_policy):
     evals, steps = _held_out_rewards(tmp_path, warm_policy, *LORA, "algorithm.kl_coef=0.01", "rollout.sampling.seed=1",
                                      "run.placement=partial", judge)
     print("LoRA, partial colocation: held-out reward", evals)
-    # measured 0.69 -> 1.00, 0.81, 1.00 in three runs (the judge server's timing and the warm
-    # start built afresh vary between runs)
+    # measured 0.69 -> 1.00, 0.81, 1.00 in three runs (the judge server's timing varies between runs)
     assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.1, evals
     _assert_real_updates_reach_vllm(steps)
     assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 for r in steps), steps
