@@ -100,12 +100,16 @@ class DataConfig:
     read_ahead: int = 16
     read_timeout_s: float = 30.0  # one attempt at one ranged read of a remote shard
     read_attempts: int = 5  # tries of a remote read (timeouts, 5xx, resets) before its sample is skipped
+    # a local folder keeping remote samples' bytes for later epochs (shared by a node's readers);
+    # "": none. At most read_cache_gb, least recently used first out
+    read_cache_dir: str = ""
+    read_cache_gb: float = 8.0
 
     # allowed values, checked when yatt-mm loads a config (yatt_mm/config.py); validate() checks
     # them again for a DataReader built without that loader
     RANGES = {"seed": ">= 0", "slice_size": ">= 1", "shuffle_buffer": ">= 1", "workers": ">= 0", "prefetch": ">= 0",
               "decode_timeout_s": "> 0", "max_open_shards": ">= 1", "max_sample_tokens": ">= 0",
-              "read_ahead": ">= 1", "read_timeout_s": "> 0", "read_attempts": ">= 1"}
+              "read_ahead": ">= 1", "read_timeout_s": "> 0", "read_attempts": ">= 1", "read_cache_gb": "> 0"}
 
     def validate(self) -> None:
         if self.worker_kind not in ("thread", "process"):
@@ -120,7 +124,7 @@ class DataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_sample_tokens < 0:
             raise ValueError(f"data.max_sample_tokens must be >= 0, got {self.max_sample_tokens}")
-        for name in ("decode_timeout_s", "read_timeout_s"):
+        for name in ("decode_timeout_s", "read_timeout_s", "read_cache_gb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"data.{name} must be > 0, got {getattr(self, name)}")
         for i, spec in enumerate(self.shards):  # credentials in a URL would be saved with the config
@@ -154,7 +158,9 @@ class DataConfig:
                 check_shard_specs(source.shards, f"{prefix}.blend[{i}].shards")
 
     def remote_policy(self) -> RemotePolicy:
-        return RemotePolicy(timeout_s=self.read_timeout_s, attempts=self.read_attempts, window=self.read_ahead)
+        return RemotePolicy(timeout_s=self.read_timeout_s, attempts=self.read_attempts, window=self.read_ahead,
+                            cache_dir=os.path.expanduser(self.read_cache_dir) if self.read_cache_dir else "",
+                            cache_bytes=int(self.read_cache_gb * 2**30))
 
     def all_shards(self) -> list[str]:
         """The shards of every dataset it reads (a blend's, in its order)."""

@@ -11,6 +11,8 @@ reader of the process shares:
   exponential backoff and counted (`retries`); a 403 or 404 is final at once.
 - `ReadAhead` keeps a window of those requests in flight ahead of the decoders, on fsspec's
   event loop, so storage latency overlaps decoding.
+- an optional local cache of what was read (`RemotePolicy.cache_dir`, diskcache's size-limited,
+  least-recently-used store shared by the processes of a node), so later epochs read the disk.
 - listing, existence, whole-object reads (the index) and uploads (`put_file`: one PUT, or a
   multipart upload for large files; either way the object appears whole under its name or not
   at all) for the index, the pre-launch checks and prep.
@@ -89,6 +91,8 @@ class RemotePolicy:
     attempts: int = 5  # tries of a read before the sample is skipped as remote_read_error
     backoff_s: float = 0.2  # the wait before the second try; doubled each time, with jitter
     window: int = 16  # ranged reads in flight ahead of the decoders (per reader)
+    cache_dir: str = ""  # a local folder keeping the bytes read, for later epochs ("": no cache)
+    cache_bytes: int = 8 << 30  # the cache's size limit: least recently used entries go first
 
 
 # ------------------------------------------------------------------------ the clients
@@ -197,7 +201,29 @@ class RemoteReads:
     def __init__(self, policy: RemotePolicy = RemotePolicy()):
         self.policy = policy
         self.retries = 0  # attempts that failed transiently and were tried again
+        self.cache_hits = 0  # reads answered by the local cache
         self._lock = threading.Lock()
+        self._cache = None  # diskcache.Cache, opened per process (its SQLite handle is not fork-safe)
+        self._cache_pid = None
+
+    def _cached(self):
+        if not self.policy.cache_dir:
+            return None
+        if self._cache_pid != os.getpid():
+            import diskcache
+
+            # shards are immutable objects: the key is the URL and the range; a shard rewritten
+            # under its name needs the folder cleared (docs/data.md)
+            self._cache = diskcache.Cache(self.policy.cache_dir, size_limit=self.policy.cache_bytes,
+                                          eviction_policy="least-recently-used")
+            self._cache_pid = os.getpid()
+        return self._cache
+
+    def keep(self, url: str, start: int, end: int, data: bytes) -> None:
+        """Store what a read returned in the cache (when there is one); called by the consumer,
+        not on the event loop, so a disk write never holds up the reads in flight."""
+        if (cache := self._cached()) is not None:
+            cache.set((url, start, end), data)
 
     async def _read(self, fs, url: str, start: int, end: int) -> bytes:
         p = self.policy
@@ -223,12 +249,24 @@ class RemoteReads:
         raise AssertionError("unreachable")
 
     def submit(self, url: str, start: int, end: int) -> Future:
-        """Start reading bytes [start, end) of `url`; a Future of the bytes (or the OSError)."""
+        """Start reading bytes [start, end) of `url`; a Future of the bytes (or the OSError),
+        done at once when the cache has them. Give the bytes to `keep` once read."""
+        if (cache := self._cached()) is not None and (data := cache.get((url, start, end))) is not None:
+            with self._lock:
+                self.cache_hits += 1
+            done: Future = Future()
+            done.set_result(data)
+            done.from_cache = True
+            return done
         fs = filesystem(url)
         return asyncio.run_coroutine_threadsafe(self._read(fs, url, start, end), fs.loop)
 
     def read(self, url: str, start: int, end: int) -> bytes:
-        return self.submit(url, start, end).result()
+        fut = self.submit(url, start, end)
+        data = fut.result()
+        if not getattr(fut, "from_cache", False):
+            self.keep(url, start, end, data)
+        return data
 
 
 class ReadAhead:
@@ -260,7 +298,7 @@ class ReadAhead:
             where = self.span(self.todo[pos])
             if where is not None:
                 url, start, end = where
-                self._futures[pos] = (start, self.reads.submit(url, start, end))
+                self._futures[pos] = (where, self.reads.submit(url, start, end))
 
     def __getitem__(self, pos: int):
         if not 0 <= pos < len(self.todo):
@@ -270,9 +308,12 @@ class ReadAhead:
             started = self._futures.pop(pos, None)
         if started is None:
             return self.todo[pos], None
-        start, fut = started
+        (url, start, end), fut = started
         try:
-            return self.todo[pos], (start, fut.result())
+            data = fut.result()
+            if not getattr(fut, "from_cache", False):
+                self.reads.keep(url, start, end, data)
+            return self.todo[pos], (start, data)
         except CancelledError:
             return self.todo[pos], RemoteReadError("the read was cancelled (the reader was closed)")
         except OSError as e:

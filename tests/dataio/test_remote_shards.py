@@ -224,3 +224,29 @@ def test_http_shards_read_by_range_as_local_ones(s3_dataset):
             check_shard_specs([f"{base}/nothing.tar"], "data.shards")
     finally:
         server.shutdown()
+
+
+def test_the_local_cache_serves_later_epochs_within_its_size_limit(s3_dataset, proxy, tmp_path):
+    """data.read_cache_dir: the first epoch reads the bucket (24 ranged GETs), the second reads
+    the cache (none) and gives the same samples; with a limit below the data's size the cache
+    stays under it (least recently used out) and the rest is read from the bucket again."""
+    _, url = s3_dataset
+    reader = DataReader(_cfg([url], workers=2, read_cache_dir=str(tmp_path / "cache")))
+    proxy.reset_counts()
+    first = _read(reader)
+    assert len(proxy.ranged_gets()) == 24 and reader.decoder.remote.cache_hits == 0
+    proxy.reset_counts()
+    again = _read(DataReader(_cfg([url], workers=2, read_cache_dir=str(tmp_path / "cache"))))
+    assert sorted(again) == sorted(first) and not proxy.ranged_gets(), proxy.requests
+    spans = [reader.decoder.span(i) for i in range(24)]
+    total = sum(end - start for _, start, end in spans)
+    limit = total // 3
+    small = DataReader(_cfg([url], workers=2, read_cache_dir=str(tmp_path / "small"), read_cache_gb=limit / 2**30))
+    proxy.reset_counts()
+    assert sorted(_read(small)) == sorted(first) and len(proxy.ranged_gets()) == 24
+    import diskcache
+
+    with diskcache.Cache(str(tmp_path / "small")) as cache:
+        assert 0 < len(cache) < 24
+        kept = sum(len(cache[k]) for k in cache.iterkeys())
+    assert 0 < kept <= limit, (kept, limit)
