@@ -100,10 +100,9 @@ class DataConfig:
     read_ahead: int = 16
     read_timeout_s: float = 30.0  # one attempt at one ranged read of a remote shard
     read_attempts: int = 5  # tries of a remote read (timeouts, 5xx, resets) before its sample is skipped
-    # a local folder keeping remote samples' bytes for later epochs (shared by a node's readers);
-    # "": none. At most read_cache_gb, least recently used first out
+    # a local folder keeping remote samples' bytes for later epochs (shared by a node's readers); "": none
     read_cache_dir: str = ""
-    read_cache_gb: float = 8.0
+    read_cache_gb: float = 8.0  # the size limit of read_cache_dir: least recently used entries go first
 
     # allowed values, checked when yatt-mm loads a config (yatt_mm/config.py); validate() checks
     # them again for a DataReader built without that loader

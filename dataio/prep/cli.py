@@ -72,7 +72,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def cmd_prep(args) -> int:
     from dataio.prep.runner import run_prep
     from dataio.prep.work import PrepOptions
-    from dataio.storage import join, redact
+    from dataio.storage import RemoteReadError, join, redact
 
     kw = dict(kind=args.prep_kind, max_side=args.max_side or None, max_pixels=args.max_pixels or None,
               jpeg_quality=args.jpeg_quality, shard_size=args.shard_size,
@@ -87,7 +87,7 @@ def cmd_prep(args) -> int:
         stats = run_prep(args.inputs, args.out, opts, workers=args.workers, engine=args.engine,
                          progress=not args.no_progress, overwrite=args.overwrite, ray_address=args.ray_address,
                          input_format=args.format, media_root=args.media_root)
-    except (ValueError, OSError) as e:  # bad options; a URL --out that is not there, 403, unreachable
+    except (ValueError, PermissionError, RemoteReadError) as e:  # bad options; a URL --out: 403, unreachable
         raise SystemExit(f"prep {args.prep_kind}: {e}") from None
     except KeyboardInterrupt:
         print("\nprep: interrupted; finished shards are kept. Rerun the same command to resume.", file=sys.stderr)

@@ -157,7 +157,7 @@ def test_kill_9_mid_read_and_resume_read_each_sample_once(s3_dataset, proxy, tmp
 
 
 def test_missing_shards_a_missing_bucket_and_403_are_refused_naming_the_url(s3_store, s3_dataset, proxy,
-                                                                              monkeypatch):
+                                                                              monkeypatch, capsys):
     """What a launcher checks before any rank starts (check_shard_specs): each refusal names the
     setting and the URL, and never the secret key."""
     _, url = s3_dataset
@@ -175,6 +175,11 @@ def test_missing_shards_a_missing_bucket_and_403_are_refused_naming_the_url(s3_s
         check_shard_specs([url], "eval.shards")
     assert str(e.value).startswith(f"eval.shards: {url}: access denied (403) when listing it"), str(e.value)
     assert s3_store.nobody.secret_key not in str(e.value)
+    from yatt_mm.cli import main  # the data commands: one line naming the URL, exit 2, no traceback
+
+    assert main(["data", "keys", url, "--dp-rank", "0", "--dp-size", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"yatt-mm data: data shards: {url}: access denied (403)") and len(err.splitlines()) == 1, err
 
 
 def test_credentials_in_a_url_are_refused_and_never_shown():
