@@ -211,8 +211,15 @@ class FaultProxy:
                     time.sleep(self.stall_s)
                     _reset(client)
                     return
-                upstream.request(method, path, body=body or None, headers=dict(headers))
-                resp = upstream.getresponse()
+                try:
+                    upstream.request(method, path, body=body or None, headers=dict(headers))
+                    resp = upstream.getresponse()
+                except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                    # the server closed the kept-alive connection while it was idle: once more on a
+                    # new one, as any proxy does (else the client would wait for its read timeout)
+                    upstream.close()
+                    upstream.request(method, path, body=body or None, headers=dict(headers))
+                    resp = upstream.getresponse()
                 data = resp.read()
                 keep = ("transfer-encoding", "connection") + (() if method == "HEAD" else ("content-length",))
                 head = f"HTTP/1.1 {resp.status} {resp.reason}\r\n" + "".join(
@@ -228,6 +235,7 @@ class FaultProxy:
         finally:
             upstream.close()
             try:
+                reader.close()  # the socket's file: while it is open, closing the socket keeps the connection
                 client.close()
             except OSError:
                 pass
