@@ -139,8 +139,7 @@ LAST_LINES: dict[str, LastLine] = {
     "bench_reader_memory.py": LastLine(numbers=("shards_1x", "samples_1x", "samples_10x", "peak_rss_mb_1x",
                                                 "peak_rss_mb_10x", "rss_ratio_10x_to_1x")),
     # Megatron-Energon is an optional dependency (pip install -e '.[bench]'): without it, or where its
-    # loader fails on the shards (seen in some smoke runs: a download of a shard through
-    # multi-storage-client failing), its figures are null and energon_note says why
+    # loader fails on the shards, its figures are null and energon_note says why
     "bench_remote_pipeline.py": LastLine(
         numbers=("images", "image_kb", "rounds", "latency_ms", "local_img_per_s", "remote_img_per_s", "remote_vs_local",
                  "target", "requests_per_sample", "local_cpu_ms", "remote_cpu_ms", "server_cpu_ms", "proxy_cpu_ms",

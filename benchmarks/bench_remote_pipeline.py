@@ -6,7 +6,8 @@ on), the 20 ms added by the fault proxy of the tests, which also counts the requ
 (requests_per_sample: ranged GETs while reading, per decoded image). The peer baseline is
 Megatron-Energon's loader (`megatron-energon`, the `bench` extra) reading the same shards from
 the same server through NVIDIA's multi-storage-client, after `energon prepare`, with the same
-decode and resize in its 2 workers; where it is not installed or fails, `vs_energon` is null and
+decode and resize in its 2 workers (each dropping the connections it inherits at fork: see
+`fresh_connections`); where it is not installed or fails, `vs_energon` is null and
 `energon_note` says why. Rounds are interleaved, the best of each kept (other tenants' load swings
 wall-clock figures).
 
@@ -104,6 +105,21 @@ from megatron.energon.task_encoder.cooking import Cooker
 from dataio.decode import MediaConfig, decode_image
 path, n_images = sys.argv[1], int(sys.argv[2])
 media = MediaConfig()
+
+
+def fresh_connections():
+    # Energon forks its workers after this process has opened a kept-alive connection (reading the
+    # dataset's metadata through multi-storage-client's boto3 client); without this both workers
+    # send on that one socket and get each other's bytes. Each worker drops the inherited pools.
+    import gc
+    import urllib3
+
+    for obj in gc.get_objects():
+        if isinstance(obj, urllib3.PoolManager):
+            obj.clear()
+
+
+os.register_at_fork(after_in_child=fresh_connections)
 
 @stateless
 def cook(sample):  # the bytes as read, decoded and resized as dataio does
