@@ -223,7 +223,12 @@ class RemoteReads:
         """Store what a read returned in the cache (when there is one); called by the consumer,
         not on the event loop, so a disk write never holds up the reads in flight."""
         if (cache := self._cached()) is not None:
-            cache.set((url, start, end), data)
+            import diskcache
+
+            try:
+                cache.set((url, start, end), data)
+            except (diskcache.Timeout, OSError):  # a busy or full disk: the bytes are read again next time
+                pass
 
     async def _read(self, fs, url: str, start: int, end: int) -> bytes:
         p = self.policy
