@@ -141,6 +141,13 @@ LAST_LINES: dict[str, LastLine] = {
         others=("full_by_rollout_threads", "uncontended", "judge_share_median", "runs_kept", "simulator")),
     "bench_reader_memory.py": LastLine(numbers=("shards_1x", "samples_1x", "samples_10x", "peak_rss_mb_1x",
                                                 "peak_rss_mb_10x", "rss_ratio_10x_to_1x")),
+    # Megatron-Energon is an optional dependency (pip install -e '.[bench]'): without it, or where its
+    # loader fails on the shards, its figures are null and energon_note says why
+    "bench_remote_pipeline.py": LastLine(
+        numbers=("images", "image_kb", "rounds", "latency_ms", "local_img_per_s", "remote_img_per_s", "remote_vs_local",
+                 "target", "requests_per_sample", "local_cpu_ms", "remote_cpu_ms", "server_cpu_ms", "proxy_cpu_ms",
+                 "remote_vs_local_reader_cpu"),
+        others=("met", "energon_note", "energon_img_per_s", "vs_energon")),
     "bench_rl_step.py": LastLine(numbers=("step_s", "idle_share"), others=("phases_s",)),
     # TRL is an optional dependency (pip install -e '.[bench]'); without it a smoke run times
     # yatt-mm's side alone and reports TRL's figures as null (a measurement refuses to start)

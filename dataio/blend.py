@@ -110,6 +110,10 @@ class BlendedReader:
     def frames_dropped(self) -> int:
         return sum(r.frames_dropped for r in self.readers.values())
 
+    @property
+    def remote_retries(self) -> int:
+        return sum(r.remote_retries for r in self.readers.values())
+
     def quarantine(self, sample: Sample, reason: str, detail: str = "") -> None:
         """Log a sample its consumer cannot use, in its source's reader (DataReader.quarantine)."""
         self.readers[sample.source].quarantine(sample, reason, detail)

@@ -16,14 +16,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     dsub = data.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
 
     p = dsub.add_parser("index", help="build the parquet index of shards from tar headers (no decoding)")
-    p.add_argument("shards", nargs="+", help="tar files, directories or globs")
-    p.add_argument("--out", default=None, help="index file (default: index.parquet in the shards' directory)")
+    p.add_argument("shards", nargs="+", help="tar files, directories or globs; or s3://, gs://, http(s):// URLs")
+    p.add_argument("--out", default=None, help="index file or URL (default: index.parquet in the shards' "
+                   "directory or prefix)")
     p.set_defaults(func=cmd_index)
 
     p = dsub.add_parser("inspect", help="decode every sample as training would; summary and a contact sheet")
     p.add_argument("shards", nargs="+")
     p.add_argument("--index", default=None)
-    p.add_argument("--sheet", default=None, help="contact-sheet PNG path (default: contact_sheet.png in the shards' dir)")
+    p.add_argument("--sheet", default=None, help="contact-sheet PNG path (default: contact_sheet.png in the shards' "
+                   "dir; for shards at URLs, in the current directory)")
     p.add_argument("--sheet-samples", type=int, default=16)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--quarantine-log", default=None, help="JSONL of skipped samples (default: beside the sheet)")
@@ -62,19 +64,23 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def _default_dir(paths: list[str]) -> str:
-    return os.path.commonpath([os.path.dirname(p) for p in paths])
+    from dataio.storage import common_dir
+
+    return common_dir(paths)
 
 
 def cmd_index(args) -> int:
     from dataio.index import INDEX_NAME, build_index, expand_shards
 
+    from dataio.storage import join, redact
+
     paths = expand_shards(args.shards)
-    out = args.out or os.path.join(_default_dir(paths), INDEX_NAME)
+    out = args.out or join(_default_dir(paths), INDEX_NAME)  # a URL beside remote shards
     t0 = time.time()
     table, _ = build_index(paths, out, progress=True)
     kinds = Counter(table.column("kind").to_pylist())
     samples = len(set(zip(table.column("shard").to_pylist(), table.column("key").to_pylist())))
-    print(f"wrote {out}: {len(paths)} shards, {samples} samples, {table.num_rows} members "
+    print(f"wrote {redact(out)}: {len(paths)} shards, {samples} samples, {table.num_rows} members "
           f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}) in {time.time() - t0:.2f}s")
     return 0
 
@@ -114,8 +120,12 @@ def cmd_inspect(args) -> int:
     from dataio.index import expand_shards
     from dataio.reader import DataConfig, DataReader
 
+    from dataio.storage import is_remote
+
     paths = expand_shards(args.shards) if not args.index else []
     base = _default_dir(paths) if paths else os.path.dirname(os.path.abspath(args.index))
+    if is_remote(base) or (args.index and is_remote(args.index)):
+        base = "."  # the sheet and the log are local files
     sheet = args.sheet or os.path.join(base, "contact_sheet.png")
     qlog = args.quarantine_log or os.path.splitext(sheet)[0] + ".quarantine.jsonl"
     if os.path.exists(qlog):

@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataio.shards import COMPRESSED_SUFFIXES, TAR_ERROR_KIND, MemberReader, plain_tar, scan_tar
+from dataio import storage
+from dataio.shards import COMPRESSED_SUFFIXES, TAR_ERROR_KIND, MemberReader, cache_root, plain_tar, scan_tar
 
 INDEX_NAME = "index.parquet"
 SCHEMA = pa.schema(
@@ -41,16 +42,68 @@ SCHEMA = pa.schema(
 )
 
 
+SHARD_SUFFIXES = (".tar",) + COMPRESSED_SUFFIXES
+
+
+def _remote_shards(spec: str, setting: str | None = None) -> list[storage.Entry]:
+    """The shards a URL spec names: a .tar object, every shard directly under a prefix, or a glob
+    (the store's own listing); FileNotFoundError (none there, or no such bucket) and
+    PermissionError (403) name the URL without credentials, and `setting` when given."""
+    where = f"{setting}: " if setting else "data shards: "
+    storage.check_url(spec, setting or "data shards")
+    shown = storage.redact(spec)
+    try:
+        if any(c in spec.split("://", 1)[1] for c in "*?["):
+            found = [e for e in storage.glob(spec) if e.size != 0]
+            if not found:
+                raise FileNotFoundError(f"{where}{shown} matches no object")
+            return sorted(found, key=lambda e: e.url)
+        if spec.endswith(SHARD_SUFFIXES):
+            entry = storage.info(spec)
+            if entry is None:
+                raise FileNotFoundError(f"{where}{shown} does not exist")
+            if entry.size == 0:
+                raise FileNotFoundError(f"{where}{shown} is an empty object (0 bytes), not a shard")
+            return [entry]
+        found = [e for e in storage.listdir(spec) if e.url.endswith(SHARD_SUFFIXES) and e.size != 0]
+        if not found and storage.bucket_missing(spec):
+            endpoint = storage.redact(os.environ.get("AWS_ENDPOINT_URL", "(unset)"))
+            raise FileNotFoundError(f"{where}{shown}: the bucket does not exist (or is not at this endpoint: "
+                                    f"AWS_ENDPOINT_URL={endpoint})")
+        if not found:
+            raise FileNotFoundError(f"{where}{shown} holds no shards (.tar, or {', '.join(COMPRESSED_SUFFIXES)} "
+                                    "objects), or does not exist; give a prefix of shards, a .tar URL or a glob")
+        return sorted(found, key=lambda e: e.url)
+    except PermissionError as e:
+        raise PermissionError(f"{where}{e}") from None
+    except FileNotFoundError as e:
+        msg = str(e)
+        raise FileNotFoundError(msg if msg.startswith(where) else f"{where}{msg}") from None
+    except OSError as e:  # the store cannot be reached, or failed after its retries
+        raise OSError(f"{where}{shown}: {e}") from None
+
+
 def expand_shards(specs: list[str] | tuple[str, ...]) -> list[str]:
     """Files, directories (their *.tar, and compressed *.tar.gz, *.tgz, *.tar.bz2, *.tar.xz) and
     glob patterns -> sorted, de-duplicated tar paths; a compressed shard becomes its
-    decompressed copy in the cache (`dataio.shards.plain_tar`)."""
+    decompressed copy in the cache (`dataio.shards.plain_tar`). A URL (s3://, gs://, http(s)://)
+    is a shard object, a prefix holding shards, or a glob; its shards stay URLs."""
+    return _expand(specs)[0]
+
+
+def _expand(specs) -> tuple[list[str], dict[str, storage.Entry]]:
+    """expand_shards, and the listing entries of its remote shards (size, modification time)."""
     out: list[str] = []
+    remote: dict[str, storage.Entry] = {}
     for spec in specs:
+        if storage.is_remote(str(spec)) or "://" in str(spec):
+            for entry in _remote_shards(str(spec)):
+                remote[entry.url] = entry
+                out.append(entry.url)
+            continue
         spec = os.path.expanduser(str(spec))
         if os.path.isdir(spec):
-            out += sorted(p for suffix in (".tar",) + COMPRESSED_SUFFIXES
-                          for p in glob.glob(os.path.join(spec, "*" + suffix)))
+            out += sorted(p for suffix in SHARD_SUFFIXES for p in glob.glob(os.path.join(spec, "*" + suffix)))
         elif any(c in spec for c in "*?["):
             out += sorted(glob.glob(spec))
         elif os.path.exists(spec):
@@ -59,13 +112,13 @@ def expand_shards(specs: list[str] | tuple[str, ...]) -> list[str]:
             raise FileNotFoundError(f"data shards: {spec!r} does not exist (give tar files, a directory or a glob)")
     seen, result = set(), []
     for p in out:
-        a = os.path.abspath(plain_tar(p))
+        a = plain_tar(p, remote[p]) if p in remote else os.path.abspath(plain_tar(p))
         if a not in seen:
             seen.add(a)
             result.append(a)
     if not result:
         raise FileNotFoundError(f"data shards: no .tar (or .tar.gz, .tgz, .tar.bz2, .tar.xz) files found in {list(specs)!r}")
-    return result
+    return result, remote
 
 
 def check_shard_specs(specs: list[str] | tuple[str, ...], setting: str) -> None:
@@ -76,9 +129,12 @@ def check_shard_specs(specs: list[str] | tuple[str, ...], setting: str) -> None:
     the models have loaded."""
     if not specs:
         raise FileNotFoundError(f"{setting} is empty: give tar files, a directory of them or a glob")
-    suffixes = (".tar",) + COMPRESSED_SUFFIXES
+    suffixes = SHARD_SUFFIXES
     for i, spec in enumerate(specs):
         where = f"{setting}[{i}]" if len(specs) > 1 else setting
+        if "://" in str(spec):  # one listing (or lookup) per spec: missing, empty, 403 refused here
+            _remote_shards(str(spec), where)
+            continue
         path = os.path.expanduser(str(spec))
         if os.path.isdir(path):
             if not any(glob.glob(os.path.join(path, "*" + suffix)) for suffix in suffixes):
@@ -95,7 +151,18 @@ def check_shard_specs(specs: list[str] | tuple[str, ...], setting: str) -> None:
 
 
 def check_index_path(path: str, setting: str) -> None:
-    """A FileNotFoundError naming `setting` unless the parquet index `path` is there."""
+    """A FileNotFoundError naming `setting` unless the parquet index `path` is there (a URL: a
+    PermissionError on a 403, naming it without credentials)."""
+    if "://" in str(path):
+        storage.check_url(path, setting)
+        try:
+            found = storage.info(path)
+        except OSError as e:
+            raise type(e)(f"{setting}: {e}") from None
+        if found is None:
+            raise FileNotFoundError(f"{setting}: {storage.redact(path)} does not exist; build it with `yatt-mm data "
+                                    "index SHARDS... --out INDEX` or leave it unset")
+        return
     if not os.path.isfile(os.path.expanduser(path)):
         raise FileNotFoundError(f"{setting}: {path} does not exist; build it with `yatt-mm data index SHARDS... "
                                 "--out INDEX` or leave it unset (the index is then built from the shards)")
@@ -142,29 +209,61 @@ def _build_rows(shard: str, rel: str, reader: MemberReader) -> tuple[dict, str |
     return cols, scan.error
 
 
+def _remote_rows(shard: str, rel: str, reader: MemberReader) -> tuple[dict, str | None]:
+    """A remote shard's rows: its headers are spread through it, so the scan reads it whole
+    anyway; it is downloaded once to a temporary file and scanned there."""
+    os.makedirs(os.path.join(cache_root(), "tmp"), exist_ok=True)
+    tmp = os.path.join(cache_root(), "tmp", f"scan-{os.getpid()}-{storage.basename(shard)}")
+    try:
+        storage.get_file(shard, tmp)
+        return _build_rows(tmp, rel, reader)
+    finally:
+        reader.close()  # the temporary file's descriptor, before it goes
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def build_index(shards: list[str], out: str | None = None, progress: bool = False) -> tuple[pa.Table, str | None]:
     """Scan `shards` (paths as from `expand_shards`) and return the index table; write it to
-    `out` when given (shard paths are then stored relative to its directory when inside it)."""
-    base = os.path.dirname(os.path.abspath(out)) if out else None
+    `out` when given (shard paths are then stored relative to its directory when inside it).
+    `out` may be a URL: the index is uploaded whole when complete."""
+    base = (storage.dirname(out) if storage.is_remote(out) else os.path.dirname(os.path.abspath(out))) if out else None
     reader = MemberReader()
     parts = []
     t0 = time.time()
     for i, shard in enumerate(shards):
         rel = shard
-        if base and os.path.commonpath([base, shard]) == base:
-            rel = os.path.relpath(shard, base)
-        cols, err = _build_rows(shard, rel, reader)
+        if base and (inside := storage.relative_to(base, shard)) is not None:
+            rel = inside
+        cols, err = (_remote_rows if storage.is_remote(shard) else _build_rows)(shard, rel, reader)
         parts.append(pa.table(cols, schema=SCHEMA))
         if progress and (err or (i + 1) % 50 == 0 or i + 1 == len(shards)):
             note = f"  (tar broken part way: {err})" if err else ""
-            print(f"index: {i + 1}/{len(shards)} shards, {time.time() - t0:.1f}s{note} {shard}", file=sys.stderr)
+            print(f"index: {i + 1}/{len(shards)} shards, {time.time() - t0:.1f}s{note} {storage.redact(shard)}",
+                  file=sys.stderr)
     reader.close()
     table = pa.concat_tables(parts) if parts else SCHEMA.empty_table()
     if out:
-        tmp = f"{out}.tmp{os.getpid()}"
-        pq.write_table(table, tmp)
-        os.replace(tmp, out)  # a reader never sees a half-written index
+        write_table(table, out)
     return table, out
+
+
+def write_table(table: pa.Table, out: str) -> None:
+    """Write a parquet file so that no reader sees it half-written: a local one renamed into
+    place, a remote one uploaded whole (an object store shows an object only once complete)."""
+    if storage.is_remote(out):
+        os.makedirs(os.path.join(cache_root(), "tmp"), exist_ok=True)
+        tmp = os.path.join(cache_root(), "tmp", f"{storage.basename(out)}.{os.getpid()}")
+        try:
+            pq.write_table(table, tmp)
+            storage.put_file(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return
+    tmp = f"{out}.tmp{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, out)  # a reader never sees a half-written index
 
 
 @dataclass
@@ -219,7 +318,12 @@ def index_from_table(table: pa.Table, base_dir: str | None = None) -> Index:
     for j, (s, k, kind) in enumerate(zip(shard_col, keys, kinds)):
         if s not in shard_id:
             shard_id[s] = len(shards)
-            shards.append(os.path.normpath(os.path.join(base_dir, s)) if base_dir and not os.path.isabs(s) else s)
+            if not base_dir or os.path.isabs(s) or storage.is_remote(s):
+                shards.append(s)
+            elif storage.is_remote(base_dir):  # an index in a bucket: its shards beside it
+                shards.append(storage.join(base_dir, s))
+            else:
+                shards.append(os.path.normpath(os.path.join(base_dir, s)))
         cur = (s, k)
         # consecutive members with one key form a sample; a tar error row is a sample of its own
         if cur != prev or kind == TAR_ERROR_KIND:
@@ -245,6 +349,13 @@ def index_from_table(table: pa.Table, base_dir: str | None = None) -> Index:
 
 
 def load_index(path: str) -> Index:
+    if storage.is_remote(path):
+        storage.check_url(path, "data index")
+        if storage.info(path) is None:
+            raise FileNotFoundError(f"data index: {storage.redact(path)} does not exist; build it with "
+                                    "`yatt-mm data index SHARDS...`")
+        table = pq.read_table(pa.BufferReader(storage.cat(path)))
+        return index_from_table(table, base_dir=storage.dirname(path))
     if not os.path.exists(path):
         raise FileNotFoundError(f"data index: {path!r} does not exist; build it with `yatt-mm data index SHARDS...`")
     return index_from_table(pq.read_table(path), base_dir=os.path.dirname(os.path.abspath(path)))
@@ -255,11 +366,27 @@ def open_dataset(shards: list[str] | tuple[str, ...] = (), index: str | None = N
     it lists exactly them; else built in memory from the tar headers."""
     if index:
         return load_index(index)
-    paths = expand_shards(shards)
-    candidate = os.path.join(os.path.commonpath([os.path.dirname(p) for p in paths]), INDEX_NAME)
-    if os.path.exists(candidate):
+    paths, listed = _expand(shards)
+    candidate = storage.join(storage.common_dir(paths), INDEX_NAME)
+    if storage.is_remote(candidate):
+        if (idx := _remote_index_beside(candidate, paths, listed)) is not None:
+            return idx
+    elif os.path.exists(candidate):
         idx = load_index(candidate)
         if sorted(idx.shards) == sorted(paths) and all(os.path.getmtime(candidate) >= os.path.getmtime(p) for p in paths):
             return idx
     table, _ = build_index(paths, progress=progress)
     return index_from_table(table)
+
+
+def _remote_index_beside(candidate: str, paths: list[str], listed: dict[str, storage.Entry]) -> Index | None:
+    """The index beside remote shards when it lists exactly them and is not older than any
+    (their listing's modification times; a store that gives none: listing them is enough)."""
+    entry = storage.info(candidate)
+    if entry is None:
+        return None
+    idx = index_from_table(pq.read_table(pa.BufferReader(storage.cat(candidate))), base_dir=storage.dirname(candidate))
+    if sorted(idx.shards) != sorted(paths):
+        return None
+    times = [listed[p].mtime for p in paths if p in listed]
+    return idx if entry.mtime is None or all(t is None or entry.mtime >= t for t in times) else None

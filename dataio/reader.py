@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,7 +34,9 @@ from dataio.decode import EndsWithItsParent, MediaConfig, VideoDecodePool, decod
 from dataio.errors import MediaError
 from dataio.index import Index, check_index_path, check_shard_specs, open_dataset
 from dataio.shards import TAR_ERROR_KIND, MemberReader
+from dataio.storage import ReadAhead, RemotePolicy, RemoteReads, check_url, is_remote
 from dataio.split import check_split, rank_order
+from dataio.workers import ordered_thread_map, shutdown_nodes
 
 STATE_VERSION = 1
 
@@ -60,6 +61,8 @@ class BlendSource:
 
     def validate(self) -> None:
         check_metric_name(self.name, "a blend source")
+        for spec in [*self.shards, *([self.index] if self.index else [])]:
+            check_url(str(spec), f"data.blend[{self.name}]")
         if not self.shards and not self.index:
             raise ValueError(f"blend source {self.name!r}: give its shards (or an index)")
         if not self.weight > 0:
@@ -92,11 +95,20 @@ class DataConfig:
     # frames (uniform over the clip) so that it fits; one that cannot (or an image sample over
     # it) is skipped as over_token_budget (dataio/budget.py). 0: off
     max_sample_tokens: int = 0
+    # ranged reads of shards at s3://, gs:// or http(s):// URLs in flight ahead of the decoders, per
+    # reader (local shards ignore this and the next two; docs/data.md, "Shards in object storage")
+    read_ahead: int = 16
+    read_timeout_s: float = 30.0  # one attempt at one ranged read of a remote shard
+    read_attempts: int = 5  # tries of a remote read (timeouts, 5xx, resets) before its sample is skipped
+    # a local folder keeping remote samples' bytes for later epochs (shared by a node's readers); "": none
+    read_cache_dir: str = ""
+    read_cache_gb: float = 8.0  # the size limit of read_cache_dir: least recently used entries go first
 
     # allowed values, checked when yatt-mm loads a config (yatt_mm/config.py); validate() checks
     # them again for a DataReader built without that loader
     RANGES = {"seed": ">= 0", "slice_size": ">= 1", "shuffle_buffer": ">= 1", "workers": ">= 0", "prefetch": ">= 0",
-              "decode_timeout_s": "> 0", "max_open_shards": ">= 1", "max_sample_tokens": ">= 0"}
+              "decode_timeout_s": "> 0", "max_open_shards": ">= 1", "max_sample_tokens": ">= 0",
+              "read_ahead": ">= 1", "read_timeout_s": "> 0", "read_attempts": ">= 1", "read_cache_gb": "> 0"}
 
     def validate(self) -> None:
         if self.worker_kind not in ("thread", "process"):
@@ -106,13 +118,18 @@ class DataConfig:
         for name in ("workers", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("slice_size", "shuffle_buffer", "max_open_shards"):
+        for name in ("slice_size", "shuffle_buffer", "max_open_shards", "read_ahead", "read_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_sample_tokens < 0:
             raise ValueError(f"data.max_sample_tokens must be >= 0, got {self.max_sample_tokens}")
-        if self.decode_timeout_s <= 0:
-            raise ValueError(f"data.decode_timeout_s must be > 0, got {self.decode_timeout_s}")
+        for name in ("decode_timeout_s", "read_timeout_s", "read_cache_gb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data.{name} must be > 0, got {getattr(self, name)}")
+        for i, spec in enumerate(self.shards):  # credentials in a URL would be saved with the config
+            check_url(str(spec), f"data.shards[{i}]")
+        if self.index:
+            check_url(str(self.index), "data.index")
         if self.blend:
             if self.shards or self.index:
                 raise ValueError("data.blend lists the datasets to draw from; data.shards and data.index must then "
@@ -138,6 +155,11 @@ class DataConfig:
                 check_index_path(source.index, f"{prefix}.blend[{i}].index")
             else:
                 check_shard_specs(source.shards, f"{prefix}.blend[{i}].shards")
+
+    def remote_policy(self) -> RemotePolicy:
+        return RemotePolicy(timeout_s=self.read_timeout_s, attempts=self.read_attempts, window=self.read_ahead,
+                            cache_dir=os.path.expanduser(self.read_cache_dir) if self.read_cache_dir else "",
+                            cache_bytes=int(self.read_cache_gb * 2**30))
 
     def all_shards(self) -> list[str]:
         """The shards of every dataset it reads (a blend's, in its order)."""
@@ -189,6 +211,7 @@ class SampleDecoder:
         self.budget = budget
         self.media = cfg.media
         self.files = MemberReader(cfg.max_open_shards)
+        self.remote = RemoteReads(cfg.remote_policy())  # shards at URLs; counts its retries
         self._pool: VideoDecodePool | None = None
         self._pool_pid = None
 
@@ -213,17 +236,33 @@ class SampleDecoder:
             self._pool = None
         self.files.close()
 
-    def __call__(self, i: int) -> Sample | Skip:
+    def span(self, i: int) -> tuple[str, int, int] | None:
+        """(url, start, end) of the bytes sample i's readable members take in a remote shard: one
+        ranged read for the whole sample (the tar headers between its members included); None
+        for a local shard or a sample that reads nothing (a tar error, no media)."""
+        shard = self.index.shard_of(i)
+        if not is_remote(shard):
+            return None
+        members = self.index.members(i)
+        kinds = {k for _, k, _, _ in members}
+        if TAR_ERROR_KIND in kinds or "truncated" in kinds or not kinds & {"image", "video", "frame"}:
+            return None
+        read = [(off, size) for _, k, off, size in members if k != "unknown"]
+        return shard, min(off for off, _ in read), max(off + size for off, size in read)
+
+    def __call__(self, item: int | tuple) -> Sample | Skip:
+        """`item`: a sample index, or (index, what `ReadAhead` fetched for it)."""
+        i, fetched = item if isinstance(item, tuple) else (item, None)
         idx = self.index
         shard, key = idx.shard_of(i), idx.sample_key[i]
         try:
-            return self._decode(i, shard, key)
+            return self._decode(i, shard, key, fetched)
         except MediaError as e:
             return Skip(key, shard, i, e.reason, e.detail)
         except Exception as e:  # never let one sample end the stream
             return Skip(key, shard, i, "decode_error", f"{type(e).__name__}: {e}"[:300])
 
-    def _decode(self, i: int, shard: str, key: str) -> Sample:
+    def _decode(self, i: int, shard: str, key: str, fetched=None) -> Sample:
         members = self.index.members(i)
         kinds = [k for _, k, _, _ in members]
         if TAR_ERROR_KIND in kinds:
@@ -239,9 +278,20 @@ class SampleDecoder:
             raise MediaError("missing_media", "no image, video or frame member")
 
         def read(offset: int, size: int) -> bytes:
+            if isinstance(fetched, tuple):  # the sample's span, read ahead in one request
+                start, data = fetched
+                return data[offset - start:offset - start + size]
             try:
+                if isinstance(fetched, OSError):
+                    raise fetched
+                if is_remote(shard):  # not read ahead (a decoder called on its own): member by member
+                    return self.remote.read(shard, offset, offset + size)
                 return self.files.read(shard, offset, size)
-            except (OSError, EOFError) as e:
+            except OSError as e:
+                if is_remote(shard):  # after its retries, or a 403/404: final for this sample
+                    raise MediaError("remote_read_error", f"{type(e).__name__}: {e}"[:300]) from None
+                raise MediaError("read_error", f"{type(e).__name__}: {e}"[:200]) from None
+            except EOFError as e:
                 raise MediaError("read_error", f"{type(e).__name__}: {e}"[:200]) from None
 
         meta: dict[str, Any] = {}
@@ -313,6 +363,7 @@ class DataReader:
         self.samples_yielded = 0
         self.budget_fitted = 0  # samples given fewer video frames to fit data.max_sample_tokens
         self.frames_dropped = 0  # the frames they left out
+        self.remote_retries_before = 0  # ranged reads retried by earlier runs (restored state)
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._quarantined: set[tuple[str, str]] | None = None  # (shard, key) with a line in the log; read lazily
         self._log_needs_newline = False  # the log ends in a line a kill cut short
@@ -331,12 +382,29 @@ class DataReader:
     def keys(self, epoch: int | None = None) -> list[str]:
         return [self.index.sample_key[i] for i in self.order(epoch).tolist()]
 
+    @property
+    def remote_retries(self) -> int:
+        """Ranged reads of remote shards retried (timeouts, 5xx, resets), this run and before."""
+        return self.remote_retries_before + self.decoder.remote.retries
+
     # ---------------------------------------------------------------- iteration
     def _results(self, todo: list[int]) -> Iterator[Sample | Skip]:
+        if not any(is_remote(s) for s in self.index.shards):
+            yield from self._decoded(todo)  # local shards: the decoders pread them, as ever
+            return
+        # remote shards: each sample's bytes are read in one ranged request, a window of them in
+        # flight ahead of the decoders, which get (index, bytes) instead of an index
+        ahead = ReadAhead(self.decoder.remote, todo, self.decoder.span, self.cfg.read_ahead)
+        try:
+            yield from self._decoded(ahead)
+        finally:
+            ahead.close()
+
+    def _decoded(self, todo) -> Iterator[Sample | Skip]:
         c = self.cfg
         if c.workers == 0:
-            for i in todo:
-                yield self.decoder(i)
+            for item in todo:
+                yield self.decoder(item)
             return
         if c.worker_kind == "thread":
             yield from ordered_thread_map(self.decoder, todo, c.workers, 2 * c.workers + c.prefetch,
@@ -353,7 +421,7 @@ class DataReader:
         try:
             yield from it
         finally:
-            _shutdown_nodes(node)  # stop the worker threads/processes now, not at garbage collection
+            shutdown_nodes(node)  # stop the worker threads/processes now, not at garbage collection
 
     def iter_epoch(self) -> Iterator[Sample]:
         """The rest of the current epoch; at its end the reader moves to the next epoch."""
@@ -482,6 +550,7 @@ class DataReader:
             "samples_yielded": self.samples_yielded,
             "budget_fitted": self.budget_fitted,
             "frames_dropped": self.frames_dropped,
+            "remote_retries": self.remote_retries,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -504,71 +573,7 @@ class DataReader:
         self.samples_yielded = int(state.get("samples_yielded", 0))
         self.budget_fitted = int(state.get("budget_fitted", 0))
         self.frames_dropped = int(state.get("frames_dropped", 0))
-
-
-def ordered_thread_map(fn, items: list, workers: int, window: int, join_timeout_s: float = 70.0) -> Iterator:
-    """fn(item) for each item on `workers` threads, yielded in item order. At most `window`
-    items are in flight (being decoded, or decoded and waiting for the consumer), so memory is
-    bounded. Threads wait on one condition (no polling), and closing the generator stops them
-    after their current item. (torchdata's thread ParallelMapper does the same with three more
-    queue hops, polls with 0.1 s timeouts and took ~100 ms to stop at every epoch end.)"""
-    n = len(items)
-    window = max(1, window)
-    cond = threading.Condition()
-    done: dict[int, tuple[bool, Any]] = {}
-    st = {"next": 0, "consumed": 0, "stop": False}
-
-    def work() -> None:
-        while True:
-            with cond:
-                while not st["stop"] and st["next"] < n and st["next"] - st["consumed"] >= window:
-                    cond.wait()
-                if st["stop"] or st["next"] >= n:
-                    return
-                pos = st["next"]
-                st["next"] += 1
-            try:
-                res = (True, fn(items[pos]))
-            except BaseException as e:  # handed to the consumer
-                res = (False, e)
-            with cond:
-                done[pos] = res
-                cond.notify_all()
-
-    threads = [threading.Thread(target=work, daemon=True, name=f"yatt-mm-decode-{k}") for k in range(min(workers, n))]
-    for t in threads:
-        t.start()
-    try:
-        for pos in range(n):
-            with cond:
-                while pos not in done:
-                    cond.wait()
-                ok, val = done.pop(pos)
-                st["consumed"] = pos + 1
-                cond.notify_all()
-            if not ok:
-                raise val
-            yield val
-    finally:
-        with cond:
-            st["stop"] = True
-            cond.notify_all()
-        for t in threads:  # each finishes at most its current item (a video decode is time-limited)
-            t.join(join_timeout_s)
-
-
-def _shutdown_nodes(obj, depth: int = 0) -> None:
-    """torchdata.nodes stops its threads only in __del__; walk the node chain and stop them."""
-    if obj is None or depth > 8:
-        return
-    for name in ("_it", "source"):
-        _shutdown_nodes(getattr(obj, name, None), depth + 1)
-    stop = getattr(obj, "_shutdown", None)
-    if callable(stop):
-        try:
-            stop()
-        except Exception:
-            pass
+        self.remote_retries_before = int(state.get("remote_retries", 0)) - self.decoder.remote.retries
 
 
 def rank_keys(shards, dp_rank: int, dp_size: int, seed: int = 0, epoch: int = 0, slice_size: int = 64,

@@ -21,6 +21,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from dataio import storage
+
 IMAGE_EXTS = {"jpg", "jpeg", "png", "webp"}
 VIDEO_EXTS = {"mp4", "webm", "avi", "mkv", "mov"}
 TEXT_EXTS = {"json", "txt", "cls"}
@@ -46,37 +48,71 @@ def _decompressor(path: str):
     return next((opener for magic, opener in _DECOMPRESSORS.items() if head.startswith(magic)), None)
 
 
-def plain_tar(path: str) -> str:
-    """`path` for a plain tar shard; for a compressed one (gzip, bzip2, xz: by content, not name),
-    its decompressed copy under $YATT_MM_CACHE/shards, made once with bounded memory (the key
-    covers the path, size and modification time; concurrent callers wait on a lock)."""
-    opener = _decompressor(path)
-    if opener is None:
-        return path
-    st = os.stat(path)
-    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("YATT_MM_CACHE") or os.path.expanduser("~/.cache/yatt-mm"), "shards", key)
-    name = os.path.basename(path)
+def cache_root() -> str:
+    return os.environ.get("YATT_MM_CACHE") or os.path.expanduser("~/.cache/yatt-mm")
+
+
+def _tar_name(name: str) -> str:
     for suffix in COMPRESSED_SUFFIXES + (".gz", ".bz2", ".xz"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
             break
-    out = os.path.join(cache, name if name.endswith(".tar") else name + ".tar")
+    return name if name.endswith(".tar") else name + ".tar"
+
+
+def plain_tar(path: str, remote: "storage.Entry | None" = None) -> str:
+    """`path` for a plain tar shard; for a compressed one (gzip, bzip2, xz: by content, not name),
+    its decompressed copy under $YATT_MM_CACHE/shards, made once with bounded memory (the key
+    covers the path, size and modification time; concurrent callers wait on a lock).
+
+    A remote shard (`remote`: its listing entry) is taken as plain by its name (`.tar`: reading
+    each one's first bytes would cost a request per shard at every start); one named as
+    compressed is downloaded once and decompressed into the same cache (keyed by its URL, size
+    and modification time), the download deleted."""
+    if remote is not None:
+        if not remote.url.endswith(COMPRESSED_SUFFIXES + (".gz", ".bz2", ".xz")):
+            return path
+        key = hashlib.sha1(f"{remote.url}:{remote.size}:{remote.mtime}".encode()).hexdigest()[:16]
+        return _decompressed_once(None, remote, os.path.join(cache_root(), "shards", key),
+                                  _tar_name(storage.basename(remote.url)))
+    if _decompressor(path) is None:
+        return path
+    st = os.stat(path)
+    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _decompressed_once(path, None, os.path.join(cache_root(), "shards", key), _tar_name(os.path.basename(path)))
+
+
+def _decompressed_once(path: str | None, remote: "storage.Entry | None", cache: str, name: str) -> str:
+    out = os.path.join(cache, name)
     if os.path.exists(out):
         return out
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be decompressing it: wait, then reuse
         if not os.path.exists(out):
-            print(f"data: decompressing {path} once into {out}", file=sys.stderr, flush=True)
+            shown = storage.redact(remote.url) if remote else path
+            download = None
+            if remote is not None:
+                print(f"data: downloading {shown} once to decompress it", file=sys.stderr, flush=True)
+                download = path = f"{out}.download{os.getpid()}"
+                storage.get_file(remote.url, download)
+            print(f"data: decompressing {shown} once into {out}", file=sys.stderr, flush=True)
             tmp = f"{out}.tmp{os.getpid()}"
             try:
-                with opener(path, "rb") as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
+                opener = _decompressor(path)
+                if opener is None:  # a remote shard named as compressed that is not: use it as it is
+                    os.replace(path, tmp)
+                else:
+                    with opener(path, "rb") as src, open(tmp, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
             except (OSError, EOFError, lzma.LZMAError) as e:
-                os.unlink(tmp)
-                raise ValueError(f"data shards: {path} is compressed but cannot be decompressed "
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise ValueError(f"data shards: {shown} is compressed but cannot be decompressed "
                                  f"({type(e).__name__}: {e})") from None
+            finally:
+                if download and os.path.exists(download):
+                    os.unlink(download)
             os.replace(tmp, out)
     return out
 

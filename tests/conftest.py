@@ -118,3 +118,25 @@ def warm_policy(tmp_path_factory):
     data = tmp_path_factory.mktemp("warm-data") / "train"
     write_shards(str(data), images=64, videos=0, samples_per_shard=16, seed=6, tasks=["colour"])
     return _timed("warm policy", lambda: warm_start("policy", data, quiet=True))
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1, with authentication on (tests/s3_store.py), for the whole
+    session: about 2 s to start."""
+    from s3_store import S3Store
+
+    store = _timed("S3 server", lambda: S3Store.start(log=tmp_path_factory.mktemp("s3-server") / "moto.log"))
+    yield store
+    store.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_dataset(s3_store, tmp_path_factory):
+    """A small dataset (images and frame sequences, 3 shards) on local disk and the same shards
+    in the S3 server: (local directory, its s3:// URL)."""
+    from dataio.synth import write_shards
+
+    local = tmp_path_factory.mktemp("s3-dataset") / "ds"
+    write_shards(str(local), images=20, videos=0, frame_sequences=4, samples_per_shard=8, seed=2)
+    return local, s3_store.upload_dir(local, "train", "ds", "*.tar")

@@ -291,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in COMMANDS:  # rl, sft: options and key=value overrides in any order
         return launch_command(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
+    from dataio.storage import RemoteReadError  # light: the standard library only
+
     try:
         return args.func(args)
-    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError) as e:
-        # a path the user gave that is missing or in the way: our messages name it and the fix,
-        # the OS's name the path; a traceback would only bury that (YATT_MM_TRACEBACK=1 keeps it)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+            RemoteReadError) as e:
+        # a path the user gave that is missing, in the way or not allowed (a URL: 403, a store
+        # that cannot be reached): our messages name it and the fix, the OS's name the path; a
+        # traceback would only bury that (YATT_MM_TRACEBACK=1 keeps it)
         if os.environ.get("YATT_MM_TRACEBACK"):
             raise
         message = str(e).removeprefix(f"{args.command}: ")

@@ -320,8 +320,8 @@ def run_command(prog: str, config_cls: type, module: str, run: Callable[[object]
             print(f"{prog}: {e}" + ("" if launching else " (start several ranks with --nproc N)"), file=sys.stderr)
             return 2
         try:  # the data the run reads, before a warm start trains on it or a rank loads a model
-            cfg.check_inputs()
-        except FileNotFoundError as e:
+            cfg.check_inputs()  # local paths, and URLs: missing, empty, no bucket, 403, unreachable
+        except (OSError, ValueError) as e:
             print(f"{prog}: {e}", file=sys.stderr)
             return 2
     try:

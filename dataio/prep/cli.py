@@ -27,7 +27,8 @@ def _common(p: argparse.ArgumentParser, kind: str) -> None:
                    help="how .json/.jsonl/.parquet inputs are read (auto: by extension and a look at the content)")
     p.add_argument("--media-root", default="", help="folder that a dataset file's relative media paths start from "
                                                      "(default: the dataset file's folder)")
-    p.add_argument("--out", required=True, help="output directory: shards, index.parquet, failures.parquet, stats.json")
+    p.add_argument("--out", required=True, help="output directory, or an s3:// or gs:// prefix: shards, index.parquet, "
+                   "failures.parquet, stats.json")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="worker processes (0: in this process)")
     p.add_argument("--engine", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
@@ -71,6 +72,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 def cmd_prep(args) -> int:
     from dataio.prep.runner import run_prep
     from dataio.prep.work import PrepOptions
+    from dataio.storage import RemoteReadError, join, redact
 
     kw = dict(kind=args.prep_kind, max_side=args.max_side or None, max_pixels=args.max_pixels or None,
               jpeg_quality=args.jpeg_quality, shard_size=args.shard_size,
@@ -85,7 +87,7 @@ def cmd_prep(args) -> int:
         stats = run_prep(args.inputs, args.out, opts, workers=args.workers, engine=args.engine,
                          progress=not args.no_progress, overwrite=args.overwrite, ray_address=args.ray_address,
                          input_format=args.format, media_root=args.media_root)
-    except ValueError as e:
+    except (ValueError, PermissionError, RemoteReadError) as e:  # bad options; a URL --out: 403, unreachable
         raise SystemExit(f"prep {args.prep_kind}: {e}") from None
     except KeyboardInterrupt:
         print("\nprep: interrupted; finished shards are kept. Rerun the same command to resume.", file=sys.stderr)
@@ -95,9 +97,9 @@ def cmd_prep(args) -> int:
     reasons = ", ".join(f"{k} {v}" for k, v in stats["failures_by_reason"].items())
     print(f"{what}: {stats['items_ok']} ok, {stats['items_failed']} failed{f' ({reasons})' if reasons else ''}; "
           f"{stats['samples']} {unit} in {stats['shards']} shards ({stats['bytes'] / 2**20:.1f} MiB) "
-          f"in {time.time() - t0:.1f}s{' (resumed)' if stats['resumed'] else ''} -> {args.out}")
+          f"in {time.time() - t0:.1f}s{' (resumed)' if stats['resumed'] else ''} -> {redact(args.out)}")
     if stats["items_failed"]:
-        print(f"failures: {os.path.join(args.out, 'failures.parquet')}")
+        print(f"failures: {redact(join(args.out, 'failures.parquet'))}")
     if args.json:
         print(json.dumps(stats, sort_keys=True))
     return 0

@@ -15,6 +15,7 @@ from collections import Counter, deque
 from dataclasses import asdict, replace
 from typing import Iterator
 
+from dataio.prep.destination import Destination
 from dataio.prep.inputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, Item, expand_inputs
 from dataio.prep.state import STATE_DIR, RunState
 from dataio.prep.work import PrepOptions, WorkResult, process
@@ -89,22 +90,27 @@ class _Progress:
             self.bar.close()
 
 
-def write_outputs(out: str, state: RunState, started: float, seconds: Counter, opts: PrepOptions,
+def write_outputs(dest: Destination, state: RunState, started: float, seconds: Counter, opts: PrepOptions,
                   n_items: int, resumed: bool) -> dict:
     """index.parquet over the journaled shards, failures.parquet, stats.json; returns the stats."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dataio.index import INDEX_NAME, build_index
+    from dataio import storage
+    from dataio.index import INDEX_NAME, build_index, write_table
 
-    shards = [os.path.join(os.path.abspath(out), s) for s in state.shards]
-    if shards:
-        build_index(shards, os.path.join(out, INDEX_NAME))
+    out = dest.local
+    shards = state.shards
+    if shards and dest.remote:  # from the parts written with each shard: no shard is read back
+        write_table(dest.index_table(shards), storage.join(dest.out, INDEX_NAME))
+    elif shards:
+        build_index([os.path.join(os.path.abspath(out), s) for s in shards], os.path.join(out, INDEX_NAME))
     fails = state.failures()
     table = pa.table({c: pa.array([f[c] for f in fails], pa.string()) for c in FAILURE_COLUMNS})
     tmp = os.path.join(out, "failures.parquet.tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, os.path.join(out, "failures.parquet"))
+    dest.publish("failures.parquet")
     tot = state.totals()
     work = {k: round(v, 3) for k, v in sorted(seconds.items())}
     busy = sum(seconds[k] for k in ("probe", "decode", "encode", "write"))
@@ -128,6 +134,7 @@ def write_outputs(out: str, state: RunState, started: float, seconds: Counter, o
     with open(tmp, "w") as f:
         json.dump(stats, f, indent=1, sort_keys=True)
     os.replace(tmp, os.path.join(out, "stats.json"))
+    dest.publish("stats.json")
     return stats
 
 
@@ -142,22 +149,24 @@ def run_prep(inputs: list[str], out: str, opts: PrepOptions, workers: int = 2, e
         raise ValueError(f"--workers must be >= 0, got {workers}")
     if engine not in ("local", "ray"):
         raise ValueError(f"--engine must be 'local' or 'ray', got {engine!r}")
+    dest = Destination(out)
+    dest.check_writable()
     items = expand_inputs(inputs, VIDEO_SUFFIXES if opts.kind == "video" else IMAGE_SUFFIXES, opts.kind,
-                          staging=os.path.join(out, STATE_DIR, "media"), fmt=input_format,
+                          staging=os.path.join(dest.local, STATE_DIR, "media"), fmt=input_format,
                           media_root=os.path.abspath(os.path.expanduser(media_root)) if media_root else "")
     if not items:
         raise SystemExit(f"prep {opts.kind}: no {'videos' if opts.kind == 'video' else 'images'} found in {inputs}")
     base = os.path.commonpath([os.path.dirname(it.path) for it in items])
     opts = replace(opts, base_dir=base)
-    os.makedirs(out, exist_ok=True)
-    state = RunState.open(out, opts.fingerprint_dict(), items, overwrite)
-    remove_temp_shards(out)
+    os.makedirs(dest.local, exist_ok=True)
+    state = RunState.open(dest, opts.fingerprint_dict(), items, overwrite)
+    remove_temp_shards(dest.local)
     seconds: Counter = Counter()
     resumed = bool(state.lines)
     if not state.done:
         i0, j0 = state.next_position
         if resumed and progress:
-            print(f"prep: resuming {out} at input {i0}/{len(items)} ({len(state.shards)} shards done)",
+            print(f"prep: resuming {dest.shown()} at input {i0}/{len(items)} ({len(state.shards)} shards done)",
                   file=sys.stderr)
         todo = list(enumerate(items))[i0:]
         if engine == "ray":
@@ -166,16 +175,16 @@ def run_prep(inputs: list[str], out: str, opts: PrepOptions, workers: int = 2, e
             results = ray_results(todo, opts, workers, ray_address)
         else:
             results = local_results(todo, opts, workers)
-        _write(results, state, opts, out, len(items), (i0, j0), seconds, progress)
-    stats = write_outputs(out, state, started, seconds, opts, len(items), resumed)
+        _write(results, state, opts, dest, len(items), (i0, j0), seconds, progress)
+    stats = write_outputs(dest, state, started, seconds, opts, len(items), resumed)
     if stats["samples"] == 0:
         reasons = ", ".join(f"{k} {v}" for k, v in stats["failures_by_reason"].items())
         raise SystemExit(f"prep {opts.kind}: none of the {len(items)} inputs produced a sample ({reasons}); "
-                         f"see {os.path.join(out, 'failures.parquet')}")
+                         f"see {dest.shown('failures.parquet')}")
     return stats
 
 
-def _write(results: Iterator[WorkResult], state: RunState, opts: PrepOptions, out: str, n_items: int,
+def _write(results: Iterator[WorkResult], state: RunState, opts: PrepOptions, dest: Destination, n_items: int,
            start: tuple[int, int], seconds: Counter, progress: bool) -> None:
     bar = _Progress(n_items, start[0], progress, opts.kind)
     shard: ShardWriter | None = None
@@ -186,7 +195,7 @@ def _write(results: Iterator[WorkResult], state: RunState, opts: PrepOptions, ou
         line = {"next": list(nxt), "done": done, **pending}
         if shard is not None:
             t = time.perf_counter()
-            shard.commit()
+            dest.publish_shard(shard.commit())  # a URL --out: uploaded whole before it is journaled
             seconds["write"] += time.perf_counter() - t
             line.update(shard=os.path.basename(shard.path))
             shard = None
@@ -208,7 +217,7 @@ def _write(results: Iterator[WorkResult], state: RunState, opts: PrepOptions, ou
                         commit((res.index, c), False)
                     t = time.perf_counter()
                     if shard is None:
-                        shard = ShardWriter(out, state.next_shard_number(), opts.shard_size, opts.max_samples_per_shard)
+                        shard = ShardWriter(dest.local, state.next_shard_number(), opts.shard_size, opts.max_samples_per_shard)
                     shard.add(members)
                     seconds["write"] += time.perf_counter() - t
                     pending["samples"] += 1

@@ -8,7 +8,10 @@
 
 A rerun reads the journal, deletes what was in flight (a `*.tar.tmp`, or a shard renamed just
 before the crash but not journaled), and continues at the last recorded position. Output is a
-pure function of (inputs, options), so redone work reproduces the same bytes."""
+pure function of (inputs, options), so redone work reproduces the same bytes.
+
+With --out in object storage the same files live in the staging folder and are uploaded after
+each change (`dataio.prep.destination`); a rerun fetches them first."""
 
 from __future__ import annotations
 
@@ -17,9 +20,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from dataio.prep.destination import STATE_DIR, Destination
 from dataio.prep.inputs import Item
-
-STATE_DIR = ".prep"
 VERSION = 1
 
 
@@ -35,12 +37,12 @@ def inputs_fingerprint(items: list[Item]) -> str:
 
 @dataclass
 class RunState:
-    out: str
+    dest: Destination
     lines: list[dict] = field(default_factory=list)
 
     @property
     def dir(self) -> str:
-        return os.path.join(self.out, STATE_DIR)
+        return os.path.join(self.dest.local, STATE_DIR)
 
     @property
     def journal(self) -> str:
@@ -59,8 +61,10 @@ class RunState:
         return [ln["shard"] for ln in self.lines if ln.get("shard")]
 
     @classmethod
-    def open(cls, out: str, options: dict, items: list[Item], overwrite: bool = False) -> "RunState":
-        st = cls(out)
+    def open(cls, dest: Destination, options: dict, items: list[Item], overwrite: bool = False) -> "RunState":
+        st = cls(dest)
+        out = dest.shown()
+        dest.fetch_state()
         os.makedirs(st.dir, exist_ok=True)
         run = {"version": VERSION, "options": options, "inputs": len(items), "inputs_sha1": inputs_fingerprint(items)}
         run_path = os.path.join(st.dir, "run.json")
@@ -78,7 +82,7 @@ class RunState:
         else:
             if overwrite:
                 st.clear()
-            foreign = [n for n in os.listdir(out) if n.startswith("shard-") or n == "index.parquet"]
+            foreign = [n for n in dest.names() if n.startswith("shard-") or n == "index.parquet"]
             if foreign:
                 raise SystemExit(f"prep: {out} already holds {foreign[0]} (and {len(foreign) - 1} more) not written "
                                  f"by a prep run; give an empty --out, or add --overwrite to replace them")
@@ -87,6 +91,7 @@ class RunState:
                 json.dump(run, f, indent=1, sort_keys=True)
             os.replace(tmp, run_path)
             open(st.journal, "w").close()
+            dest.publish_state("run.json")
         st._drop_unjournaled()
         return st
 
@@ -104,17 +109,19 @@ class RunState:
     def _drop_unjournaled(self) -> None:
         """Shards from a crash between rename and journal append, and leftover temp files."""
         keep = set(self.shards)
-        for name in os.listdir(self.out):
+        for name in self.dest.names():
             if name.startswith("shard-") and (name.endswith(".tmp") or name.endswith(".tar") and name not in keep):
-                os.unlink(os.path.join(self.out, name))
+                self.dest.remove(name)
         # rewrite the journal without a torn tail, so appends start on a clean line
         with open(self.journal, "w") as f:
             f.writelines(json.dumps(ln, sort_keys=True) + "\n" for ln in self.lines)
+        self.dest.publish_state("journal.jsonl")
 
     def clear(self) -> None:
-        for name in os.listdir(self.out):
+        for name in self.dest.names():
             if name.startswith("shard-") or name in ("index.parquet", "failures.parquet", "stats.json"):
-                os.unlink(os.path.join(self.out, name))
+                self.dest.remove(name)
+        self.dest.clear_state()
         if os.path.exists(self.journal):
             os.unlink(self.journal)
 
@@ -123,6 +130,7 @@ class RunState:
             f.write(json.dumps(line, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self.dest.publish_state("journal.jsonl")  # a URL --out: the line counts once it is uploaded
         self.lines.append(line)
 
     def next_shard_number(self) -> int:

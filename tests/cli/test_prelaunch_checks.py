@@ -98,6 +98,31 @@ def test_shards_that_are_not_there_are_refused_naming_the_setting(capsys, tmp_pa
     assert got == "yatt-mm rl: " + line.format(**places)
 
 
+def test_shards_in_a_bucket_that_is_not_there_or_not_allowed_are_refused_naming_the_url(capsys, tmp_path, shards,
+                                                                                         s3_store, monkeypatch):
+    """The same check for URLs, against a real S3 server (moto, tests/s3_store.py): a missing
+    object, a missing bucket, a key without the right (a real 403) and credentials in the URL are
+    refused in the same way, and the secret key is nowhere in what the command prints."""
+    url = s3_store.upload_dir(shards, "prelaunch", "train", "*.tar")
+    for k, v in s3_store.admin.env(s3_store.endpoint).items():
+        monkeypatch.setenv(k, v)
+    lines = [_refused(capsys, tmp_path, _rl(shards, f"data.shards=[{url}/shard-000009.tar]")),
+             _refused(capsys, tmp_path, _rl(shards, f"eval.shards=[s3://no-such-bucket/{shards.name}]"))]
+    assert lines == [f"yatt-mm rl: data.shards: {url}/shard-000009.tar does not exist",
+                     f"yatt-mm rl: eval.shards: s3://no-such-bucket/{shards.name}: the bucket does not exist (or is "
+                     f"not at this endpoint: AWS_ENDPOINT_URL={s3_store.endpoint})"]
+    for k, v in s3_store.nobody.env(s3_store.endpoint).items():
+        monkeypatch.setenv(k, v)
+    denied = _refused(capsys, tmp_path, _rl(shards, f"data.shards=[{url}]"))
+    assert denied.startswith(f"yatt-mm rl: data.shards: {url}: access denied (403) when listing it"), denied
+    signed_url = f"{url}?X-Amz-Signature={s3_store.nobody.secret_key}"
+    signed = _refused(capsys, tmp_path, _rl(shards, f"data.shards=['{signed_url}']"))
+    assert signed.startswith(f"yatt-mm rl: config error: data: data.shards[0]: {url} is given with credentials in "
+                             "the URL"), signed
+    assert not [line for line in [*lines, denied, signed] if s3_store.nobody.secret_key in line
+                or s3_store.admin.secret_key in line]
+
+
 def test_sft_checks_its_shards_too(capsys, tmp_path):
     assert _refused(capsys, tmp_path, ["--config", str(ROOT / "configs" / "tiny_sft.yaml"),
                                        f"data.shards=[{tmp_path / 'nowhere'}]"], command="sft") == (

@@ -55,7 +55,8 @@ class PromptSource:
     def data_counts(self) -> dict[str, float]:
         """Samples left out so far (undecodable, over the token budget: the reader's skips; no
         question or answer), a blend's also by source: the same keys on every DP group."""
-        return dict.fromkeys(["skipped", "skipped_no_question"] + [f"{n}/skipped" for n in self.names], 0.0)
+        names = ["skipped", "skipped_no_question", "remote_retries"] + [f"{n}/skipped" for n in self.names]
+        return dict.fromkeys(names, 0.0)
 
 
 class ParallelSource(PromptSource):
@@ -80,7 +81,10 @@ class ParallelSource(PromptSource):
         return out
 
     def data_counts(self) -> dict[str, float]:
-        counts = {"skipped": float(sum(self.reader.skips.values())), "skipped_no_question": float(self.skipped_no_question)}
+        counts = {"skipped": float(sum(self.reader.skips.values())),
+                  "skipped_no_question": float(self.skipped_no_question),
+                  # ranged reads of remote shards retried so far (0 for local shards)
+                  "remote_retries": float(self.reader.remote_retries)}
         if isinstance(self.reader, BlendedReader):
             counts |= {f"{name}/skipped": float(n) for name, n in self.reader.skips_by_source().items()}
         return counts

@@ -129,6 +129,7 @@ def sft_step(run: SFTRun, step: int) -> dict[str, float]:
               "train/step_seconds": dt, "train/data_seconds": t_data})
     m.update({f"data/skipped_{k}": float(v) for k, v in run.examples.skipped.items()})
     m.update({f"data/reader_skipped_{k}": float(v) for k, v in run.reader.skips.items()})
+    m["data/remote_retries"] = float(run.reader.remote_retries)  # ranged reads of remote shards retried so far
     if run.reader.budget is not None:  # data.max_sample_tokens: samples read with fewer video frames
         m.update({"data/reader_budget_fitted": float(run.reader.budget_fitted),
                   "data/reader_frames_dropped": float(run.reader.frames_dropped)})
