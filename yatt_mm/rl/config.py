@@ -228,6 +228,9 @@ class RLConfig:
         distill = self.algorithm.distill
         if not distill.active:
             return
+        if any(wj.judge.name == distill.name for wj in self.reward.judges):
+            raise ValueError(f"reward.judges: a judge named '{distill.name}' would share its metrics and its plan "
+                             "lines with the distillation teacher (algorithm.distill): rename the judge")
         if self.rollout.engine.tools.active:
             raise ValueError("algorithm.distill: the teacher scores single-turn responses; multi-turn rollouts "
                              "(rollout.engine.tools) are not supported with it: set rollout.engine.tools.names=[] or "
