@@ -1,7 +1,7 @@
 """On-policy distillation's teacher served by a real vLLM server (yatt_mm/engines/server.py
 TeacherServer, vLLM's tokens-in endpoint), one server start shared by the module: responses to an
-image and a video prompt, streamed to it as they finish, get the logprobs the in-process teacher
-gives them (which equal transformers': tests/reward/test_teacher.py); then controller steps in
+image and a video prompt, streamed to it as they finish (or sent as one batch), get the logprobs
+the in-process teacher gives them (which equal transformers': tests/reward/test_teacher.py); then controller steps in
 partial colocation with the teacher beside the rollout, its server killed between two steps: the
 step goes on, every response of it unscored and counted, and the samples built from it carry no
 distillation signal."""
@@ -78,6 +78,17 @@ def test_a_teacher_server_scores_streamed_responses_as_the_in_process_teacher(ro
             worst = max(worst, float((torch.tensor(r.teacher_logprobs) - torch.tensor(lp)).abs().max()))
     print(f"teacher server vs in-process, image and video responses: max |logprob diff| {worst:.2e}")
     assert worst < 1e-4  # measured 1.2e-5 (fp32 both; an mp4 video instead of lossless frames: 3.4)
+    # the same server scoring a whole wave at once (full colocation with a teacher server)
+    batch = [[None] * len(group) for group in result.responses]
+    for group in result.responses:
+        for r in group:
+            r.teacher_logprobs = None
+    Rewarder(RewardConfig(), Judges(), teacher=ServerTeacher(teacher.cfg, teacher.base_url),
+             prompt_ids=_prompt_ids(rollout_engine)).teach(prompts, result.responses)
+    for i, (group, wanted) in enumerate(zip(result.responses, expected)):
+        for j, (r, lp) in enumerate(zip(group, wanted)):
+            batch[i][j] = float((torch.tensor(r.teacher_logprobs) - torch.tensor(lp)).abs().max())
+    assert max(map(max, batch)) < 1e-4, batch
     spans = stream.teacher_spans()
     assert sorted((s["prompt"], s["sample"]) for s in spans) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(s["start"] <= s["end"] for s in spans)
