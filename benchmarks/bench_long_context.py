@@ -163,7 +163,7 @@ def rank_main(args) -> None:
     from transformers import AutoProcessor
 
     import models.context as context_mod
-    from models.comm import init_parallel
+    from models.comm import destroy_parallel, init_parallel
     from models.context import ContextParallel
     from models.trainer import TrainerConfig, VLMTrainer, _forward_scores, _module
 
@@ -208,7 +208,12 @@ def rank_main(args) -> None:
                        dtype=torch.float64)
     per_rank = [torch.zeros_like(mem) for _ in range(dist.get_world_size())]
     dist.all_gather(per_rank, mem)
-    if dist.get_rank():
+    rank = dist.get_rank()
+    # both ranks stop their groups' threads before exiting: a live gloo thread at interpreter
+    # exit aborts the process ("terminate called without an active exception")
+    destroy_parallel()
+    dist.destroy_process_group()
+    if rank:
         return
     mib = 1 << 20
     tokens = args.tokens
