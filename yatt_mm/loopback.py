@@ -41,13 +41,14 @@ def is_loopback(host: str) -> bool:
 KEY_ENV = "YATT_MM_JUDGE_API_KEY"  # where a judge server's API key is read from by default
 
 
-def check_served_host(name: str, host: str, key_env: str) -> None:
+def check_served_host(name: str, host: str, key_env: str, role: str = "judge",
+                      setting: str = "judge.api_key_env") -> None:
     """A server on `host` that other machines can reach must require an API key, read from the
     environment variable `key_env`: refused otherwise, with what to set."""
     if not is_loopback(host) and not (key_env and os.environ.get(key_env)):
         raise ValueError(
-            f"judge '{name}': host {host} is not a loopback address, so other machines can reach its vLLM server: "
-            f"put an API key in the environment variable {key_env or KEY_ENV} (judge.api_key_env names the "
+            f"{role} '{name}': host {host} is not a loopback address, so other machines can reach its vLLM server: "
+            f"put an API key in the environment variable {key_env or KEY_ENV} ({setting} names the "
             "variable; every node's environment needs it), or serve on 127.0.0.1")
 
 

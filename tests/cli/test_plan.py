@@ -685,3 +685,26 @@ def test_qwen35_recipe_uses_gspo_and_fits_16x141_not_16x80(capsys):
     assert main(args + ["--nodes", "16", "policy.trainer.context_parallel=16"]) == 2
     assert ("policy.trainer.context_parallel=16: the DeltaNet's key heads (16) and value heads (32) must divide by "
             "tensor_parallel x context_parallel = 2 x 16") in capsys.readouterr().err
+
+
+def test_a_distillation_teacher_is_planned_in_its_own_phase_or_resident_as_a_server():
+    """The recipe's in-process teacher (Qwen3-VL-8B for a 2B student): its engine awake in the
+    teacher phase only (after the rollout, before training), asleep in host memory otherwise; the
+    same teacher as a server: resident on its GPU in every phase."""
+    recipe = ROOT / "configs/qwen3vl_2b_from_8b_distill_8gpu.yaml"
+    cfg = load(RLConfig, recipe)
+    plan = make_plan(cfg, Cluster(gpus_per_node=8, gpu_memory_gib=80))
+    assert plan.fits, plan.problems
+    phases = {p.phase: {ln.what: ln.nbytes for ln in p.lines} for p in plan.phases}
+    assert list(phases).index("teacher") == list(phases).index("rollout") + 2  # rollout, reward, teacher
+    teacher = plan.judges["teacher"]
+    assert teacher.max_model_len == cfg.rollout.engine.max_model_len + 1
+    assert teacher.weights > 2 * plan.rollout.weights  # the 8B teacher's weights, not the 2B student's
+    assert phases["teacher"]["teacher weights"] == teacher.weights and "vLLM rollout weights" not in phases["teacher"]
+    assert all("teacher weights" not in lines for name, lines in phases.items() if name != "teacher")
+    assert any(ln.what.startswith("teacher weights asleep") for ln in plan.host)
+    served = load(RLConfig, recipe, ["algorithm.distill.backend=server", "algorithm.distill.devices=0"])
+    plan = make_plan(served, Cluster(gpus_per_node=8, gpu_memory_gib=80))
+    on_gpu0 = [p for p in plan.phases if p.gpus.startswith("GPU 0 (+ teacher server)")]
+    assert on_gpu0 and all(any(ln.what == "teacher server (x1, resident)" for ln in p.lines) for p in on_gpu0)
+    assert not any(ln.what.startswith("teacher") for p in plan.phases if p not in on_gpu0 for ln in p.lines)

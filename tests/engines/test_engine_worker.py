@@ -118,3 +118,25 @@ def test_partial_rollout_loads_weights_between_engine_steps_and_the_responses_sa
         remote.update_weights(original.items())
         remote.weights_loaded()
     assert [g[0] for g in remote.generate(requests, long_greedy).responses] == old
+
+
+def test_a_teacher_in_the_worker_scores_as_the_in_process_one(worker, rollout_engine):
+    """The disaggregated placement's in-process distillation teacher sits in the engine worker
+    (yatt_mm/rl/train.py): its prompt logprobs of an image and a video response, reached through
+    the worker, are the in-process engine's exactly; a request over the context is unscored there
+    too, alone."""
+    from yatt_mm.engines.scoring import Scorer
+    from yatt_mm.reward.teacher import DistillConfig, InProcessTeacher, TeacherItem
+
+    rng = random.Random(12)
+    img, vid = colour_image(rng), moving_ball_video(rng)
+    requests = [_ask("image", img.question, images=[img.image]), _ask("video", vid.question, videos=[vid.video])]
+    items = [TeacherItem(rollout_engine.tokenizer.encode(rollout_engine.prompt_text(r), add_special_tokens=False),
+                         ids, r.images, r.videos) for r, (ids, _) in zip(requests, _greedy(rollout_engine, requests))]
+    items.append(TeacherItem(items[0].prompt_ids, [11] * (rollout_engine.cfg.max_model_len + 10), items[0].images))
+    cfg = DistillConfig(teacher=rollout_engine.cfg.model)
+    remote = InProcessTeacher(cfg, engine=worker.engine("rollout")).score(items)
+    local = InProcessTeacher(cfg, engine=Scorer(rollout_engine)).score(items)
+    assert [s.logprobs for s in remote] == [s.logprobs for s in local]
+    assert [s.failure for s in remote] == [None, None, "unscorable"]
+    assert [len(s.logprobs) for s in remote[:2]] == [len(it.response_ids) for it in items[:2]] != [0, 0]

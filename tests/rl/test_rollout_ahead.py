@@ -43,7 +43,7 @@ def test_the_disaggregated_plan_never_releases_the_trainer_and_leaves_rollout_an
     assert [p.name for p in plan.phases] == [p.name for p in PLANS["full"]().phases]  # the controller's phase names
     assert all(p.levels()["train"] == "all" for p in plan.phases)
     assert not plan.overlaps("rollout", "judge")  # the reward phase runs after generation, as in full colocation
-    assert RESIDENT_ROLES["disaggregated"] == ("rollout", "judge")
+    assert RESIDENT_ROLES["disaggregated"] == ("rollout", "judge", "teacher")  # a distillation teacher too
 
 
 def test_a_sample_keeps_its_policy_version_through_packing():

@@ -12,6 +12,9 @@
   format-only start (`random_answer`: one colour word drawn at random, chance accuracy) is kept
   as an option, but RL from it did not rise within 30 steps on the 2-core CPU at any learning
   rate we tried (2e-5 to 2e-4): the SFT on random answers teaches the policy to ignore the image.
+- format_only: that start, as its own kind (12 steps, as `policy`): the student of on-policy
+  distillation's learning test (docs/distillation.md), which the warm-started policy as teacher
+  lifts where the reward alone does not.
 - judge: a reference-guided GenRM. The tiny judge reads the prompt `yatt_mm.reward.genrm`
   builds (default template: media, question, reference answer, response) and learns to answer
   'Score: 1' / 'Score: 0' as the rule `exact_match(response, answer)` would. Two stages, because
@@ -58,6 +61,9 @@ GROUNDING_SFT_STEPS = 60
 # (yatt_mm/sft/collate.py, merge_duplicates_of), ~0.1 s a step here.
 SETTINGS = {
     "policy": [{"examples": "answer", "steps": 12, "lr": 3e-4, "batch_size": 16}],
+    # a student far from the task, for on-policy distillation (docs/distillation.md): the answer format only,
+    # each colour word at random whatever the image (chance accuracy); the same steps as `policy`
+    "format_only": [{"examples": "random_answer", "steps": 12, "lr": 3e-4, "batch_size": 16}],
     # the tiny Qwen3-VL (tiny:qwen3vl), for RL tests of that family: the same weak start
     # (it learns faster: 8 steps give what 12 give the Qwen2-VL one, greedy accuracy 0.62)
     "qwen3vl": [{"examples": "answer", "steps": 8, "lr": 3e-4, "batch_size": 16}],
@@ -74,7 +80,7 @@ SETTINGS = {
                "eval_every": 100, "stop_at": 0.98},
               {"examples": "judge", "steps": 200, "lr": 5e-4, "batch_size": 16}],
 }
-BASE = {"tools": "policy", "qwen3vl_tools": "qwen3vl", "grounding": "policy"}  # where it is not tiny:KIND
+BASE = {"tools": "policy", "qwen3vl_tools": "qwen3vl", "grounding": "policy", "format_only": "policy"}  # where it is not tiny:KIND
 TASKS = ["image/colour"]  # the synthetic tasks a kind's SFT reads (dataio.synth), unless KIND_TASKS says
 KIND_TASKS = {"grounding": ["image/grounding"]}
 

@@ -21,7 +21,7 @@ import torch
 from models import runtime
 from models.comm import broadcast_packed
 from yatt_mm.engines.adapters import AdapterSlot, engine_lora_kwargs
-from yatt_mm.engines.media import has_timed_videos, processor_media, vllm_video
+from yatt_mm.engines.media import has_timed_videos, no_media_tokens, processor_media, vllm_video
 from yatt_mm.engines.quiet import quiet_encoder_reset, quiet_partial_reload
 from yatt_mm.engines.tools import MAX_REPLY_IMAGES, ToolBox, ToolsConfig
 from yatt_mm.engines.vllm_fixes import apply_cpu_fixes, engine_fixes
@@ -73,6 +73,9 @@ class EngineConfig:
     # serve a LoRA adapter of up to this rank, loaded by the trainer's adapter sync (RL sets it from
     # policy.lora.rank when sync.lora is adapter; yatt_mm/engines/adapters.py); 0: no LoRA
     lora_rank: int = 0
+    # false: responses never sample the media placeholder tokens (engines/media.py no_media_tokens);
+    # on-policy distillation sets it, as its teacher cannot score a response holding one
+    media_tokens_in_responses: bool = True
 
     def __post_init__(self):
         self.tools = ToolsConfig.of(self.tools)  # a dict where the config came as one (an engine worker)
@@ -111,6 +114,8 @@ class Response:
     turns: int = 1
     tool_calls: int = 0
     tool_errors: int = 0
+    # on-policy distillation: the teacher's logprob of each token (yatt_mm/reward/teacher.py); None: unscored
+    teacher_logprobs: list[float] | None = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -223,6 +228,7 @@ class RolloutEngine:
         self._kwargs = kwargs
         # videos with their frame rate for timed model types, as the trainer's processor gets them
         self.timed_videos = has_timed_videos(cfg.model)
+        self.no_media_tokens = None if cfg.media_tokens_in_responses else (no_media_tokens(cfg.model) or None)
         self._llm_cls = LLM
         self.llm = None
         self.startup_seconds = self._start()
@@ -433,6 +439,7 @@ class RolloutEngine:
             top_p=sampling.top_p,
             seed=sampling.seed if r.seed is None else r.seed,
             logprobs=0,  # the sampled token's logprob only
+            logit_bias=self.no_media_tokens,
         ) for r in requests]
         start = time.perf_counter()
         inputs = [self._vllm_input(r) for r in requests]

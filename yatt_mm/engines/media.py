@@ -31,6 +31,23 @@ def has_timed_videos(model_dir: str | Path) -> bool:
     return any(model_type in family.timed_video_types for family in families())
 
 
+# The tokens that stand for media in a prompt. Sampled into a response (an untrained policy does)
+# they cannot be trained on (the trainer's M-RoPE positions would look for a medium behind them)
+# nor scored by a distillation teacher (vLLM would look for a medium for each), and no answer
+# needs them, so a rollout engine may keep them out (`no_media_tokens`,
+# EngineConfig.media_tokens_in_responses).
+PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def no_media_tokens(model_dir: str | Path) -> dict[int, float]:
+    """vLLM's logit_bias that keeps `model_dir`'s media placeholder tokens out of sampled
+    responses ({} when its config names none). vLLM's logprobs are the raw logits' (before any
+    bias), so the sampled tokens' logprobs still match the trainer's."""
+    config = Path(model_dir) / "config.json"
+    data = json.loads(config.read_text()) if config.is_file() else {}
+    return {int(data[key]): -100.0 for key in PLACEHOLDER_IDS if isinstance(data.get(key), int)}
+
+
 def frame_metadata(video) -> dict[str, Any]:
     """A frame array's metadata: every frame, in order, at RAW_VIDEO_FPS."""
     n = int(len(video))

@@ -56,11 +56,16 @@ def api_key(cfg: ServedModel) -> str:
 
 
 class JudgeServer:
-    def __init__(self, cfg: ServedModel, log_path: str | Path | None = None):
+    ROLE = "judge"  # what the messages call the served model
+    MODEL_SETTING = "reward judge 'model'"  # the setting that names its model
+    KEY_SETTING = "judge.api_key_env"  # the setting that names its API key's variable
+
+    def __init__(self, cfg: ServedModel, log_path: str | Path | None = None, max_model_len: int = 2048):
         if not cfg.model:
-            raise ValueError(f"judge '{cfg.name}': set reward judge 'model' to an HF model directory")
-        check_served_host(cfg.name, cfg.host, cfg.api_key_env)
+            raise ValueError(f"{self.ROLE} '{cfg.name}': set {self.MODEL_SETTING} to an HF model directory")
+        check_served_host(cfg.name, cfg.host, cfg.api_key_env, self.ROLE, self.KEY_SETTING)
         self.cfg = cfg
+        self.max_model_len = max_model_len
         self.port = cfg.port or free_port(cfg.host)
         self.base_url = f"http://{cfg.host}:{self.port}"
         self.model_name = cfg.name
@@ -73,7 +78,7 @@ class JudgeServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.cfg.model, "--served-model-name", self.model_name,
             "--host", self.cfg.host, "--port", str(self.port),
-            "--max-model-len", "2048",
+            "--max-model-len", str(self.max_model_len),
             "--limit-mm-per-prompt", json.dumps({"image": 2, "video": 1}),
             "--disable-uvicorn-access-log",  # a log line per request costs the server CPU that judging needs
         ]
@@ -86,9 +91,9 @@ class JudgeServer:
     def start(self) -> "JudgeServer":
         taken = port_taken_by(self.cfg.host, self.port)
         if taken:
-            raise RuntimeError(f"judge '{self.model_name}': port {self.port} on {self.cfg.host} is in use ({taken}): "
-                               "a judge server an earlier run left behind, or another service; stop it, or set the "
-                               "judge's port to 0 (a free port)")
+            raise RuntimeError(f"{self.ROLE} '{self.model_name}': port {self.port} on {self.cfg.host} is in use ({taken}): "
+                               f"a {self.ROLE} server an earlier run left behind, or another service; stop it, or set "
+                               f"the {self.ROLE}'s port to 0 (a free port)")
         env = dict(os.environ)
         # its own log file: vLLM's own handler writes it (a rank's route_logs turns it off for the rank)
         env["VLLM_CONFIGURE_LOGGING"] = "1"
@@ -116,18 +121,18 @@ class JudgeServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()  # what the server left of its group
-                raise RuntimeError(f"judge server exited with code {self.proc.returncode} during start-up"
+                raise RuntimeError(f"{self.ROLE} server exited with code {self.proc.returncode} during start-up"
                                    + (f"; see {self.log_path}" if self.log_path else ""))
             if self.healthy():
                 if not self.listening_here():
                     self.stop()
-                    raise RuntimeError(f"judge '{self.model_name}': {self.base_url} answers, but not from the server "
+                    raise RuntimeError(f"{self.ROLE} '{self.model_name}': {self.base_url} answers, but not from the server "
                                        f"this run started (another process took port {self.port} meanwhile)")
                 self.startup_seconds = time.perf_counter() - start
                 return self
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"judge server not healthy within {self.cfg.startup_timeout_s}s "
+        raise TimeoutError(f"{self.ROLE} server not healthy within {self.cfg.startup_timeout_s}s "
                            "(setting: startup_timeout_s)")
 
     @property
@@ -173,3 +178,22 @@ class JudgeServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class TeacherServer(JudgeServer):
+    """The on-policy distillation teacher's server (yatt_mm/reward/teacher.py): the judge's, with
+    vLLM's tokens-in endpoint (/inference/v1/generate, behind --enable-scale-out) on, since the
+    teacher scores the student's own token ids (text re-tokenised need not give them back), with
+    the media beside them as data URLs; videos as lossless frame sequences, every frame kept
+    (vLLM's default keeps the first 32) at the frame rate the rollout engine gives its videos
+    (engines/media.py), so the teacher sees what the student saw."""
+
+    ROLE = "teacher"
+    MODEL_SETTING = "algorithm.distill.teacher"
+    KEY_SETTING = "algorithm.distill.api_key_env"
+
+    def command(self) -> list[str]:
+        from yatt_mm.engines.media import RAW_VIDEO_FPS
+
+        return super().command() + ["--enable-scale-out", "--media-io-kwargs",
+                                    json.dumps({"video": {"num_frames": -1, "fps": RAW_VIDEO_FPS}})]

@@ -213,6 +213,10 @@ class RemoteEngine:
                                 sampling=asdict(sampling), finished=on_finished is not None,
                                 samples=on_sample is not None, partial=self.worker.partial_rollout)
 
+    def prompt_logprobs(self, requests: list) -> list:
+        """A distillation teacher's scoring (yatt_mm/engines/scoring.py), in the worker."""
+        return self.worker.call("prompt_logprobs", engine=self.name, requests=requests)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> dict[str, float]:
         """The bucket in one flat byte buffer, broadcast into the worker, which loads it."""
         tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
@@ -290,6 +294,11 @@ class Worker:
 
     def _prompt_text(self, conn, engine: str, messages: list) -> str:
         return self.engines[engine].prompt_text(Request(messages))
+
+    def _prompt_logprobs(self, conn, engine: str, requests: list) -> list:
+        from yatt_mm.engines.scoring import prompt_logprobs
+
+        return prompt_logprobs(self.engines[engine], requests)
 
     def _generate(self, conn, engine: str, requests: list, sampling: dict, finished: bool, samples: bool,
                   partial: bool) -> GenerationResult:

@@ -36,13 +36,24 @@ class GpuPhase:
         return self.total <= self.limit
 
 
+def scorers(cfg) -> list:
+    """The served models that score responses beside the rollout: the judges, and an on-policy
+    distillation teacher (algorithm.distill, named "teacher"), each with a judge's settings
+    (name, model, backend, devices, server_per, gpu_memory_utilization)."""
+    distill = getattr(cfg.algorithm, "distill", None)
+    return [wj.judge for wj in cfg.reward.judges] + ([distill] if distill is not None and distill.active else [])
+
+
+def scorer_label(name: str) -> str:
+    return "teacher" if name == "teacher" else f"judge {name}"
+
+
 def _server_gpus(cfg, cluster: Cluster, tp: int) -> dict[int, list[tuple[str, int]]]:
-    """Local GPU -> (judge name, servers) of the judge servers resident on it. A server runs on
-    the first of judge.devices, or without devices on the GPU a process without
+    """Local GPU -> (judge name, servers) of the judge (and teacher) servers resident on it. A
+    server runs on the first of its devices, or without devices on the GPU a process without
     CUDA_VISIBLE_DEVICES uses (the node's first); one per node, or one per DP group."""
     out: dict[int, list[tuple[str, int]]] = {}
-    for wj in cfg.reward.judges:
-        j = wj.judge
+    for j in scorers(cfg):
         if j.backend != "server":
             continue
         first = j.devices.split(",")[0].strip()
@@ -109,24 +120,26 @@ def gpu_phases(cfg, cluster: Cluster, t: TrainerMemory, rollout: EngineMemory,
     servers = _server_gpus(cfg, cluster, tp)
     kinds = sorted(g for g in servers if g < cluster.gpus_per_node)
     others = [g for g in range(cluster.gpus_per_node) if g not in servers]
-    groups = [(f"GPU {g} (+ judge server {', '.join(n for n, _ in servers[g])})", servers[g]) for g in kinds]
+    groups = [(f"GPU {g} (+ {', '.join(scorer_label(n) + ' server' for n, _ in servers[g])})", servers[g])
+              for g in kinds]
     if others:
         groups.append((_gpu_range(others), []))
     offloads = cfg.policy.trainer.offload != "never"
     release = _release_mode(cfg.rollout.engine.release)
-    inprocess = [wj.judge for wj in cfg.reward.judges if wj.judge.backend == "inprocess"]
+    inprocess = [j for j in scorers(cfg) if j.backend == "inprocess"]
     out = []
-    for phase in PLANS[cfg.run.placement]().phases:
+    for phase in PLANS[cfg.run.placement]("teacher" in judges).phases:
         levels = phase.levels()
         if not levels:
             continue  # prepare, balance: no devices
         for label, resident in groups:
             lines = _trainer_lines(phase.name, levels.get("train", "none"), t, cfg, offloads)
             lines += _engine_lines("vLLM rollout", levels.get("rollout", "none"), release, rollout)
-            for j in inprocess:
-                lines += _engine_lines(f"judge {j.name}", levels.get("judge", "none"), "sleep", judges[j.name])
+            for j in inprocess:  # the teacher's engine wakes in its own phase, the judges' in theirs
+                role = "teacher" if j.name == "teacher" else "judge"
+                lines += _engine_lines(scorer_label(j.name), levels.get(role, "none"), "sleep", judges[j.name])
             for name, count in resident:
-                lines.append(Line(f"judge server {name} (x{count}, resident)",
+                lines.append(Line(f"{scorer_label(name)} server (x{count}, resident)",
                                   count * (judges[name].total + int(CUDA_CONTEXT_GIB * GIB))))
             lines.append(Line("CUDA context", int(CUDA_CONTEXT_GIB * GIB)))
             out.append(GpuPhase(phase.name, label, tuple(ln for ln in lines if ln.nbytes), cluster.gpu_bytes))
@@ -150,9 +163,9 @@ def host_lines(cfg, cluster: Cluster, t: TrainerMemory, rollout: EngineMemory,
         lines.append(Line(f"trainer weights + optimizer state, {g} ranks", g * t.host_offload))
     if _release_mode(cfg.rollout.engine.release) == "sleep":
         lines.append(Line(f"vLLM rollout weights asleep, {g} engines", g * rollout.weights))
-    for wj in cfg.reward.judges:
-        if wj.judge.backend == "inprocess":
-            lines.append(Line(f"judge {wj.judge.name} weights asleep, {g} engines", g * judges[wj.judge.name].weights))
+    for j in scorers(cfg):
+        if j.backend == "inprocess":
+            lines.append(Line(f"{scorer_label(j.name)} weights asleep, {g} engines", g * judges[j.name].weights))
     if cfg.algorithm.kl_coef > 0 and not t.adapter:  # LoRA: the reference is the trainer's base, adapters off
         lines.append(Line(f"reference policy (kl_coef > 0), {g} ranks", g * t.weights))
     return lines

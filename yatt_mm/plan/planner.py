@@ -13,8 +13,9 @@ from yatt_mm.plan.cluster import Assumptions, Cluster, check_inputs
 from yatt_mm.plan.constants import (ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, GIB, JUDGE_SERVER_MAX_MODEL_LEN,
                                     MEASURED_ON, VLLM_RESERVE_GIB, PlanError)
 from yatt_mm.plan.engines import EngineMemory, engine_memory
-from yatt_mm.plan.phases import GpuPhase, Line, gpu_phases, host_lines
+from yatt_mm.plan.phases import GpuPhase, Line, gpu_phases, host_lines, scorer_label, scorers
 from yatt_mm.plan.trainer import TrainerMemory, trainer_memory
+from yatt_mm.reward.teacher import DistillConfig
 
 
 @dataclass
@@ -88,11 +89,12 @@ def make_plan(cfg, cluster: Cluster, assume: Assumptions = Assumptions(), kernel
     engine = cfg.rollout.engine
     rollout = engine_memory("rollout engine", spec, engine.gpu_memory_utilization, cluster.gpu_bytes,
                             engine.tensor_parallel_size, engine.max_model_len)
-    judges = {}
-    for wj in cfg.reward.judges:
-        j = wj.judge
+    judges = {}  # and an on-policy distillation teacher, under "teacher"
+    for j in scorers(cfg):
         max_len = JUDGE_SERVER_MAX_MODEL_LEN if j.backend == "server" else 2048  # EngineConfig's default
-        judges[j.name] = engine_memory(f"judge {j.name}", load_spec(j.model or cfg.policy.model),
+        if isinstance(j, DistillConfig):  # one token over the rollout's context (rl/train.py teacher_context)
+            max_len = engine.max_model_len + 1
+        judges[j.name] = engine_memory(scorer_label(j.name), load_spec(j.model or cfg.policy.model),
                                        j.gpu_memory_utilization, cluster.gpu_bytes, 1, max_len)
     plan = Plan(cfg, cluster, spec, shape, trainer, rollout, judges,
                 gpu_phases(cfg, cluster, trainer, rollout, judges), host_lines(cfg, cluster, trainer, rollout, judges))

@@ -93,7 +93,7 @@ def _parallel_lines(plan: Plan) -> list[str]:
 LABEL, COLUMN = 44, 9
 # the rows of a GPU table: the trainer's lines first, then the engines'
 _ROW_ORDER = ("trainer weights", "gradients", "optimizer", "activations", "forward-only", "reference",
-              "weight export", "allocator", "vLLM rollout", "judge ", "CUDA")
+              "weight export", "allocator", "vLLM rollout", "judge ", "teacher", "CUDA")
 
 
 def _row_rank(name: str) -> int:

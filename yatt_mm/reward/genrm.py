@@ -142,9 +142,11 @@ FALLBACK_REASONS = ("unparseable", "timeout", "unreachable", "http")
 
 
 class JudgeStats:
-    """Counts the judge's outcomes for metrics: scored, fallback by reason, latency."""
+    """Counts the judge's outcomes for metrics: scored, fallback by reason, latency. `reasons`:
+    the reasons reported under keys of their own (a distillation teacher has others)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reasons: tuple[str, ...] = FALLBACK_REASONS) -> None:
+        self.reasons = reasons
         self.scored = 0
         self.fallbacks: Counter[str] = Counter()
         self.seconds = 0.0
@@ -160,7 +162,7 @@ class JudgeStats:
         """Running counts under fixed keys (the same on every rank, so they can be summed):
         scored, fallback, and fallback by reason (http_503 and the like count as "http")."""
         out = {f"{prefix}/scored": float(self.scored), f"{prefix}/fallback": float(sum(self.fallbacks.values()))}
-        for reason in FALLBACK_REASONS:
+        for reason in self.reasons:
             out[f"{prefix}/fallback_{reason}"] = float(
                 sum(v for k, v in self.fallbacks.items() if k == reason or k.startswith(f"{reason}_")))
         return out

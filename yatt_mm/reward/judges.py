@@ -84,9 +84,12 @@ def build_judges(weighted: list[WeightedJudge], comm=None, engine_of=None) -> Ju
     return Judges(entries)
 
 
-def shared_server_judge(cfg: JudgeConfig, comm) -> ServerJudge | None:
+def shared_server_judge(cfg: JudgeConfig, comm, start=served_judge, connect=None, what: str = ""):
     """This rank's client of the judge's server; the rank that should start it starts it. A
-    collective over all ranks (their nodes and the servers' addresses cross on gloo)."""
+    collective over all ranks (their nodes and the servers' addresses cross on gloo). The same for
+    any served model with a judge's server settings: `start(cfg)` starts its server and returns
+    the starter's client (with `.server` and `.base_url`), `connect(base_url)` is another
+    controller's client (default: a judge's)."""
     import os
 
     import torch
@@ -100,12 +103,12 @@ def shared_server_judge(cfg: JudgeConfig, comm) -> ServerJudge | None:
     starter = comm.rank if cfg.server_per == "dp_group" else min(leaders_here)
     judge = None
     if comm.leader and starter == comm.rank:
-        judge = served_judge(cfg)
+        judge = start(cfg)
         # the processes whose generation shares the node with this server (partial colocation
         # splits the node's cores between them and the server: yatt_mm/rl/split_runner.py)
         judge.node_pids = [pid for node, _, pid in places_of if node == comm.node]
         users = 1 if cfg.server_per == "dp_group" else len(leaders_here)
-        print(f"judge {cfg.name}: vLLM server at {judge.base_url} (node {comm.node}) for {users} controller(s)",
+        print(f"{what or f'judge {cfg.name}'}: vLLM server at {judge.base_url} (node {comm.node}) for {users} controller(s)",
               flush=True)
     url = torch.zeros(256, dtype=torch.uint8)
     if judge is not None:
@@ -116,4 +119,6 @@ def shared_server_judge(cfg: JudgeConfig, comm) -> ServerJudge | None:
     if judge is not None or not comm.leader:
         return judge
     base_url = bytes(b for b in urls[starter].tolist() if b).decode()
-    return ServerJudge(cfg, base_url, cfg.name)  # a client only: the starter owns (and stops) the server
+    if connect is None:
+        return ServerJudge(cfg, base_url, cfg.name)  # a client only: the starter owns (and stops) the server
+    return connect(base_url)

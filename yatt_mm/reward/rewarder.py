@@ -15,6 +15,7 @@ from yatt_mm.engines.engine import Response
 from yatt_mm.reward.genrm import JudgeItem, ServerJudge
 from yatt_mm.reward.judges import Judges, WeightedJudge
 from yatt_mm.reward.rules import Malformed, get_rule
+from yatt_mm.reward.teacher import NAME, ServerTeacher, TeacherItem
 
 if TYPE_CHECKING:
     from yatt_mm.rl.samples import Prompt
@@ -47,10 +48,14 @@ class RewardConfig:
 
 
 class Rewarder:
-    def __init__(self, cfg: RewardConfig, judges: Judges, seed: int | None = None):
+    def __init__(self, cfg: RewardConfig, judges: Judges, seed: int | None = None, teacher=None, prompt_ids=None):
         """`seed`: the run's sampling seed (rollout.sampling.seed); judges then sample their votes
-        on each response from a seed of its own (`item`)."""
+        on each response from a seed of its own (`item`). `teacher`: on-policy distillation's
+        (yatt_mm/reward/teacher.py), which scores each response's tokens beside the judges;
+        `prompt_ids(request)`: the token ids the rollout engine generated from for a request."""
         self.seed = seed
+        self.teacher = teacher
+        self.prompt_ids = prompt_ids
         self.rules = [(f.name, get_rule(f.name), f.weight) for f in cfg.functions]  # fails early on a bad name
         self.judges = judges.entries
         if not self.rules and not self.judges:
@@ -65,6 +70,19 @@ class Rewarder:
             scores = iter(judge.score(items)) if items else iter(())
             judged[name] = [[next(scores).score for _ in group] for group in responses]
         return self._combine(prompts, responses, judged)
+
+    def teach(self, prompts: list[Prompt], responses: list[list[Response]]) -> None:
+        """The teacher's logprobs of every response's tokens, into `response.teacher_logprobs`
+        (None where it could not score one: counted in its stats)."""
+        items = [self.teacher_item(ids, p, r) for p, group in zip(prompts, responses)
+                 for ids in [self.prompt_ids(p.request())] for r in group]
+        scores = iter(self.teacher.score(items) if items else ())
+        for group in responses:
+            for r in group:
+                r.teacher_logprobs = next(scores).logprobs
+
+    def teacher_item(self, prompt_ids: list[int], p: Prompt, r: Response) -> TeacherItem:
+        return TeacherItem(list(prompt_ids), list(r.token_ids), p.images, p.videos)
 
     def stream(self, prompts: list[Prompt]) -> "RewardStream":
         """Scoring that starts while the rollout still runs: hand each prompt's responses to
@@ -108,6 +126,8 @@ class Rewarder:
         self._counts.clear()
         for name, judge, _ in self.judges:
             out.update(judge.stats.as_metrics(f"genrm/{name}"))
+        if self.teacher is not None:
+            out.update(self.teacher.stats.as_metrics("distill/teacher"))
         return out
 
 
@@ -130,6 +150,9 @@ class RewardStream:
         if any(not isinstance(judge, ServerJudge) for _, judge, _ in rewarder.judges):
             raise ValueError("streaming rewards need judges served by vLLM servers (judge.backend: server): "
                              "an in-process judge engine cannot run beside the in-process rollout engine")
+        if rewarder.teacher is not None and not isinstance(rewarder.teacher, ServerTeacher):
+            raise ValueError("streaming needs the distillation teacher served by a vLLM server "
+                             "(algorithm.distill.backend: server)")
         self.rewarder, self.prompts = rewarder, prompts
         self.responses: list[list[Response] | None] = [None] * len(prompts)
         self.pending: dict[tuple[str, int, int], concurrent.futures.Future] = {}  # (judge, prompt, sample)
@@ -138,6 +161,14 @@ class RewardStream:
         self.answered: dict[tuple[str, int, int], float] = {}  # (judge, prompt, sample) -> when its verdict came
         self.loop = asyncio.new_event_loop()
         self.dispatch = {name: _Dispatch(judge, self.asked, self.answered) for name, judge, _ in rewarder.judges}
+        # the teacher's requests, on the same loop, timed apart from the judges' (its own spans)
+        self.taught: dict[tuple[int, int], concurrent.futures.Future] = {}
+        self.teacher_asked: dict[tuple, float] = {}
+        self.teacher_answered: dict[tuple, float] = {}
+        self.teacher = (_Dispatch(rewarder.teacher, self.teacher_asked, self.teacher_answered)
+                        if rewarder.teacher is not None else None)
+        self._prompt_ids: dict[int, list[int]] = {}
+        self.teacher_logprobs: dict[tuple[int, int], list[float] | None] = {}  # (prompt, sample): results()
         self.thread = threading.Thread(target=self.loop.run_forever, name="reward-stream", daemon=True)
         self.thread.start()
 
@@ -149,6 +180,12 @@ class RewardStream:
             key = (name, i, j)
             self.pending[key] = future = concurrent.futures.Future()
             self.loop.call_soon_threadsafe(self.dispatch[name].add, key, item, future)
+        if self.teacher is not None:
+            if i not in self._prompt_ids:  # once per prompt: its n responses share it
+                self._prompt_ids[i] = self.rewarder.prompt_ids(self.prompts[i].request())
+            taught = self.rewarder.teacher_item(self._prompt_ids[i], self.prompts[i], response)
+            self.taught[(i, j)] = future = concurrent.futures.Future()
+            self.loop.call_soon_threadsafe(self.teacher.add, (NAME, i, j), taught, future)
 
     def add(self, i: int, responses: list[Response]) -> None:
         """Prompt i's responses are all done (any not handed over one by one go now)."""
@@ -157,7 +194,7 @@ class RewardStream:
             if (i, j) not in self.sent:
                 self.add_sample(i, j, response)
         if all(r is not None for r in self.responses):  # nothing more will come: send what waits
-            for dispatch in self.dispatch.values():
+            for dispatch in [*self.dispatch.values(), *([self.teacher] if self.teacher else [])]:
                 self.loop.call_soon_threadsafe(dispatch.flush)
 
     def judge_spans(self) -> list[dict]:
@@ -167,6 +204,18 @@ class RewardStream:
                  "handed": self.sent[(i, j)]}
                 for (name, i, j), end in sorted(self.answered.items(), key=lambda kv: kv[1])]
 
+    def teach(self, responses: list[list[Response]]) -> None:
+        """After `results()`: the teacher's logprobs into `responses` (the rollout's result, which
+        an engine worker hands over as objects of its own, apart from those the stream saw)."""
+        for (i, j), logprobs in self.teacher_logprobs.items():
+            responses[i][j].teacher_logprobs = logprobs
+
+    def teacher_spans(self) -> list[dict]:
+        """Each (prompt, sample) the teacher scored: when its request went out and its answer came."""
+        return [{"prompt": i, "sample": j, "start": self.teacher_asked[(n, i, j)], "end": end,
+                 "handed": self.sent[(i, j)]}
+                for (n, i, j), end in sorted(self.teacher_answered.items(), key=lambda kv: kv[1])]
+
     def results(self) -> list[tuple[list[float], dict]]:
         try:
             if any(r is None for r in self.responses):
@@ -174,9 +223,11 @@ class RewardStream:
             judged = {name: [[self.pending[(name, i, j)].result().score for j in range(len(group))]
                              for i, group in enumerate(self.responses)]
                       for name, _, _ in self.rewarder.judges}
+            self.teacher_logprobs = {key: future.result().logprobs for key, future in self.taught.items()}
         finally:
-            for _, judge, _ in self.rewarder.judges:  # the HTTP clients belong to this loop
-                asyncio.run_coroutine_threadsafe(judge.aclose(), self.loop).result()
+            clients = [judge for _, judge, _ in self.rewarder.judges] + ([self.rewarder.teacher] if self.teacher else [])
+            for client in clients:  # the HTTP clients belong to this loop
+                asyncio.run_coroutine_threadsafe(client.aclose(), self.loop).result()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join()
             self.loop.close()
@@ -228,7 +279,7 @@ class _Dispatch:
 
 def reward_metrics(counts: dict[str, float], rule_names: list[str], judge_names: list[str]) -> dict[str, float]:
     """Summed counts -> per-part reward means and judge/rule agreement rates."""
-    out = {k: v for k, v in counts.items() if k.startswith("genrm/")}
+    out = {k: v for k, v in counts.items() if k.startswith(("genrm/", "distill/"))}
     for name in rule_names + judge_names:
         n = counts.get(f"{name}/n", 0.0)
         if n:

@@ -19,7 +19,7 @@ from models.moe_metrics import ExpertLoad
 from models.routing_replay import RoutingReplay
 from models.trainer import BaseWithoutAdapter, MicroBatch, ReferencePolicy, VLMTrainer
 from yatt_mm.engines.engine import engine_dtype
-from yatt_mm.rl.advantages import advantages, token_returns, whiten, whiten_sums
+from yatt_mm.rl.advantages import advantages, distill_advantages, token_returns, whiten, whiten_sums
 from yatt_mm.rl.algorithms import AlgorithmConfig
 from yatt_mm.rl.losses import kl_penalty, loss_normalizer, policy_loss, rollout_correction, step_normalizer
 from yatt_mm.rl.distributed import sum_across
@@ -163,8 +163,13 @@ class Actor:
         mbs = [mb for mini in minis for mb in mini]
         if cfg.kl_coef > 0 and cfg.kl_in == "reward":
             self._kl_into_advantages(mbs)
-        if not cfg.batch_normalised:
-            return {}
+        metrics = self._whiten(mbs) if cfg.batch_normalised else {}
+        if cfg.distill.active:
+            metrics |= self._distill(mbs)
+        return metrics
+
+    def _whiten(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        cfg = self.algorithm
         for mb in mbs:
             adv = mb.extra["advantages"]
             if adv.dim() == 1:  # the controller's per-response values, a return at every token
@@ -179,6 +184,34 @@ class Actor:
             mb.extra["advantages"] = whiten(mb.extra["advantages"], mb.extra["loss_mask"], total).float()
         n = max(total["count"], 1.0)
         return {"train/return_mean": total["sum"] / n}
+
+    def _distill(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        """On-policy distillation: each scored token's advantage gains -coef x (student - teacher
+        logprob), after the reward's advantages are final (REINFORCE++'s whitened), as the
+        reference adds it. The student's logprob is the sampler's (vLLM's, as the reference takes
+        the sampling client's), so it is there before any trainer pass; the trainer's own differs
+        by the measured trainer/vLLM gap. Metrics over every DP rank's scored loss tokens: the
+        reverse KL's mean, the teacher's and the student's mean logprob, and the share of
+        responses the teacher scored."""
+        d = self.algorithm.distill
+        sums = {"kl": 0.0, "teacher": 0.0, "student": 0.0, "tokens": 0.0, "scored": 0.0, "responses": 0.0}
+        for mb in mbs:
+            mask, student, teacher = mb.extra["distill_mask"], mb.extra["rollout_logprobs"], mb.extra["teacher_logprobs"]
+            mb.extra["advantages"] = distill_advantages(mb.extra["advantages"], student, teacher, mask, d.coef,
+                                                        d.with_reward)
+            counted = mask * mb.extra["loss_mask"]
+            sums["kl"] += float(((student - teacher) * counted).sum())
+            sums["teacher"] += float((teacher * counted).sum())
+            sums["student"] += float((student * counted).sum())
+            sums["tokens"] += float(counted.sum())
+            in_step = mb.extra["in_group"] * (mb.extra["response_mask"].sum(1) > 0)
+            sums["scored"] += float((in_step * (mask.sum(1) > 0)).sum())
+            sums["responses"] += float(in_step.sum())
+        sums = sum_across(sums, self.trainer.dp_cpu)
+        tokens = max(sums["tokens"], 1.0)
+        return {"distill/reverse_kl": sums["kl"] / tokens, "distill/teacher_logprob": sums["teacher"] / tokens,
+                "distill/student_logprob": sums["student"] / tokens,
+                "distill/scored_fraction": sums["scored"] / max(sums["responses"], 1.0)}
 
     def _kl_into_advantages(self, mbs: list[MicroBatch]) -> None:
         """kl_in: reward. Each response's reward loses kl_coef x its KL to the reference: for

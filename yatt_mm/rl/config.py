@@ -223,9 +223,14 @@ class RLConfig:
             raise ValueError("algorithm.overlong.soft_penalty measures a response against rollout.sampling.max_tokens, "
                              "which multi-turn rollouts (rollout.engine.tools) apply per turn: set its buffer to 0 "
                              "(overlong.filter works: it masks responses cut off)")
+        self._check_distill()
         if self.run.placement == "partial":
             local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend != "server"]
-            if not self.reward.judges or local:
+            distill = self.algorithm.distill
+            if distill.active and distill.backend != "server":
+                raise ValueError("run.placement=partial scores responses beside the rollout on vLLM servers: set "
+                                 "algorithm.distill.backend=server")
+            if not (self.reward.judges or distill.active) or local:
                 raise ValueError(
                     "run.placement=partial runs the rollout beside GenRM judges served by vLLM servers: "
                     + (f"set backend: server for judge(s) {', '.join(local)}" if local else "configure reward.judges"))
@@ -242,6 +247,23 @@ class RLConfig:
         if rank > VLLM_MAX_LORA_RANKS[-1]:
             raise ValueError(f"sync.lora=adapter: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}, "
                              f"policy.lora.rank is {rank}: lower it, or sync.lora=merged")
+    def _check_distill(self) -> None:
+        """On-policy distillation's settings that only the whole config can judge."""
+        distill = self.algorithm.distill
+        if not distill.active:
+            return
+        if any(wj.judge.name == distill.name for wj in self.reward.judges):
+            raise ValueError(f"reward.judges: a judge named '{distill.name}' would share its metrics and its plan "
+                             "lines with the distillation teacher (algorithm.distill): rename the judge")
+        if self.rollout.engine.tools.active:
+            raise ValueError("algorithm.distill: the teacher scores single-turn responses; multi-turn rollouts "
+                             "(rollout.engine.tools) are not supported with it: set rollout.engine.tools.names=[] or "
+                             "algorithm.distill.teacher=''")
+        ds = self.dynamic_sampling
+        if not distill.with_reward and ds.enabled and ds.filter == "reward_spread":
+            raise ValueError("algorithm.distill.with_reward=false trains on the teacher's signal alone, which every "
+                             "group carries, but dynamic sampling would leave out (or mask) the groups whose rewards "
+                             "are all equal: set dynamic_sampling.enabled=false")
 
     def _check_context(self) -> None:
         """A prompt and its response share the engine's context (rollout.engine.max_model_len),
@@ -286,7 +308,8 @@ class RLConfig:
                              f"mini-batches of whole groups, but a step has rollout.prompts_per_step={groups} groups: "
                              f"the extra optimizer steps would have nothing to train on; set mini_batches <= {groups}, "
                              "or raise prompts_per_step")
-        if n == 1 and self.algorithm.advantage != "reinforce_pp":
+        pure_distillation = self.algorithm.distill.active and not self.algorithm.distill.with_reward
+        if n == 1 and self.algorithm.advantage != "reinforce_pp" and not pure_distillation:
             raise ValueError(f"rollout.sampling.n=1: algorithm.advantage={self.algorithm.advantage} measures a "
                              "response against the other responses to its prompt, and a group of one has none (its "
                              "advantage is always 0): set n >= 2, or algorithm.advantage=reinforce_pp")
@@ -341,6 +364,9 @@ class RLConfig:
         for wj in self.reward.judges:
             if wj.judge.backend == "inprocess" or (wj.judge.backend == "server" and not wj.judge.devices):
                 shares[f"judge {wj.judge.name}"] = wj.judge.gpu_memory_utilization
+        distill = self.algorithm.distill
+        if distill.active and (distill.backend == "inprocess" or not distill.devices):
+            shares["algorithm.distill (the teacher)"] = distill.gpu_memory_utilization
         if sum(shares.values()) > limit:
             raise ValueError(f"vLLM GPU memory shares on one GPU add up to {sum(shares.values()):.2f} > {limit} ("
                              + ", ".join(f"{k} {v}" for k, v in shares.items()) + "): lower a gpu_memory_utilization "
@@ -352,6 +378,8 @@ class RLConfig:
             raise ValueError(f"rollout.engine.tensor_parallel_size={tp}: an engine spans 1 rank or the ranks of one "
                              f"DP group (policy.trainer.tensor_parallel={trainer_tp})")
         local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend == "inprocess"]
+        if self.algorithm.distill.active and self.algorithm.distill.backend == "inprocess":
+            local.append("the distillation teacher (algorithm.distill)")
         if tp > 1 and local:
             raise ValueError(f"rollout.engine.tensor_parallel_size={tp}: vLLM holds one tensor-parallel layout per "
                              f"process, so in-process judges ({', '.join(local)}) cannot sit beside it; "
@@ -377,6 +405,10 @@ class RLConfig:
         check_lora_layout(self.policy.lora, family_of(read_spec(self.policy.model)), self.policy.trainer)
         self.algorithm.check_model(bool(getattr(read_spec(self.policy.model), "num_experts", 0)), self.policy.model)
         self.data.media = media_for_model(self.data.media, self.policy.model, "data.media.factor")
+        if self.algorithm.distill.active:
+            from yatt_mm.reward.teacher import check_teacher
+
+            check_teacher(self.algorithm.distill.teacher, self.policy.model)
 
     def resolve_models(self, resolve) -> None:
         """Replace model names (tiny:, warmstart:) by directories; `resolve(name, data_shards)`."""
@@ -384,6 +416,8 @@ class RLConfig:
         for wj in self.reward.judges:
             if wj.judge.model:
                 wj.judge.model = resolve(wj.judge.model, self.data.all_shards())
+        if self.algorithm.distill.teacher:
+            self.algorithm.distill.teacher = resolve(self.algorithm.distill.teacher, self.data.all_shards())
 
     def fix_run_dir(self) -> Path:
         self.run.run_dir = self.run.run_dir or f"runs/{self.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -66,16 +66,21 @@ class Controller:
                 end = time.time()
                 own = self._engine_cpu() - own
                 scored = stream.results()
+                stream.teach(result.responses)
                 judge_cpu = cpu_pinning.cpu_seconds(servers) - judge_cpu
             self._record_generation(step, start, end, done, result.responses, own)
             spans = stream.judge_spans()
             for span in spans:
                 self.phases.timeline.record("judge", step, span["start"], span["end"], prompt=span["prompt"],
                                             sample=span["sample"], judge=span["judge"], handed=span["handed"])
+            taught = stream.teacher_spans()  # the teacher's server shares the judges' side of the split
+            for span in taught:
+                self.phases.timeline.record("teacher", step, span["start"], span["end"], prompt=span["prompt"],
+                                            sample=span["sample"], handed=span["handed"])
             if servers:
                 self.phases.timeline.record("judging", step, start, time.time(), cpu=judge_cpu, responses=len(done))
             stats.add_overlap(spans, end)
-            self._waves.append(measured_wave(start, end, done, spans))
+            self._waves.append(measured_wave(start, end, done, spans + taught))
             self._wave_seconds += time.time() - start
         else:
             with self.phases.phase("rollout", step):
@@ -93,11 +98,23 @@ class Controller:
             if self.rewarder.judges:
                 self.phases.timeline.record("judge_batch", step, judged, time.time(), cpu=judge_cpu,
                                             responses=sum(len(r) for r in result.responses))
+            if self.rewarder.teacher is not None:
+                self._teach(step, prompts, result.responses, servers)
         groups = [self._shape_length(Group(p, rs, total, parts, version=version))
                   for p, rs, (total, parts) in zip(prompts, result.responses, scored)]
         stats.add_wave(groups, result.seconds, own, result.prompt_tokens)
         stats.add_sources(groups, self.sampler.is_valid)
         return groups
+
+    def _teach(self, step: int, prompts: list[Prompt], responses, servers: list[int]) -> None:
+        """On-policy distillation, in full colocation: the teacher scores the wave's responses in
+        a phase of its own (on GPUs its engine wakes while the judges' sleep), timed as a batch."""
+        with self.phases.phase("teacher", step):
+            start, cpu = time.time(), self._engine_cpu() + cpu_pinning.cpu_seconds(servers)
+            self.rewarder.teach(prompts, responses)
+            cpu = self._engine_cpu() + cpu_pinning.cpu_seconds(servers) - cpu
+        self.phases.timeline.record("teacher_batch", step, start, time.time(), cpu=cpu,
+                                    responses=sum(len(r) for r in responses))
 
     def _shape_length(self, group: Group) -> Group:
         """DAPO's soft overlong punishment, before dynamic sampling sees the rewards: a response
@@ -121,6 +138,7 @@ class Controller:
     def _judge_server_pids(self) -> list[int]:
         """The processes of the judge servers this controller started (none: clients only)."""
         servers = [getattr(j, "server", None) for _, j, _ in self.rewarder.judges]
+        servers.append(getattr(self.rewarder.teacher, "server", None))
         return [pid for s in servers if s is not None and s.proc is not None
                 for pid in cpu_pinning.session_pids(s.proc.pid)]
 

@@ -65,19 +65,23 @@ AFTER_GENERATION = (
 )
 
 
-def full_colocation() -> PlacementPlan:
-    return PlacementPlan("full", (Phase("rollout", ("rollout",)), Phase("reward", ("judge",))) + AFTER_GENERATION)
+def full_colocation(teacher: bool = False) -> PlacementPlan:
+    """Rollout, then the judges, then (on-policy distillation) the teacher, each with the devices
+    to itself; then training."""
+    scoring = (Phase("reward", ("judge",)),) + ((Phase("teacher", ("teacher",)),) if teacher else ())
+    return PlacementPlan("full", (Phase("rollout", ("rollout",)),) + scoring + AFTER_GENERATION)
 
 
-def partial_colocation() -> PlacementPlan:
+def partial_colocation(teacher: bool = False) -> PlacementPlan:
     """Rollout and the GenRM judges side by side (the judges as vLLM servers on their own share
     of the devices), each prompt's responses going to the judges the moment they finish; then
-    training takes every device."""
-    return PlacementPlan("partial", (Phase("rollout_reward", ("rollout", "judge"), devices="split"),)
-                         + AFTER_GENERATION)
+    training takes every device. A distillation teacher's server scores beside the judges, on
+    their side of the split."""
+    roles = ("rollout", "judge") + (("teacher",) if teacher else ())
+    return PlacementPlan("partial", (Phase("rollout_reward", roles, devices="split"),) + AFTER_GENERATION)
 
 
-def disaggregated() -> PlacementPlan:
+def disaggregated(teacher: bool = False) -> PlacementPlan:
     """Rollout and judges on their own devices, the trainer on the rest, all resident all run: each
     controller's rollout engine and in-process judges sit in an engine worker process of their
     own (yatt_mm/engines/worker.py; on GPUs on run.rollout_devices, weights broadcast over NCCL;
@@ -85,13 +89,13 @@ def disaggregated() -> PlacementPlan:
     the rollout and judge roles are left out of the runner's resources (`RESIDENT_ROLES`), so a
     phase entered by the rollout thread never releases what the training thread uses, nor the
     other way round. Nothing here has run on a GPU."""
-    phases = full_colocation().phases
+    phases = full_colocation(teacher).phases
     return PlacementPlan("disaggregated", tuple(
         Phase(p.name, tuple(r for r in p.roles if not r.startswith("train")) + ("train",), p.devices) for p in phases))
 
 
 # roles a plan keeps resident on devices of their own: never acquired or released by the runner
-RESIDENT_ROLES = {"disaggregated": ("rollout", "judge")}
+RESIDENT_ROLES = {"disaggregated": ("rollout", "judge", "teacher")}
 
 PLANS = {"full": full_colocation, "partial": partial_colocation, "disaggregated": disaggregated}
 

@@ -65,7 +65,7 @@ class Group:
     version: int = 0  # the policy version that sampled it: the number of steps its weights had trained
 
 
-_TENSORS = ("input_ids", "loss_mask", "rollout_logprobs", "pixel_values", "image_grid_thw",
+_TENSORS = ("input_ids", "loss_mask", "rollout_logprobs", "teacher_logprobs", "pixel_values", "image_grid_thw",
             "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
@@ -87,6 +87,9 @@ class TrainSample:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None  # Qwen2.5-VL: seconds per temporal patch, per video
+    # on-policy distillation: [s] the teacher's logprob at the response positions, as rollout_logprobs;
+    # None: no teacher, or one that could not score this response (it then gets no distillation signal)
+    teacher_logprobs: torch.Tensor | None = None
     # names its media: its group's (the prompt's, shared by the group's samples), or its own where
     # tools showed it more images (multi-turn); "" is the group's
     media_id: str = ""
@@ -144,11 +147,16 @@ class SampleBuilder:
             mask[p - 1 : p - 1 + n] = torch.tensor(sampled, dtype=torch.float32)  # logits at t predict token t + 1
             lp = torch.zeros(ids.numel(), dtype=torch.float32)
             lp[p - 1 : p - 1 + n] = torch.tensor(logprobs, dtype=torch.float32)
+            teacher = None
+            if response.teacher_logprobs is not None:
+                teacher = torch.zeros(ids.numel(), dtype=torch.float32)
+                teacher[p - 1 : p - 1 + n] = torch.tensor(response.teacher_logprobs, dtype=torch.float32)
             pixels, grids = enc.get("pixel_values"), enc.get("image_grid_thw")
             if replies is not None:  # the images the tools showed, after the prompt's
                 pixels, grids = _cat([pixels, replies["pixel_values"]]), _cat([grids, replies["image_grid_thw"]])
             out.append(TrainSample(
-                input_ids=ids, loss_mask=mask, rollout_logprobs=lp, advantage=float(adv), reward=float(reward),
+                input_ids=ids, loss_mask=mask, rollout_logprobs=lp, teacher_logprobs=teacher, advantage=float(adv),
+                reward=float(reward),
                 group_id=prompt.group_id, masked=masked, stale=stale, version=group.version, truncated=response.finish_reason == "length",
                 pixel_values=pixels, image_grid_thw=grids,
                 pixel_values_videos=enc.get("pixel_values_videos"), video_grid_thw=enc.get("video_grid_thw"),
@@ -260,6 +268,10 @@ def _collate(rows: list[TrainSample], spec, pad_id: int) -> MicroBatch:
         "in_group": in_group,  # [B] a response of its group (in the baselines), not a padding row
         "fresh_mask": response_mask * fresh,  # responses sampled by the current weights (metrics)
         "rollout_logprobs": torch.stack([pad(r.rollout_logprobs, 0.0) for r in rows]),
+        # on-policy distillation: the teacher's logprobs, and where it scored (responses it could not: 0)
+        "teacher_logprobs": torch.stack([pad(r.teacher_logprobs if r.teacher_logprobs is not None
+                                             else torch.zeros_like(r.rollout_logprobs), 0.0) for r in rows]),
+        "distill_mask": response_mask * torch.tensor([float(r.teacher_logprobs is not None) for r in rows])[:, None],
         "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         "rewards": torch.tensor([r.reward for r in rows], dtype=torch.float32),
     }

@@ -25,15 +25,16 @@ from yatt_mm.simulate.replay import Wave, linear
 
 
 class SplitRunner:
-    def __init__(self, cfg: SplitConfig, placement: str, judges, timeline):
+    def __init__(self, cfg: SplitConfig, placement: str, judges, timeline, teacher=None):
         self.cfg = cfg
         self.timeline = timeline
-        # the judge servers this rank started: it decides and applies its node's split
-        self.servers = [j.server for _, j, _ in judges.entries if getattr(j, "server", None) is not None]
+        # the judge servers this rank started, and a distillation teacher's server (it shares the
+        # judges' side): this rank decides and applies its node's split
+        served = [j for _, j, _ in judges.entries] + ([teacher] if teacher is not None else [])
+        self.servers = [s.server for s in served if getattr(s, "server", None) is not None]
         self.owner = placement == "partial" and bool(self.servers)
         # the ranks of the node (their pids gathered when the server was shared), else this one
-        self.rollout_pids = sorted({p for _, j, _ in judges.entries for p in getattr(j, "node_pids", [])}
-                                   or {os.getpid()})
+        self.rollout_pids = sorted({p for s in served for p in getattr(s, "node_pids", [])} or {os.getpid()})
         self.gpu = runtime.has_gpu()
         self.all_cores = cpu_pinning.usable_cores()
         self.cores = self.all_cores[: cfg.cores] if cfg.cores else self.all_cores

@@ -175,7 +175,7 @@ class RolloutStats:
 
 
 # wait_rollout: a step's wait for the rollout generated ahead, before its weight sync (run.max_staleness)
-TIMED_PHASES = ("rollout", "reward", "rollout_reward", "prepare", "balance", "logprobs", "train", "wait_rollout", "sync",
+TIMED_PHASES = ("rollout", "reward", "teacher", "rollout_reward", "prepare", "balance", "logprobs", "train", "wait_rollout", "sync",
                 "probe", "eval")
 
 

@@ -32,6 +32,7 @@ from yatt_mm.plot import plot_run
 from yatt_mm.reward.genrm import InProcessJudge
 from yatt_mm.reward.judges import build_judges
 from yatt_mm.reward.rewarder import Rewarder
+from yatt_mm.reward.teacher import InProcessTeacher, build_teacher
 from yatt_mm.rl.actor import Actor
 from yatt_mm.rl.checkpoint import Checkpointer, NoUsableCheckpoint
 from yatt_mm.rl.config import RLConfig
@@ -86,19 +87,25 @@ class Run:
         cfg.rollout.engine.lora_rank = cfg.policy.lora.rank if cfg.sync.lora == "adapter" else 0
         cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
         self.worker = None
+        distill = cfg.algorithm.distill
+        if distill.active:  # the teacher cannot score a response holding a media placeholder token
+            cfg.rollout.engine.media_tokens_in_responses = False
         if cfg.run.placement == "disaggregated":
-            self.engine, self.judges = self._engines_in_worker()
+            self.engine, self.judges, self.teacher = self._engines_in_worker()
         else:
             self.engine = RolloutEngine(cfg.rollout.engine)
             if serves_rollout(ranks):  # the other engines (later stages, CP peers) never generate: nobody leads them
                 self.engine.join(ranks.tp_cpu, ranks.leader_rank)
             self.judges = build_judges(cfg.reward.judges, ranks)
+            self.teacher = build_teacher(distill, self.teacher_context(), ranks)
         self.rule_names = [f.name for f in cfg.reward.functions]
         resident = RESIDENT_ROLES.get(cfg.run.placement, ())  # never released: not the runner's to move
-        roles = {"rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer]}
-        self.phases = PhaseRunner(PLANS[cfg.run.placement](), {k: v for k, v in roles.items() if k not in resident},
-                                  self.timeline, released=("train",))
-        self.phases.split = SplitRunner(cfg.split, cfg.run.placement, self.judges, self.timeline)
+        roles = {"rollout": [self.engine], "judge": self.judges.engines(), "train": [self.trainer],
+                 "teacher": [self.teacher.engine] if isinstance(self.teacher, InProcessTeacher) else []}
+        self.phases = PhaseRunner(PLANS[cfg.run.placement](distill.active),
+                                  {k: v for k, v in roles.items() if k not in resident}, self.timeline,
+                                  released=("train",))
+        self.phases.split = SplitRunner(cfg.split, cfg.run.placement, self.judges, self.timeline, self.teacher)
         self.controller, self.evals = None, []
         if ranks.leader:
             self.controller = self._controller(SampleBuilder(processor, self.engine.prompt_text, self.engine.processor_media))
@@ -106,21 +113,31 @@ class Run:
             firsts = [h.prompts[0] for h in self.evals if h.prompts]
             self.controller.probe_prompt = firsts[0] if firsts else None
 
+    def teacher_context(self) -> int:
+        """The teacher's context: one token over the rollout engine's, as it generates one token
+        after the longest prompt + response the rollout can give."""
+        return self.cfg.rollout.engine.max_model_len + 1
+
     def _engines_in_worker(self):
-        """The disaggregated placement: the controller's rollout engine and in-process judges in
-        a worker process of its own (yatt_mm/engines/worker.py); its peers hold no engine."""
+        """The disaggregated placement: the controller's rollout engine, in-process judges and
+        in-process teacher in a worker process of its own (yatt_mm/engines/worker.py); its peers
+        hold no engine."""
         cfg, ranks = self.cfg, self.ranks
+        distill = cfg.algorithm.distill
         if ranks.leader:
             devices = cfg.run.rollout_devices
             engines = {"rollout": cfg.rollout.engine} | {
                 f"judge:{w.judge.name}": InProcessJudge.engine_config(w.judge)
                 for w in cfg.reward.judges if w.judge.backend == "inprocess"}
+            if distill.active and distill.backend == "inprocess":
+                engines["teacher"] = InProcessTeacher.engine_config(distill, self.teacher_context())
             self.worker = EngineWorker(engines, self.run_dir / "logs" / f"engine_worker_rank{ranks.rank}.log",
                                        devices[ranks.dp_rank % len(devices)] if devices else "")
             self.worker.partial_rollout = cfg.run.partial_rollout
         engine = self.worker.engine("rollout") if self.worker else None
         judges = build_judges(cfg.reward.judges, ranks, engine_of=lambda j: self.worker.engine(f"judge:{j.name}"))
-        return engine, judges
+        teacher = build_teacher(distill, self.teacher_context(), ranks, engine_of=lambda _: self.worker.engine("teacher"))
+        return engine, judges, teacher
 
     def _reader(self, data: DataConfig, dp_rank: int, dp_size: int) -> DataReader | BlendedReader:
         if data.quarantine_log is None:
@@ -147,7 +164,9 @@ class Run:
                                             [s.name for s in cfg.data.blend])
         else:
             source = ParallelSource(self._reader(cfg.data, ranks.dp_rank, ranks.dp_size))
-        rewarder = Rewarder(cfg.reward, self.judges, cfg.rollout.sampling.seed)
+        tokenizer = builder.processor.tokenizer  # the token ids the rollout engine generated from, for the teacher
+        rewarder = Rewarder(cfg.reward, self.judges, cfg.rollout.sampling.seed, self.teacher,
+                            lambda request: tokenizer.encode(self.engine.prompt_text(request), add_special_tokens=False))
         return Controller(source, self.engine, rewarder, DynamicSampler(cfg.dynamic_sampling), cfg.rollout.sampling,
                           builder, cfg.algorithm, self.phases, cfg.run.max_staleness)
 
@@ -222,6 +241,8 @@ def shut_down(run: Run) -> None:
     """Close the metrics, the judges and the engines: at the end, or when the run cannot start."""
     run.metrics.close()
     run.judges.close()
+    if run.teacher is not None and hasattr(run.teacher, "close"):
+        run.teacher.close()
     dist.barrier(group=run.ranks.world_cpu)
     if run.worker is not None:
         run.worker.close()

@@ -30,7 +30,7 @@ from yatt_mm.simulate.profile import DeviceProfile
 from yatt_mm.simulate.trace import TraceError
 
 # the controller's phases (and their device switches): what runs ahead under staleness k >= 1
-GENERATION = ("rollout", "reward", "rollout_reward", "prepare")
+GENERATION = ("rollout", "reward", "teacher", "rollout_reward", "prepare")
 TRAINING = ("logprobs", "train")
 # at a step boundary with the new weights: the copy into the engine, its check, held-out eval
 PAUSE = ("sync", "probe", "eval")
@@ -103,7 +103,7 @@ def _step(step: int, phases: list[dict], requests: list[dict], seconds: float) -
     generation = {r: on(r, GENERATION) for r in leaders}
     cpu: dict[int, float | None] = {}
     for r in leaders:
-        parts = [s.get("cpu") for s in requests if s["rank"] == r and s["phase"] in ("generate", "judge_batch")]
+        parts = [s.get("cpu") for s in requests if s["rank"] == r and s["phase"] in ("generate", "judge_batch", "teacher_batch")]
         cpu[r] = sum(parts) if parts and None not in parts else None
     training = max(on(r, TRAINING) for r in ranks) + min(on(r, BALANCE) for r in ranks)
     pause = max(on(r, PAUSE) for r in ranks)

@@ -4,7 +4,9 @@ sample finished and what the judges cost, plus the other phases' seconds and the
 What the RL loop writes and this reads: `timeline_rank{r}.jsonl` (yatt_mm/metrics.py: phase
 spans, and per-request records: "generate" per wave, "generated" per sample, "judge" per judged
 sample under partial colocation, "judge_batch" per wave under full colocation, "devices" once
-and "split" per decision) and `config.yaml`.
+and "split" per decision) and `config.yaml`. An on-policy distillation teacher is scoring work
+of the same kind: its "teacher" records (partial) and "teacher_batch" (full, in a phase of its
+own after the judges') count with the judges' cost.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from yatt_mm.simulate.replay import Wave, busy_seconds
 
-ROLLOUT_REWARD_PHASES = ("rollout", "reward", "rollout_reward")
+ROLLOUT_REWARD_PHASES = ("rollout", "reward", "teacher", "rollout_reward")
 
 
 class TraceError(ValueError):
@@ -118,18 +120,21 @@ def _step(step: int, spans: list[dict], units: int) -> StepTrace:
         ends = sorted(s["end"] - start for s in samples)
         tokens = [s["tokens"] for s in sorted(samples, key=lambda s: s["end"])]
         if partial:
-            judged = [s for s in requests if s["phase"] == "judge" and start <= s.get("handed", s["start"]) <= end + 1e-6]
+            judged = [s for s in requests if s["phase"] in ("judge", "teacher")
+                      and start <= s.get("handed", s["start"]) <= end + 1e-6]
             cost = busy_seconds([(s["start"], s["end"]) for s in judged]) / max(len(samples), 1)
             wave_end = max([end] + [s["end"] for s in judged])
             judging = [s for s in requests if s["phase"] == "judging" and s["start"] == start]
             judge_cpu = judging[0]["cpu"] if judging else None
             placement = "partial"
         else:
-            batches = [s for s in requests if s["phase"] == "judge_batch" and s["start"] >= end - 1e-6]
-            batch = min(batches, key=lambda s: s["start"]) if batches else None
-            cost = (batch["end"] - batch["start"]) / max(len(samples), 1) if batch else 0.0
-            wave_end = batch["end"] if batch else end
-            judge_cpu = batch.get("cpu") if batch else None
+            # the wave's judge batch and teacher batch: the first of each after its generation
+            found = [min(batches, key=lambda s: s["start"]) for kind in ("judge_batch", "teacher_batch")
+                     if (batches := [s for s in requests if s["phase"] == kind and s["start"] >= end - 1e-6])]
+            cost = sum(b["end"] - b["start"] for b in found) / max(len(samples), 1)
+            wave_end = max([end] + [b["end"] for b in found])
+            cpus = [b.get("cpu") for b in found]
+            judge_cpu = sum(cpus) if found and None not in cpus else None
             placement = "full"
         wave = Wave(end - start, ends, cost, tokens)
         waves.append(WaveTrace(wave, placement, judge_units if partial else float(units), wave_end - start,
