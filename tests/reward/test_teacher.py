@@ -162,6 +162,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_when_the_config_loads(tmp_p
     (["run.placement=partial"], "set algorithm.distill.backend=server"),
     (["algorithm.distill.coef=0"], "coef=0 gives the teacher's signal no weight"),
     (["rollout.engine.tools.names=[zoom]", "rollout.engine.tools.max_turns=2"], "multi-turn rollouts"),
+    (["run.max_staleness=1", "run.placement=disaggregated"], "set run.max_staleness=0"),
 ])
 def test_distillation_settings_that_cannot_run_are_refused_naming_the_fix(overrides, message):
     from yatt_mm.config import ConfigError

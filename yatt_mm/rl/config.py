@@ -259,6 +259,9 @@ class RLConfig:
             raise ValueError("algorithm.distill: the teacher scores single-turn responses; multi-turn rollouts "
                              "(rollout.engine.tools) are not supported with it: set rollout.engine.tools.names=[] or "
                              "algorithm.distill.teacher=''")
+        if self.run.max_staleness > 0:  # it ran, but its held-out reward fell: refused until that is understood
+            raise ValueError("algorithm.distill with asynchronous RL (run.max_staleness > 0) is not supported yet: "
+                             "set run.max_staleness=0 (docs/distillation.md)")
         ds = self.dynamic_sampling
         if not distill.with_reward and ds.enabled and ds.filter == "reward_spread":
             raise ValueError("algorithm.distill.with_reward=false trains on the teacher's signal alone, which every "
