@@ -13,10 +13,7 @@ and the failure is counted by reason.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import io
-import os
 import re
 import time
 from collections import Counter
@@ -26,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from yatt_mm.loopback import KEY_ENV, check_served_host
+from yatt_mm.reward.served import ServedClient
 
 # The comparison at the heart of a reference-guided judge; the default template puts the question
 # (and the media, as chat parts) before it. The tiny judge's warm start learns the comparison
@@ -203,12 +201,6 @@ class InProcessJudge:
         return self.score([item])[0]
 
 
-def _data_url_image(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def _data_url_video(video: np.ndarray) -> str:
     import cv2  # vLLM's own video decoder; present wherever vLLM is
 
@@ -226,31 +218,14 @@ def _data_url_video(video: np.ndarray) -> str:
     return "data:video/mp4;base64," + base64.b64encode(data).decode()
 
 
-class ServerJudge:
+class ServerJudge(ServedClient):
     """Client of a vLLM OpenAI-compatible server. Every request has a timeout and bounded retries
     with exponential backoff; after that the item gets the fallback score, counted by reason."""
 
     def __init__(self, cfg: JudgeConfig, base_url: str, model_name: str, server=None):
-        self.cfg = cfg
-        self.base_url = base_url.rstrip("/")
+        super().__init__(cfg, base_url, server)  # server: the JudgeServer this client owns, if any
         self.model_name = model_name
-        self.server = server  # the JudgeServer this client owns (stopped by close()), if any
-        self.node_pids: list[int] = []  # the owner's: the ranks on the server's node (set by yatt_mm/reward/judges.py)
         self.stats = JudgeStats()
-        self._client = None
-        # the server's API key, as vLLM takes it; read here, so it lives in this process's memory
-        # and environment only (never in a log line or a metric)
-        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
-        # a prompt's n responses share its images: each is encoded once (the image is kept, so
-        # its id is not reused while the entry lives); cleared with the client
-        self._image_urls: dict[int, tuple[object, str]] = {}
-
-    def _image_url(self, image) -> str:
-        key = id(image)
-        if key not in self._image_urls:
-            self._image_urls[key] = (image, _data_url_image(image))
-        return self._image_urls[key][1]
 
     def _payload(self, item: JudgeItem) -> dict:
         text = judge_messages(self.cfg, item)[0]["content"][-1]["text"]
@@ -269,51 +244,12 @@ class ServerJudge:
         return payload
 
     async def score_one(self, item: JudgeItem) -> JudgeScore:
-        # aiohttp (a dependency of vLLM): its client costs the caller 4-8x less CPU per request
-        # than httpx (measured: 64 requests, 0.06 s vs 0.24-0.5 s), CPU the rollout engine
-        # beside it needs under partial colocation
-        import aiohttp
+        def read(body: dict) -> JudgeScore:
+            return aggregate_votes(self.cfg, [c["message"]["content"] or "" for c in body["choices"]])
 
-        if self._client is None:
-            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s),
-                                                 headers=self._headers)
         start = time.perf_counter()
-        payload = self._payload(item)
-        failure = "unreachable"
-        for attempt in range(self.cfg.retries + 1):
-            try:
-                async with self._client.post(f"{self.base_url}/v1/chat/completions", json=payload) as resp:
-                    if resp.status == 200:
-                        texts = [c["message"]["content"] or "" for c in (await resp.json())["choices"]]
-                        result = aggregate_votes(self.cfg, texts)
-                        break
-                    failure = f"http_{resp.status}"
-            except asyncio.TimeoutError:
-                failure = "timeout"
-            except aiohttp.ClientError:
-                failure = "unreachable"
-            if attempt < self.cfg.retries:
-                await asyncio.sleep(self.cfg.backoff_s * 2**attempt)
-        else:
+        result, failure = await self._post("/v1/chat/completions", self._payload(item), read)
+        if result is None:
             result = JudgeScore(self.cfg.fallback_score, 0, failure)
         self.stats.add(result, time.perf_counter() - start)
         return result
-
-    def score(self, items: list[JudgeItem]) -> list[JudgeScore]:
-        async def all_items():
-            try:
-                return await asyncio.gather(*(self.score_one(it) for it in items))
-            finally:
-                await self.aclose()
-
-        return list(asyncio.run(all_items()))
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-
-    async def aclose(self) -> None:
-        self._image_urls.clear()
-        if self._client is not None:
-            await self._client.close()
-            self._client = None

@@ -15,8 +15,6 @@ reason (`distill/teacher/fallback_*`), never an exception.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,7 +23,8 @@ import numpy as np
 
 from yatt_mm.engines.scoring import UNSCORED, ScoreRequest
 from yatt_mm.loopback import KEY_ENV, check_served_host
-from yatt_mm.reward.genrm import JudgeStats, _data_url_image
+from yatt_mm.reward.genrm import JudgeStats
+from yatt_mm.reward.served import ServedClient
 
 NAME = "teacher"  # the served model's name, and the metrics' (distill/teacher/...)
 # why a response got no teacher logprobs: vLLM's refusals (UNSCORED) and the server's failures
@@ -158,26 +157,14 @@ def data_url_frames(video: np.ndarray) -> str:
     return "data:video/jpeg;base64," + ",".join(frames)
 
 
-class ServerTeacher:
+class ServerTeacher(ServedClient):
     """Client of a teacher server: vLLM's tokens-in endpoint, the student's token ids and the
     media as data URLs, one forward pass with prompt logprobs. Every request has a timeout and
     bounded retries with exponential backoff; after that the response goes unscored, counted."""
 
     def __init__(self, cfg: DistillConfig, base_url: str, server=None):
-        self.cfg = cfg
-        self.base_url = base_url.rstrip("/")
-        self.server = server  # the TeacherServer this client owns (stopped by close()), if any
-        self.node_pids: list[int] = []  # the owner's: the ranks on the server's node (yatt_mm/reward/judges.py)
+        super().__init__(cfg, base_url, server)  # server: the TeacherServer this client owns, if any
         self.stats = JudgeStats(TEACHER_FAILURES)
-        self._client = None
-        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""  # never logged, never a setting
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._image_urls: dict[int, tuple[object, str]] = {}  # a prompt's n responses share its images
-
-    def _image_url(self, image) -> str:
-        if id(image) not in self._image_urls:
-            self._image_urls[id(image)] = (image, _data_url_image(image))
-        return self._image_urls[id(image)][1]
 
     def _payload(self, item: TeacherItem) -> dict:
         parts = [{"type": "image_url", "url": self._image_url(im)} for im in item.images]
@@ -189,57 +176,18 @@ class ServerTeacher:
         return payload
 
     async def score_one(self, item: TeacherItem) -> TeacherScore:
-        import aiohttp  # as the judges' client (yatt_mm/reward/genrm.py ServerJudge)
-
         from yatt_mm.engines.scoring import response_logprobs
 
-        if self._client is None:
-            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s),
-                                                 headers=self._headers)
+        def read(body: dict) -> TeacherScore:
+            return _score(response_logprobs(body["prompt_token_ids"], body["prompt_logprobs"], item.request()))
+
         start = time.perf_counter()
-        payload, failure = self._payload(item), "unreachable"
-        result = None
-        for attempt in range(self.cfg.retries + 1):
-            try:
-                async with self._client.post(f"{self.base_url}/inference/v1/generate", json=payload) as resp:
-                    if resp.status == 200:
-                        body = await resp.json()
-                        result = _score(response_logprobs(body["prompt_token_ids"], body["prompt_logprobs"],
-                                                          item.request()))
-                        break
-                    # 400: vLLM refused the request itself (too long, media over the limit): no retry helps
-                    failure = "unscorable" if resp.status == 400 else f"http_{resp.status}"
-                    if resp.status == 400:
-                        break
-            except asyncio.TimeoutError:
-                failure = "timeout"
-            except aiohttp.ClientError:
-                failure = "unreachable"
-            if attempt < self.cfg.retries:
-                await asyncio.sleep(self.cfg.backoff_s * 2**attempt)
+        # 400: vLLM refused the request itself (too long, media over the limit): no retry helps
+        result, failure = await self._post("/inference/v1/generate", self._payload(item), read, final=frozenset({400}))
         if result is None:
-            result = TeacherScore(None, failure)
+            result = TeacherScore(None, "unscorable" if failure == "http_400" else failure)
         self.stats.add(result, time.perf_counter() - start)
         return result
-
-    def score(self, items: list[TeacherItem]) -> list[TeacherScore]:
-        async def all_items():
-            try:
-                return await asyncio.gather(*(self.score_one(it) for it in items))
-            finally:
-                await self.aclose()
-
-        return list(asyncio.run(all_items()))
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-
-    async def aclose(self) -> None:
-        self._image_urls.clear()
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
 
 
 def served_teacher(cfg: DistillConfig, max_model_len: int = 2049) -> ServerTeacher:
