@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,10 +30,7 @@ def save_hf_dir(tensors: dict[str, torch.Tensor], source_dir: str | Path, out_di
     renamed into place, so a crash never leaves a directory that looks complete."""
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with dir_in_place(out_dir) as tmp:
         for f in Path(source_dir).iterdir():
             if f.is_file() and not f.name.endswith(_NOT_COPIED) and f.name != "yatt_tiny.json":
                 shutil.copy2(f, tmp / f.name)
@@ -39,13 +38,24 @@ def save_hf_dir(tensors: dict[str, torch.Tensor], source_dir: str | Path, out_di
             (tmp / name).write_text(text)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
+    return Path(out_dir)
+
+
+@contextmanager
+def dir_in_place(out_dir: str | Path) -> Iterator[Path]:
+    """A directory the body fills in a temporary sibling, renamed to `out_dir` (replacing one
+    there) when the body returns: a crash never leaves a directory that looks complete."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
         tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def save_pretrained_on_any_rank(model, out_dir: str | Path) -> Path:

@@ -28,10 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from models.hf_io import dir_in_place
 from models.stages import whole_model_name
 
 # HF projection -> the Megatron linear of a language layer that holds it
@@ -272,21 +270,12 @@ def save_adapter_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: st
     place, so a reader never sees half of one."""
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with dir_in_place(out_dir) as tmp:
         # copies: a fused layer's projections share one A, and safetensors refuses shared memory
         save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
                   metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out_dir)
 
 
 def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
