@@ -111,12 +111,13 @@ def worker(path: str, bucket_mb: float) -> None:
     from models.comm import init_parallel
     from models.trainer import TrainerConfig, VLMTrainer
     from yatt_mm.engines.engine import EngineConfig, RolloutEngine
+    from yatt_mm.rl.config import SyncConfig
     from yatt_mm.rl.step import push_weights
 
     ranks = init_parallel(2)
     trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=2))
     engine = RolloutEngine(EngineConfig(model=path))
-    cfg = SimpleNamespace(rollout=SimpleNamespace(engine=engine.cfg), sync=SimpleNamespace(bucket_mb=bucket_mb))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(engine=engine.cfg), sync=SyncConfig(bucket_mb=bucket_mb))
     run = SimpleNamespace(trainer=trainer, engine=engine, ranks=ranks, cfg=cfg)
     push_weights(run)  # warm-up: vLLM's reload bookkeeping is made once
     gc.collect()
