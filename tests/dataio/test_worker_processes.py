@@ -71,8 +71,10 @@ def test_torchdatas_process_workers_end_with_the_process_that_reads(tmp_path):
         f"import sys, time; sys.path[:0] = {PATHS!r}; "
         "from dataio.reader import DataConfig, DataReader; "
         f"r = DataReader(DataConfig(shards=[{str(tmp_path / 'train')!r}], workers=2, worker_kind='process')); "
-        "it = iter(r.iter_epoch()); next(it); print('reading', flush=True); time.sleep(600)")],
+        # half the epoch read: both workers past their first item (a worker that never got one is
+        # not watched, EndsWithItsParent says why), also when one of them starts late
+        "it = iter(r.iter_epoch()); [next(it) for _ in range(20)]; print('reading', flush=True); time.sleep(600)")],
         stdout=subprocess.PIPE, text=True)
     assert reader.stdout.readline().strip() == "reading"
-    time.sleep(0.5)  # both workers past their first item (40 items, 2 workers)
+    time.sleep(0.5)
     _kill_and_check(reader, psutil.Process(reader.pid).children(recursive=True), within=10)
