@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -28,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from yatt_mm.processes import die_with_parent
 
 ALLOW_ALL = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}'
 
@@ -76,8 +79,10 @@ class S3Store:
         port = free_port()
         env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "5" if auth else "inf"}
         out = open(log, "ab") if log else subprocess.DEVNULL
+        parent = os.getpid()  # the server ends with the process that started it, kill -9 included
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                                stdout=out, stderr=out, start_new_session=True)
+                                stdout=out, stderr=out, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(signal.SIGKILL, parent))
         endpoint = f"http://127.0.0.1:{port}"
         try:
             _wait_listening(port, proc)
