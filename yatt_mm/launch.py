@@ -79,10 +79,42 @@ def route_logs(run_dir: str | Path, rank: int) -> Path:
     else:
         hf_logging.disable_default_handler()
         hf_logging.enable_propagation()
+    _log_uncaught_to(to_file)
     if rank == 0:
         print(f"library logs (vLLM, Megatron, torch, transformers): {path.parent}/rank*.log"
               + ("" if verbose else " (--verbose: here too)"), flush=True)
     return path
+
+
+_uncaught_handler = None  # the newest route_logs file handler, where the hooks below write
+
+
+def _log_uncaught_to(handler) -> None:
+    """The exception that ends this process (or one of its threads) goes to the rank's log file
+    too, beside the library lines that led to it: the terminal's copy (Python's own report, which
+    still follows) is often cut off by the launcher's summary or a test's capture."""
+    import logging
+    import threading
+
+    global _uncaught_handler
+    installed, _uncaught_handler = _uncaught_handler is not None, handler
+    if installed:
+        return
+
+    def log(kind, value, tb, where: str) -> None:
+        if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
+            _uncaught_handler.handle(logging.LogRecord("yatt_mm", logging.ERROR, __file__, 0,
+                                                       "uncaught exception in %s", (where,), (kind, value, tb)))
+
+    def process_hook(kind, value, tb, previous=sys.excepthook) -> None:
+        log(kind, value, tb, "the main thread")
+        previous(kind, value, tb)
+
+    def thread_hook(args, previous=threading.excepthook) -> None:
+        log(args.exc_type, args.exc_value, args.exc_traceback, f"thread {args.thread.name if args.thread else '?'}")
+        previous(args)
+
+    sys.excepthook, threading.excepthook = process_hook, thread_hook
 
 
 class _OwnWarningsAndLibraryErrorsOnce:

@@ -120,6 +120,12 @@ for _ in range(2):
 logging.getLogger("yatt_mm.rl").warning("our own warning")
 warnings.warn("a python warning")
 print("our progress")
+if len(sys.argv) > 2:  # the rank fails: in a thread, then in the main thread
+    import threading
+    route_logs(sys.argv[1], 0)  # a second call (a warm start's): the hooks still log each failure once
+    thread = threading.Thread(target=lambda: 1 / 0, name="reader")
+    thread.start(); thread.join()
+    raise RuntimeError("the rank's own failure")
 """
 
 
@@ -142,6 +148,14 @@ def test_library_logs_go_to_the_run_dir_and_verbose_brings_them_back(tmp_path):
                           timeout=120, env={**env, "YATT_MM_VERBOSE": "1"})
     assert loud.returncode == 0, loud.stderr[-2000:]
     assert loud.stderr.count("a library warning") == 2 and "a python warning" in loud.stderr
+    # a rank's failure: its traceback in its log file beside the library lines, and still on the terminal
+    failed = subprocess.run([sys.executable, "-c", _ROUTED, str(tmp_path / "f"), "fail"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert failed.returncode == 1 and "RuntimeError: the rank's own failure" in failed.stderr, failed.stderr[-2000:]
+    log = (tmp_path / "f" / "logs" / "rank0.log").read_text()
+    assert log.count("ERROR yatt_mm: uncaught exception in the main thread") == 1, log
+    assert log.count("ERROR yatt_mm: uncaught exception in thread reader") == 1, log
+    assert "ZeroDivisionError" in log and "RuntimeError: the rank's own failure" in log, log
 
 
 def test_demo_data_only_makes_the_tiny_configs_shards_once_and_runs_nothing(tmp_path, monkeypatch, capsys):
