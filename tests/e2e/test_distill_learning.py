@@ -2,7 +2,8 @@
 policy taught the answer format only, each colour word at random: chance accuracy) distilled
 from the warm-started policy as its teacher (an in-process vLLM engine beside each rank's
 rollout engine, full colocation), with no reward at all, raises its greedy held-out reward; with
-the reward added it learns at least as fast as the reward alone from the same start."""
+the reward added it learns at least as fast as the reward alone from the same start (`make
+test-extended`)."""
 
 import pytest
 
@@ -23,27 +24,20 @@ def format_only_student(tmp_path_factory):
     return warm_start("format_only", data, quiet=True)
 
 
-@pytest.mark.slow  # three 10-step runs, about 40 s each
+@pytest.mark.slow  # a 10-step run, about 30 s
 def test_a_student_distilled_from_the_warm_policy_raises_held_out_reward(tmp_path, warm_policy,
                                                                         format_only_student):
-    """Measured (held-out reward before -> after 10 steps): distillation alone 0.22 -> 0.41 (its
-    reverse KL to the teacher 0.78 -> 0.26), distillation with the reward 0.22 -> 0.41, the
-    reward alone 0.22 -> 0.31."""
+    """Measured (held-out reward before -> after 10 steps): distillation alone 0.22 -> 0.41, its
+    reverse KL to the teacher 0.78 -> 0.26."""
     teacher = f"algorithm.distill.teacher={warm_policy}"
     alone, steps = _held_out_rewards(tmp_path / "alone", None, *STEPS, teacher, "algorithm.distill.with_reward=false",
                                      policy=format_only_student)
-    both, _ = _held_out_rewards(tmp_path / "both", None, *STEPS, teacher, policy=format_only_student)
-    reward, reward_steps = _held_out_rewards(tmp_path / "reward", None, *STEPS, policy=format_only_student)
-    print("held-out reward: distillation", alone, "distillation + reward", both, "reward", reward,
-          "reverse KL", [round(r["distill/reverse_kl"], 3) for r in steps])
-    assert alone[0] == both[0] == reward[0] < 0.3  # one start, near chance (4 colours)
-    assert alone[-1] >= alone[0] + 0.15, alone
-    assert both[-1] >= reward[-1], (both, reward)
+    print("held-out reward: distillation", alone, "reverse KL", [round(r["distill/reverse_kl"], 3) for r in steps])
+    assert alone[0] < 0.3 and alone[-1] >= alone[0] + 0.15, alone  # from near chance (4 colours)
     # the student moves toward the teacher: the KL falls, every response scored
     assert steps[-1]["distill/reverse_kl"] < steps[0]["distill/reverse_kl"] / 2, steps
     assert all(r["distill/scored_fraction"] == 1.0 and r["distill/teacher/fallback"] == 0.0 for r in steps)
     assert all(r["distill/teacher_logprob"] < 0 and r["distill/student_logprob"] < 0 for r in steps)
-    assert not any(k.startswith("distill/") for r in reward_steps for k in r)  # off: no teacher, no metrics
     # the timeline has the teacher's phase, and `yatt-mm simulate` counts its batch as scoring work
     from yatt_mm.simulate.trace import read_run
 
@@ -51,3 +45,19 @@ def test_a_student_distilled_from_the_warm_policy_raises_held_out_reward(tmp_pat
     waves = [w for step in trace.steps for w in step.waves]
     assert len(trace.steps) == 10 and all(step.placement == "full" for step in trace.steps)
     assert waves and all(w.wave.judge_seconds_per_response > 0 for w in waves)  # no judges: the teacher's cost
+
+
+@pytest.mark.slow  # two 10-step runs, about 30 s each
+# not in CI: the teacher's reverse KL added to the reward's advantage is computed in make test
+# (tests/reward/test_teacher.py) and run by CI's teacher-server runs; this compares what it learns
+@pytest.mark.extended
+def test_distillation_with_the_reward_learns_at_least_as_fast_as_the_reward_alone(tmp_path, warm_policy,
+                                                                                format_only_student):
+    """Measured (held-out reward before -> after 10 steps): distillation with the reward
+    0.22 -> 0.41, the reward alone 0.22 -> 0.31."""
+    teacher = f"algorithm.distill.teacher={warm_policy}"
+    both, _ = _held_out_rewards(tmp_path / "both", None, *STEPS, teacher, policy=format_only_student)
+    reward, reward_steps = _held_out_rewards(tmp_path / "reward", None, *STEPS, policy=format_only_student)
+    print("held-out reward: distillation + reward", both, "reward", reward)
+    assert both[0] == reward[0] < 0.3 and both[-1] >= reward[-1], (both, reward)
+    assert not any(k.startswith("distill/") for r in reward_steps for k in r)  # off: no teacher, no metrics
