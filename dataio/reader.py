@@ -35,6 +35,7 @@ from dataio.errors import MediaError
 from dataio.index import Index, check_index_path, check_shard_specs, open_dataset
 from dataio.shards import TAR_ERROR_KIND, MemberReader
 from dataio.storage import ReadAhead, RemotePolicy, RemoteReads, check_url, is_remote
+from dataio.resplit import decode_indices
 from dataio.split import check_split, rank_order
 from dataio.workers import ordered_thread_map, shutdown_nodes
 
@@ -358,6 +359,9 @@ class DataReader:
         self.decoder = SampleDecoder(self.index, cfg, budget)
         self.epoch = 0
         self.position = 0  # entries of this epoch's rank order consumed (samples and skips)
+        # after a resume at another DP size: the rest of each unfinished epoch, re-split
+        # (dataio/resplit.py), read before the normal epochs; each {"epoch", "todo"}
+        self.pending: list[dict] = []
         self.skips: Counter[str] = Counter()
         self.ignored_members: Counter[str] = Counter()  # by extension, in samples that were decoded
         self.samples_yielded = 0
@@ -371,12 +375,16 @@ class DataReader:
 
     # ---------------------------------------------------------------- order
     def order(self, epoch: int | None = None) -> np.ndarray:
-        """Global sample indices this rank reads in `epoch`, in order."""
+        """Global sample indices this rank reads in `epoch`, in order (a pending segment's while
+        the reader is in one)."""
         epoch = self.epoch if epoch is None else epoch
-        if self._order_cache is None or self._order_cache[0] != epoch:
+        segment = next((s for s in self.pending if s["epoch"] == epoch), None)
+        tag = (epoch, segment["todo"] if segment else None)
+        if self._order_cache is None or self._order_cache[0] != tag:
             c = self.cfg
-            self._order_cache = (epoch, rank_order(len(self.index), self.dp_rank, self.dp_size, c.seed, epoch,
-                                                    c.slice_size, c.shuffle_buffer, c.shuffle))
+            order = decode_indices(segment["todo"]) if segment else rank_order(
+                len(self.index), self.dp_rank, self.dp_size, c.seed, epoch, c.slice_size, c.shuffle_buffer, c.shuffle)
+            self._order_cache = (tag, order)
         return self._order_cache[1]
 
     def keys(self, epoch: int | None = None) -> list[str]:
@@ -443,14 +451,17 @@ class DataReader:
                 self.frames_dropped += res.frames_dropped
             yield res
         if self.epoch == epoch and self.position >= len(order):
-            self.epoch += 1
+            if self.pending:  # a re-split epoch ends: the next one, or a normal epoch after the last
+                self.pending.pop(0)
+            self.epoch = self.pending[0]["epoch"] if self.pending else epoch + 1
             self.position = 0
 
     def __iter__(self) -> Iterator[Sample]:
         """Endless: epoch after epoch. Raises if a whole epoch yields nothing (all skipped or
         this rank has no samples), rather than spinning forever."""
         while True:
-            got, whole_epoch = False, self.position == 0  # a resumed reader may start at the epoch's very end
+            # a resumed reader may start at the epoch's very end, or in a short re-split remainder
+            got, whole_epoch = False, self.position == 0 and not self.pending
             for s in self.iter_epoch():
                 got = True
                 yield s
@@ -545,6 +556,7 @@ class DataReader:
             "shuffle_buffer": c.shuffle_buffer,
             "epoch": self.epoch,
             "position": self.position,
+            "pending": list(self.pending),
             "skips": dict(self.skips),
             "ignored_members": dict(self.ignored_members),
             "samples_yielded": self.samples_yielded,
@@ -568,6 +580,8 @@ class DataReader:
                                  f"resume with the same {k} (only `workers` and decode settings may change)")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.pending = list(state.get("pending", []))
+        self._order_cache = None
         self.skips = Counter(state.get("skips", {}))
         self.ignored_members = Counter(state.get("ignored_members", {}))
         self.samples_yielded = int(state.get("samples_yielded", 0))
