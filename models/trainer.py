@@ -27,6 +27,7 @@ from models.lora import LoRAConfig, adapter_state, adapters_off, add_adapters, p
 from models.lora import check_layout as check_lora
 from models.offload import HostOffload, optimizer_tensors
 from models.optimizer import build_optimizer, inner_optimizers
+from models.reshard import reshard, shard_places
 from models.logprobs import next_token_labels, token_entropy, token_logprobs
 
 
@@ -193,6 +194,7 @@ class VLMTrainer:
                                                      use_distributed_optimizer=cfg.distributed_optimizer))
         self.config.finalize_model_grads_func = finalize_model_grads  # the DP grad all-reduce
         self.optimizer = build_optimizer(cfg, self.model, dtype)
+        self._places: list | None = None  # models/reshard.py: each optimizer shard's place in its parameter
         self.device = accelerator_device()
         self._weights, self._state = HostOffload(), HostOffload()  # what release() moved to the host
 
@@ -319,10 +321,22 @@ class VLMTrainer:
         saves through its sharded path): added here, so a rank's file restores it bit for bit."""
         state = {"megatron": self.optimizer.state_dict()}
         if self.cfg.distributed_optimizer:
+            if self._places is None:  # fixed for the run: which parameter slice each shard is
+                self._places = [shard_places(opt, self.module) for opt in inner_optimizers(self.optimizer)]
             state["shards"] = [{"state": opt.optimizer.state_dict(),
-                                "params": [p.detach() for g in opt.optimizer.param_groups for p in g["params"]]}
-                               for opt in inner_optimizers(self.optimizer)]
+                                "params": [p.detach() for g in opt.optimizer.param_groups for p in g["params"]],
+                                "places": places}
+                               for opt, places in zip(inner_optimizers(self.optimizer), self._places)]
         return state
+
+    def reshard_optimizer_state(self, saved: list[dict]) -> dict:
+        """This rank's optimizer state from the states ranks of another DP size wrote (every old DP
+        rank at this rank's TP/PP position, in DP order): with the distributed optimizer each
+        parameter's shards put together and cut as this rank owns them (models/reshard.py);
+        without it every DP rank held the whole state, and the first one's is it."""
+        if not self.cfg.distributed_optimizer:
+            return saved[0]
+        return reshard(saved, self.optimizer, self.module, inner_optimizers(self.optimizer))
 
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["megatron"])

@@ -77,8 +77,18 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from models.lora import merge_adapter_dir
 
+    if list(Path(args.adapter).glob("done_rank*")):  # a checkpoint directory of an RL run
+        from yatt_mm.rl.export import export_checkpoint
+
+        try:
+            return export_checkpoint(args.adapter, args.out, args.merge)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            print(f"yatt-mm export: {e}", file=sys.stderr)
+            return 2
     if not args.merge:
         print("yatt-mm export: a LoRA run's RUN_DIR/final is already a PEFT adapter that peft and vLLM load; give "
               "--merge for the merged HF model", file=sys.stderr)
@@ -237,12 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value settings, e.g. eval.samples=8 eval.temperature=0.6")
     p.set_defaults(func=_eval)
 
-    p = sub.add_parser("export", help="a LoRA run's adapter (RUN_DIR/final) merged into its base: an HF model "
-                       "directory that transformers and vLLM load without peft")
-    p.add_argument("adapter", help="a PEFT LoRA adapter directory, e.g. RUN_DIR/final of a run with policy.lora")
+    p = sub.add_parser("export", help="a checkpoint of an RL run as an HF model directory, whatever layout wrote "
+                       "it (a LoRA run's as a PEFT adapter); or a LoRA adapter (RUN_DIR/final) merged into its base")
+    p.add_argument("adapter", metavar="PATH", help="a checkpoint, RUN_DIR/checkpoints/step_N; or a PEFT LoRA adapter "
+                   "directory, e.g. RUN_DIR/final of a run with policy.lora (with --merge)")
     p.add_argument("--merge", action="store_true", help="write the base with W + alpha/r B A on every adapted "
                    "projection (peft's merge_and_unload)")
-    p.add_argument("--out", required=True, help="the merged model's directory (replaced if it exists)")
+    p.add_argument("--out", required=True, help="the model's directory (replaced if it exists)")
     p.add_argument("--base", default=None, help="the base HF directory (default: the adapter's "
                    "base_model_name_or_path)")
     p.set_defaults(func=_export)

@@ -55,6 +55,7 @@ def run() -> dict:
     weight_diff = max(float((a.detach() - b.detach()).abs().max())
                       for a, b in zip(plain.module.parameters(), sharded.module.parameters()))
     saved = _clone({"model": sharded.module.state_dict(), "optimizer": sharded.optimizer_state()})
+    resharded = reshard_checks(plain, sharded, saved["optimizer"], groups)
     sharded.train_step(batches, loss_fn)  # moves weights and Adam state on
     sharded.module.load_state_dict(saved["model"])
     sharded.load_optimizer_state(saved["optimizer"])
@@ -62,7 +63,31 @@ def run() -> dict:
     return {"loss_max_diff": max(abs(a - b) for a, b in zip(losses["plain"], losses["sharded"])),
             "weight_max_diff": weight_diff, "losses": losses["sharded"],
             "state_bytes_plain": state_bytes(plain), "state_bytes_sharded": state_bytes(sharded),
-            "restore_bitwise": restored == state_digest(saved)}
+            "restore_bitwise": restored == state_digest(saved), **resharded}
+
+
+def reshard_checks(plain, sharded, mine: dict, groups) -> dict:
+    """A resume at another DP size puts each parameter's optimizer state together from every
+    old rank's shards (models/reshard.py). Put together from both ranks' shards here, it equals
+    the plain optimizer's whole state (float32 rounding apart), and cut again at the same DP size
+    it gives this rank's shards back bit for bit."""
+    from models.reshard import stitch
+    from yatt_mm.rl.checkpoint import state_digest
+
+    both = [None] * groups.dp_size
+    dist.all_gather_object(both, mine, group=comm().dp_cpu)
+    numel = {n: p.numel() for n, p in sharded.module.named_parameters()}
+    whole, _ = stitch([s["shards"][0] for s in both], numel)
+    inner = plain.optimizer.optimizer  # the plain optimizer steps the model's own fp32 weights, whole
+    names = {p: n for n, p in plain.module.named_parameters()}
+    worst = 0.0
+    for p, st in inner.state.items():
+        for key, ref in (("param", p.detach()), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
+            got = whole[names[p]][key]
+            worst = max(worst, float((got - ref.reshape(-1)).abs().max() / ref.abs().max().clamp_min(1e-30)))
+    again = sharded.reshard_optimizer_state(both)
+    return {"stitched_params": len(whole), "plain_params": len(inner.state), "stitched_vs_plain_max_rel": worst,
+            "reshard_same_dp_bitwise": state_digest(again["shards"]) == state_digest(mine["shards"])}
 
 
 if __name__ == "__main__":

@@ -376,22 +376,23 @@ def test_the_single_controller_baseline_reads_the_whole_dataset_for_every_group(
     assert sorted(drawn["consumed_rank0.jsonl"]) == sorted((0, k) for k in open_dataset([str(tmp_path / "train")]).sample_key)
 
 
-@pytest.mark.slow  # ~50 s; the trainer's PP equality and parity tests run in make test
+@pytest.mark.slow  # ~70 s; the trainer's PP equality and parity tests run in make test
 def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp_path, warm_policy):
     """PP=2 on 2 ranks: one DP group whose controller (stage 0) broadcasts the samples to stage 1;
     old logprobs go through the pipeline forward only, the update through Megatron's 1F1B
     schedule, and the weight sync hands stage 1's buckets to stage 0, whose engine loads them: the
     probe after each sync (scored through both stages) equals vLLM's, and the bytes synced are
     the whole model. With the GPU memory order on (trainer offloaded, engine put to sleep), a
-    mini-batch split (so old logprobs are their own pass) and the final export from both stages."""
+    mini-batch split (so old logprobs are their own pass) and the final export from both stages;
+    `yatt-mm export` of the run's last checkpoint writes the same model as the final export."""
     from safetensors.torch import load_file
 
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.pipeline_parallel=2", "eval.every=0",
                    "policy.trainer.offload=always", "rollout.engine.release=sleep", "rollout.prompts_per_step=4",
-                   "reward.judges=[]", "sync.bucket_mb=0.5", "algorithm.mini_batches=2", policy=warm_policy,
-                   audit=True)
+                   "reward.judges=[]", "sync.bucket_mb=0.5", "algorithm.mini_batches=2", "run.checkpoint_every=2",
+                   policy=warm_policy, audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 1 x PP 2" in proc.stdout
@@ -404,6 +405,13 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     final = load_file(run_dir / "final" / "model.safetensors")
     assert final.keys() == start.keys() and any(not final[k].equal(start[k]) for k in start if ".layers.1." in k)
     _assert_collectives_name_their_groups(run_dir)
+    # the last checkpoint exported by its own ranks (one per stage, from the stages' files): the run's final
+    export = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "export", str(run_dir / "checkpoints" / "step_2"),
+                             "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert export.returncode == 0, (export.stdout[-3000:], export.stderr[-5000:])
+    assert f"policy of step 2 written to {tmp_path / 'exported'}" in export.stdout
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    assert exported.keys() == final.keys() and all(exported[k].equal(final[k]) for k in final)
 
 
 def _assert_collectives_name_their_groups(run_dir, at_least: int = 20) -> list[dict]:
@@ -431,14 +439,16 @@ def _consumed(run_dir, step=None):
             for f in sorted(run_dir.glob("consumed_rank*.jsonl"))}
 
 
-def _assert_epoch_drawn_exactly_once(run_dir, keys: int):
-    """The lineage of the run (crashed attempts' lost steps dropped) reads as one clean run: the
-    first epoch's samples each drawn once, by one controller; nothing drawn twice anywhere."""
+def _assert_epoch_drawn_exactly_once(run_dir, keys: int, epochs=(0,)):
+    """The lineage of the run (crashed attempts' lost steps dropped) reads as one clean run: each
+    of `epochs` (the first by default) has its samples each drawn once, by one controller;
+    nothing drawn twice anywhere."""
     drawn = _consumed(run_dir)
     for pairs in drawn.values():
         assert len(pairs) == len(set(pairs))
-    epoch0 = Counter(key for pairs in drawn.values() for epoch, key in pairs if epoch == 0)
-    assert len(epoch0) == keys and set(epoch0.values()) == {1}
+    for e in epochs:
+        once = Counter(key for pairs in drawn.values() for epoch, key in pairs if epoch == e)
+        assert len(once) == keys and set(once.values()) == {1}, (e, once)
 
 
 def _rank_process(launcher: subprocess.Popen, rank: int):
@@ -469,7 +479,7 @@ def _kill_rank_and_wait(launcher: subprocess.Popen, rank: int) -> None:
     assert launcher.wait(timeout=180) != 0  # torchrun stops the other rank and reports the failure
 
 
-@pytest.mark.slow  # four runs (the last stops at its resume) and a refused launch, ~230 s on 2 shared cores
+@pytest.mark.slow  # five runs (the last stops at its resume) and a refused launch, ~105 s here
 def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_that_checkpoint(tmp_path, warm_policy):
     """kill -9 of the `yatt-mm` launcher alone (what an OOM killer or a scheduler does) while the
     ranks' first checkpoint is on its way to disk (the writer held between its files by the
@@ -480,8 +490,11 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     rerun's run resumed from its step-2 checkpoint samples, rewards and trains steps 3 and 4 as
     the rerun did, to the last bit of the weights; that resume also falls back: its newest
     checkpoint (step 4) has a truncated trainer file, which it names with its reason and skips.
-    Last, with a damaged file in every checkpoint, a rerun stops with one clear error and
-    leaves the run's logs as they were."""
+    Then a resume at another layout: a copy of the run without its step-4 checkpoint (a run
+    preempted after step 2) comes back on one rank with the same global batch: the weights go on
+    bit for bit, the distributed optimizer's state is re-sharded, and epochs 0 and 1 are each
+    drawn exactly once across the change. Last, with a damaged file in every checkpoint, a rerun
+    stops with one clear error and leaves the run's logs as they were."""
     import fcntl
     import shutil
 
@@ -540,6 +553,28 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     assert [r["step"] for r in again] == [1, 2, 3, 4] and again[:2] == whole[:2]
     assert [[r.get(k) for k in same] for r in again[2:]] == [[r.get(k) for k in same] for r in whole[2:]]
     assert _consumed(resumed_dir) == _consumed(run_dir)
+
+    # preempted after step 2's checkpoint and back on half the ranks: DP 2 -> 1, the same global
+    # batch (4 prompts a step), no conversion step; the distributed optimizer's state re-sharded,
+    # the rest of the data's open epoch re-split
+    elastic_dir = tmp_path / "elastic"
+    shutil.copytree(run_dir, elastic_dir, ignore=shutil.ignore_patterns(".lock*", "step_4"))
+    one_rank = [*cmd[:cmd.index("--nproc") + 1], "1", *cmd[cmd.index("--nproc") + 2:]]
+    elastic = subprocess.run([*one_rank, f"run.run_dir={elastic_dir}", "rollout.prompts_per_step=4"],
+                             capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert elastic.returncode == 0, (elastic.stdout[-3000:], elastic.stderr[-5000:])
+    assert (f"resumed from {elastic_dir / 'checkpoints' / 'step_2'} (step 2; weights bitwise as written, the "
+            "distributed optimizer's state re-sharded from DP 2 to DP 1)") in elastic.stdout, elastic.stdout[-3000:]
+    assert ("resumed at another layout: written at DP 2 x TP 1 x PP 1 x CP 1, distributed_optimizer=true, now DP 1 "
+            "x TP 1 x PP 1 x CP 1") in elastic.stdout
+    moved = _trained(elastic_dir)
+    assert [r["step"] for r in moved] == [1, 2, 3, 4] and moved[:2] == whole[:2]
+    assert moved[2]["train/weights_checksum_before"] == whole[1]["train/weights_checksum_after"]
+    _assert_real_updates_reach_vllm(_steps(elastic_dir)[2:])
+    # dynamic sampling draws ahead: DP 2 had read epoch 0 and 6 of epoch 1; DP 1 read the other 10
+    _assert_epoch_drawn_exactly_once(elastic_dir, keys=16, epochs=(0, 1))
+    assert sorted(f.name for f in elastic_dir.glob("consumed_rank*.jsonl")) == ["consumed_rank0.jsonl",
+                                                                                "consumed_rank1.jsonl"]
 
     # every checkpoint damaged, on different ranks: one clear error, no torch traceback, no restart
     _truncate(resumed_dir / "checkpoints" / "step_4" / "trainer_rank0.pt")

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from yatt_mm.engines.engine import Response
-from yatt_mm.rl.checkpoint import (Checkpointer, NoUsableCheckpoint, drop_lines_after, latest_complete, load_controller,
-                                   load_trainer)
+from yatt_mm.rl.checkpoint import (Checkpointer, Layout, NoUsableCheckpoint, controller_state, drop_lines_after,
+                                   latest_complete, load_controller, load_trainer, resume_plan)
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
 from yatt_mm.rl.samples import Group, Prompt
 
@@ -81,9 +81,8 @@ def test_incomplete_or_damaged_checkpoints_are_never_used(tmp_path):
     assert said == [f"checkpoint {tmp_path / 'step_1'} is incomplete (1 of 2 ranks' markers): skipped"]
     other = Checkpointer(tmp_path, rank=1, world=2, keep=2, attempt="a")
     other.save(1, trainer)
-    other.wait()  # now complete for 2 ranks: resuming it with 1 is an error, not a fresh start
-    with pytest.raises(RuntimeError, match="written by a run of 2 ranks; this run has 1"):
-        latest_complete(tmp_path, world=1)
+    other.wait()  # now complete for the 2 ranks that wrote it, whatever size resumes it (resume_plan)
+    assert latest_complete(tmp_path, world=1).name == "step_1"
     solo = Checkpointer(tmp_path / "solo", rank=0, world=1, keep=2, attempt="a")
     solo.save(1, trainer)
     solo.wait()
@@ -303,3 +302,62 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_base_by_hash_and_resumes_on
         load_trainer(tmp_path / "step_2", _lora_trainer(1, rank=4), rank=0, world=1)
     with pytest.raises(RuntimeError, match=r"written with policy.lora.rank=2; this run has policy.lora.rank=0"):
         load_trainer(tmp_path / "step_2", _trainer(1), rank=0, world=1)  # a full-weight run
+
+
+def test_which_files_a_rank_reads_at_another_dp_size_and_which_changes_are_refused(tmp_path):
+    """Only the number of DP groups may change. Without the distributed optimizer a rank loads the
+    whole state of one old rank at its TP/PP place (at its expert shard with EP); with it, every
+    old DP rank's there (their optimizer shards). Each controller reads every old group's
+    position and takes the buffers of old groups d with d % new DP == its own."""
+    at = lambda **kw: Layout(**({"dp": 2} | kw))  # noqa: E731
+    same = resume_plan(tmp_path, at(), at(), rank=1)
+    assert (same.trainers, same.positions, same.buffers, same.resharded) == ([1], [1], [1], False)
+    shrink = resume_plan(tmp_path, at(), at(dp=1), rank=0)
+    assert (shrink.trainers, shrink.positions, shrink.buffers, shrink.resharded) == ([0], [0, 1], [0, 1], True)
+    grow = resume_plan(tmp_path, at(dp=1), at(dp=3), rank=2)
+    assert (grow.trainers, grow.positions, grow.buffers) == ([0], [0], [])
+    sharded = resume_plan(tmp_path, at(distributed_optimizer=True), at(dp=1, distributed_optimizer=True), rank=0)
+    assert sharded.trainers == [0, 1]
+    tp2 = resume_plan(tmp_path, at(tp=2, pp=2), at(tp=2, pp=2, dp=1), rank=3)  # TP rank 1 of stage 1
+    assert tp2.trainers == [2 * 2 * 1 + 1]  # the old TP rank 1 of stage 1, DP 0: rank 5
+    moe = resume_plan(tmp_path, at(dp=4, ep=2), at(dp=2, ep=2), rank=1)
+    assert moe.trainers == [1] and moe.buffers == [1, 3]
+    with pytest.raises(RuntimeError, match=r"written at DP 2 x TP 1 x PP 1 x CP 1, distributed_optimizer=false; "
+                                           r"this run has DP 1 x TP 2 x PP 1 x CP 1, .*only the number of DP groups"):
+        resume_plan(tmp_path, at(), at(dp=1, tp=2), rank=0)
+    with pytest.raises(RuntimeError, match="with expert parallelism and the distributed optimizer"):
+        resume_plan(tmp_path, at(dp=4, ep=2, distributed_optimizer=True), at(ep=2, distributed_optimizer=True), 0)
+
+
+def test_a_controller_resumed_at_another_dp_size_reads_the_rest_of_the_epoch_and_takes_the_buffers(tmp_path):
+    """Two DP groups' real readers and samplers, written as a 2-rank run writes them, resumed by
+    one group: it reads exactly the samples neither had read, and holds both groups' buffers."""
+    from dataio.reader import DataConfig, DataReader
+    from dataio.synth import write_shards
+    from yatt_mm.rl.sources import ParallelSource
+
+    write_shards(str(tmp_path / "data"), images=11, videos=0, samples_per_shard=4, seed=1, tasks=["colour"])
+    data = DataConfig(shards=[str(tmp_path / "data")], seed=3, slice_size=2, shuffle_buffer=3, workers=0)
+
+    def controller(dp_rank, dp_size):
+        sampler = DynamicSampler(DynamicSamplingConfig())
+        return SimpleNamespace(source=ParallelSource(DataReader(data, dp_rank, dp_size)), sampler=sampler)
+
+    old = [controller(0, 2), controller(1, 2)]
+    taken = [p.key for c, n in zip(old, (2, 4)) for p in c.source.take(n)]
+    for d, c in enumerate(old):
+        c.sampler.buffer = [Group(c.source.take(1)[0], [Response([d], "x", [-0.5], "stop")], [1.0], {})]
+        taken.append(c.sampler.buffer[0].prompt.key)
+        c.sampler.valid_rate = 0.2 + 0.4 * d
+        ckpt = Checkpointer(tmp_path / "ckpt", rank=d, world=2, keep=2, attempt="a")
+        ckpt.save(1, _trainer(0), c, dp_rank=d)
+        ckpt.wait()
+    new = controller(0, 1)
+    plan = resume_plan(tmp_path, Layout(dp=2), Layout(dp=1), rank=0)
+    load_controller(tmp_path / "ckpt" / "step_1", new, 0, plan, dp_size=1)
+    rest = [s.key for s in new.source.reader.iter_epoch()]
+    assert sorted(taken + rest) == sorted(new.source.reader.index.sample_key) and len(rest) == 11 - 8
+    assert [g.responses[0].token_ids for g in new.sampler.buffer] == [[0], [1]]
+    assert new.sampler.buffer[1].prompt.images[0].size == old[1].sampler.buffer[0].prompt.images[0].size
+    assert new.sampler.valid_rate == pytest.approx(0.4)
+    assert controller_state(new)[0]["source"]["reader"]["dp_size"] == 1

@@ -44,7 +44,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,6 +53,72 @@ import torch.distributed as dist
 from yatt_mm.rl.samples import Group
 from yatt_mm.rl.sources import pack_prompt, unpack_prompt
 from yatt_mm.engines.engine import Response
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel sizes a rank's checkpoint was written at (ranks laid out as models/comm.py
+    lays them: TP fastest, then CP, DP, PP)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+    distributed_optimizer: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def place(self, rank: int) -> tuple[int, int, int, int]:
+        """(tp, cp, dp, pp) rank of global `rank`."""
+        tc = self.tp * self.cp
+        return rank % self.tp, rank // self.tp % self.cp, rank // tc % self.dp, rank // (tc * self.dp)
+
+    def rank(self, t: int, c: int, d: int, p: int) -> int:
+        return t + self.tp * (c + self.cp * (d + self.dp * p))
+
+    def describe(self) -> str:
+        return (f"DP {self.dp} x TP {self.tp} x PP {self.pp} x CP {self.cp}" + (f" x EP {self.ep}" if self.ep > 1 else "")
+                + f", distributed_optimizer={str(self.distributed_optimizer).lower()}")
+
+
+@dataclass
+class ResumePlan:
+    """What one rank reads of a checkpoint. `trainers`: the ranks whose trainer files it loads,
+    the first holding its weights (the same TP/PP place; with the distributed optimizer at
+    another DP size, every old DP rank there, for their optimizer shards). `positions`: the old
+    DP groups whose data positions its controller reads; `buffers`: those whose buffered groups
+    it takes over. `saved`: the layout that wrote it."""
+
+    trainers: list[int]
+    positions: list[int] = field(default_factory=list)
+    buffers: list[int] = field(default_factory=list)
+    saved: Layout | None = None
+    resharded: bool = False  # the DP size changed
+
+
+def resume_plan(ckpt: Path, saved: Layout, live: Layout, rank: int) -> ResumePlan:
+    """How rank `rank` of a run at `live` resumes from a checkpoint written at `saved`: only the
+    number of DP groups may differ (an error naming both layouts otherwise)."""
+    t, c, d, p = live.place(rank)
+    if saved == live:
+        return ResumePlan([rank], [d], [d], saved)
+    fixed = ("tp", "cp", "pp", "ep", "distributed_optimizer")
+    if any(getattr(saved, k) != getattr(live, k) for k in fixed):
+        raise RuntimeError(f"{ckpt} was written at {saved.describe()}; this run has {live.describe()}: only the number "
+                           "of DP groups may change between save and resume (docs/checkpoints.md): set the others as "
+                           "they were")
+    if live.distributed_optimizer and live.ep > 1:
+        raise RuntimeError(f"{ckpt} was written at DP {saved.dp}; this run has DP {live.dp}: with expert parallelism "
+                           "and the distributed optimizer, resume at the DP size the run was written at")
+    if live.distributed_optimizer:  # every old DP rank's optimizer shards, the weights from the first
+        trainers = [saved.rank(t, c, dd, p) for dd in range(saved.dp)]
+    else:  # every DP rank held the whole state: the one at this rank's expert shard (d % EP) has it
+        trainers = [saved.rank(t, c, d % saved.ep, p)]
+    return ResumePlan(trainers, list(range(saved.dp)), [dd for dd in range(saved.dp) if dd % live.dp == d],
+                      saved, resharded=True)
 
 
 def state_digest(state: dict) -> str:
@@ -136,9 +202,12 @@ class Checkpointer:
     """Takes a rank's snapshot at once and writes it in a background thread; one write at a time.
     Also resumes a run from the newest complete checkpoint."""
 
-    def __init__(self, root: Path, rank: int, world: int, keep: int, attempt: str):
+    def __init__(self, root: Path, rank: int, world: int, keep: int, attempt: str, layout: Layout | None = None):
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
         self.attempt = attempt  # this launch's id, the same on every rank
+        self.layout = layout or Layout(dp=world)
+        if self.layout.world != world:
+            raise ValueError(f"layout {self.layout.describe()} is not {world} ranks")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_write_seconds = 0.0
@@ -171,27 +240,33 @@ class Checkpointer:
         checkpoint's step (a crashed run's last steps) are dropped, so metrics and data lineage
         read as one run. Returns the step to start from (0 without a checkpoint); raises
         NoUsableCheckpoint when there are complete checkpoints but none verifies."""
-        ckpt, state = self.choose(dp_rank if controller is not None else None, group)
+        ckpt, read = self.choose(controller is not None, group)
         if ckpt is None:  # a fresh start in a used run dir (a crash before the first checkpoint)
             for path in logs:
                 drop_lines_after(path, -1)
             return 0
-        step = load_trainer(ckpt, trainer, self.rank, self.world, state)
+        plan, states = read
+        step, how = load_trainer_as(ckpt, trainer, plan, states)
         sync_weights()
         if controller is not None:
-            load_controller(ckpt, controller, dp_rank)
+            load_controller(ckpt, controller, dp_rank, plan, self.layout.dp)
         for path in logs:
             drop_lines_after(path, step)
         if self.rank == 0:
-            print(f"resumed from {ckpt} (step {step}; weights and optimizer state bitwise as written)", flush=True)
+            print(f"resumed from {ckpt} (step {step}; {how})", flush=True)
+            if plan.resharded:
+                print(f"resumed at another layout: written at {plan.saved.describe()}, now {self.layout.describe()}; "
+                      f"the rest of each unfinished epoch is re-split across the {self.layout.dp} DP group(s)", flush=True)
         return step
 
-    def choose(self, dp_rank: int | None, group=None) -> tuple[Path | None, dict | None]:
+    def choose(self, controller: bool, group=None) -> tuple[Path | None, tuple[ResumePlan, dict] | None]:
         """The newest complete checkpoint whose files verify on every rank, with this rank's
-        trainer state as read (None, None: no complete checkpoint at all, a fresh start).
+        plan and the trainer states it read (None, None: no complete checkpoint at all, a fresh
+        start).
 
-        Each rank verifies only its own files (its trainer file; a controller's, with
-        `dp_rank`, its DP group's controller files), newest first, and stops at the first that
+        Each rank verifies only the files it reads (`resume_plan`: its trainer file, or at
+        another DP size its place's; a controller's, with `controller`, the DP groups'
+        controller files it reads), newest first, and stops at the first that
         verifies: reading every checkpoint would cost as many loads of the model. The ranks
         then agree by all-reduce on the least and the greatest of their answers; while they
         differ, each looks again at or below the least. The answers only fall, so this ends,
@@ -199,7 +274,7 @@ class Checkpointer:
         newer one skipped and why, with every rank's reasons gathered."""
         say = print if self.rank == 0 else (lambda _: None)
         dirs = list(reversed(_step_dirs(self.root)))
-        complete = [d for d in dirs if _checked_complete(d, self.world)]
+        complete = [d for d in dirs if _complete_markers(d) is not None]
         if not complete:
             for d in dirs:
                 say(_incomplete_message(d, self.world))
@@ -216,9 +291,10 @@ class Checkpointer:
                 if kept is not None and kept[0] == step:
                     mine = step
                     break
-                state, reason = verify_rank_files(d, self.rank, dp_rank)
+                plan = self._plan(d)
+                states, reason = verify_files(d, plan, controller)
                 if reason is None:
-                    kept, mine = (step, state), step
+                    kept, mine = (step, (plan, states)), step
                     break
                 failures[step] = reason
             least, greatest = _agree(mine, group)
@@ -241,6 +317,16 @@ class Checkpointer:
                 f"({', '.join(d.name for d in complete)}; the reasons are above). Restore them from a copy, or "
                 f"remove {self.root} to start this run over from step 0")
         return chosen, kept[1]  # this rank's answer was the agreed one: its state is kept
+
+    def _plan(self, ckpt: Path) -> ResumePlan:
+        markers = _complete_markers(ckpt)
+        saved = markers[0].get("layout")
+        if saved is None:  # written before checkpoints recorded their layout: the same world only
+            if markers[0]["world"] != self.world:
+                raise RuntimeError(f"{ckpt} was written by a run of {markers[0]['world']} ranks; this run has "
+                                   f"{self.world}: resume with the world size the run was started with")
+            return ResumePlan([self.rank], [self.layout.place(self.rank)[2]], [self.layout.place(self.rank)[2]])
+        return resume_plan(ckpt, Layout(**saved), self.layout, self.rank)
 
     def wait(self) -> None:
         """Block until the write in flight is on disk; re-raise its failure here, in the loop."""
@@ -276,7 +362,8 @@ class Checkpointer:
             _atomic(out / f"controller_dp{dp_rank}.json", lambda p: p.write_text(json.dumps(state)))
         _fsync(out)
         _atomic(marker, lambda p: p.write_text(json.dumps(
-            {"attempt": self.attempt, "world": self.world, "step": step, "sha256": digest})))
+            {"attempt": self.attempt, "world": self.world, "step": step, "sha256": digest,
+             "layout": asdict(self.layout)})))
         _fsync(out)
         self.last_write_seconds = time.perf_counter() - t0
         if self.rank == 0:
@@ -284,7 +371,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints, and anything newer (being written)."""
-        complete = [d for d in _step_dirs(self.root) if _is_complete(d, self.world)]
+        complete = [d for d in _step_dirs(self.root) if _complete_markers(d) is not None]
         for d in complete[: max(len(complete) - self.keep, 0)]:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -310,52 +397,53 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: int(d.name[5:]))
 
 
-def _markers(d: Path) -> list[dict]:
-    out = []
+def _markers(d: Path) -> dict[int, dict]:
+    """Every readable marker of `d`, by the rank its name gives."""
+    out = {}
     for m in d.glob("done_rank*"):
+        if not m.name[9:].isdigit():
+            continue
         try:
-            out.append(json.loads(m.read_text()))
+            out[int(m.name[9:])] = json.loads(m.read_text())
         except (OSError, ValueError):  # not ours to judge here: the checkpoint counts as partial
             continue
     return out
 
 
-def _is_complete(d: Path, world: int) -> bool:
-    markers = _markers(d)
-    return (len(markers) == world and all(m.get("world") == world for m in markers)
-            and len({m.get("attempt") for m in markers}) == 1)
+def _complete_markers(d: Path) -> dict[int, dict] | None:
+    """The markers of the attempt (one launch) that finished `d` on every one of its ranks, by
+    rank; None when no attempt did. A marker says how many ranks its attempt had, so a
+    checkpoint written at another world size is complete too (resume decides whether it fits).
+    Each rank removes its old marker before it writes, so two attempts can never both be whole
+    (rank 0 is in every attempt)."""
+    by_attempt: dict[str, dict[int, dict]] = {}
+    for rank, m in _markers(d).items():
+        by_attempt.setdefault(str(m.get("attempt")), {})[rank] = m
+    for markers in by_attempt.values():
+        worlds = {m.get("world") for m in markers.values()}
+        if len(worlds) == 1 and set(markers) == set(range(worlds.pop() or 0)):
+            return markers
+    return None
 
 
 def _step(d: Path) -> int:
     return int(d.name[5:])
 
 
-def _checked_complete(d: Path, world: int) -> bool:
-    """Whether every rank of one attempt finished `d`; a checkpoint complete for another world
-    size is an error, not a silent fresh start."""
-    if _is_complete(d, world):
-        return True
-    markers = _markers(d)
-    other = markers[0].get("world") if markers else world
-    if other != world and _is_complete(d, other):
-        raise RuntimeError(f"{d} was written by a run of {other} ranks; this run has {world}: "
-                           "resume with the world size the run was started with")
-    return False
-
-
 def _incomplete_message(d: Path, world: int) -> str:
-    markers = _markers(d)
+    markers = list(_markers(d).values())
     attempts = len({m.get("attempt") for m in markers})
+    world = max([m.get("world") or 0 for m in markers] + [0]) or world
     return (f"checkpoint {d} is incomplete ({len(markers)} of {world} ranks' markers"
             + (f", from {attempts} different attempts" if attempts > 1 else "") + "): skipped")
 
 
 def latest_complete(root: Path, world: int, say=print) -> Path | None:
     """The newest checkpoint every rank of one attempt finished. Partial ones (a crash mid-write,
-    or markers of different attempts) are skipped, and `say` tells which; a complete checkpoint
-    of another world size is an error, not a silent fresh start."""
+    or markers of different attempts) are skipped, and `say` tells which (`world`: the ranks
+    expected when no marker says)."""
     for d in reversed(_step_dirs(root)):
-        if _checked_complete(d, world):
+        if _complete_markers(d) is not None:
             return d
         say(_incomplete_message(d, world))
     return None
@@ -374,12 +462,32 @@ def _short(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def verify_rank_files(ckpt: Path, rank: int, dp_rank: int | None) -> tuple[dict | None, str | None]:
-    """(this rank's trainer state as read, None) when its files in `ckpt` are whole, else
-    (None, why not): the trainer file reads and hashes to the SHA-256 of the rank's marker;
-    with `dp_rank` (a controller), its DP group's controller files are there and read."""
+def verify_files(ckpt: Path, plan: ResumePlan, controller: bool) -> tuple[dict[int, dict] | None, str | None]:
+    """(the trainer states `plan` reads, by rank, None) when its files in `ckpt` are whole, else
+    (None, why not): each trainer file reads and hashes to the SHA-256 of its rank's marker;
+    with `controller`, the controller files of the DP groups it reads are there and read."""
     from safetensors.torch import load_file
 
+    states = {}
+    for rank in plan.trainers:
+        state, reason = _verify_trainer_file(ckpt, rank)
+        if reason is not None:
+            return None, reason
+        states[rank] = state
+    if controller:
+        members = [(f"controller_dp{d}.json", lambda p: json.loads(p.read_text())) for d in plan.positions]
+        members += [(f"controller_dp{d}.safetensors", lambda p: load_file(str(p))) for d in plan.buffers]
+        for member, read in members:
+            if not (ckpt / member).is_file():
+                return None, f"{member} is missing"
+            try:
+                read(ckpt / member)
+            except Exception as e:
+                return None, f"{member} cannot be read (truncated or damaged: {_short(e)})"
+    return states, None
+
+
+def _verify_trainer_file(ckpt: Path, rank: int) -> tuple[dict | None, str | None]:
     name = f"trainer_rank{rank}.pt"
     path = ckpt / name
     if not path.is_file():
@@ -398,15 +506,6 @@ def verify_rank_files(ckpt: Path, rank: int, dp_rank: int | None) -> tuple[dict 
         return None, f"done_rank{rank} holds no SHA-256 of the trainer state ({_short(e)})"
     if state_digest({"model": state["model"], "optimizer": state["optimizer"]}) != want:
         return None, f"{name} does not hash to the SHA-256 in done_rank{rank}: its contents changed after writing"
-    if dp_rank is not None:
-        for member, read in ((f"controller_dp{dp_rank}.json", lambda p: json.loads(p.read_text())),
-                             (f"controller_dp{dp_rank}.safetensors", lambda p: load_file(str(p)))):
-            if not (ckpt / member).is_file():
-                return None, f"{member} is missing"
-            try:
-                read(ckpt / member)
-            except Exception as e:
-                return None, f"{member} cannot be read (truncated or damaged: {_short(e)})"
     return state, None
 
 
@@ -429,15 +528,26 @@ def _gather(failures: dict[int, str], group, world: int) -> list[dict[int, str]]
 
 
 def load_trainer(ckpt: Path, trainer, rank: int, world: int, state: dict | None = None) -> int:
-    """Restore this rank's model shard and optimizer state (`state`: the trainer file as
-    `verify_rank_files` read it; else read here); checks the layout, then that the live state
-    hashes to what was written (bit for bit)."""
+    """Restore rank `rank`'s model shard and optimizer state from a checkpoint written at the same
+    layout (`state`: its trainer file as read; else read here). Returns the step."""
     if state is None:
         state = torch.load(ckpt / f"trainer_rank{rank}.pt", map_location="cpu", weights_only=True)
-    layout = (state["world"], state["tensor_parallel"], state.get("pipeline_parallel", 1))
-    if layout != (world, trainer.cfg.tensor_parallel, trainer.cfg.pipeline_parallel):
-        raise RuntimeError(f"{ckpt} was written by {layout[0]} ranks at TP {layout[1]} x PP {layout[2]}; this run "
-                           f"has {world} ranks at TP {trainer.cfg.tensor_parallel} x PP {trainer.cfg.pipeline_parallel}")
+    if state["world"] != world:
+        raise RuntimeError(f"{ckpt} was written by a run of {state['world']} ranks; this run has {world}")
+    return load_trainer_as(ckpt, trainer, ResumePlan([rank]), {rank: state})[0]
+
+
+def load_trainer_as(ckpt: Path, trainer, plan: ResumePlan, states: dict[int, dict]) -> tuple[int, str]:
+    """Restore this rank's model shard and optimizer state as `plan` says, from the trainer
+    states read (`verify_files`); checks the layout, then that the live state hashes to what was
+    written (bit for bit). Returns the step and what was restored, in words."""
+    source = plan.trainers[0]
+    state = states[source]
+    layout = (state["tensor_parallel"], state.get("pipeline_parallel", 1))
+    if layout != (trainer.cfg.tensor_parallel, trainer.cfg.pipeline_parallel):
+        raise RuntimeError(f"{ckpt} was written at TP {layout[0]} x PP {layout[1]}; this run has TP "
+                           f"{trainer.cfg.tensor_parallel} x PP {trainer.cfg.pipeline_parallel}: only the number of "
+                           "DP groups may change between save and resume")
     layers = list(getattr(trainer.cfg, "pipeline_layers", []))
     if state.get("pipeline_layers", []) != layers:
         raise RuntimeError(f"{ckpt} was written with policy.trainer.pipeline_layers={state.get('pipeline_layers', [])}"
@@ -447,12 +557,18 @@ def load_trainer(ckpt: Path, trainer, rank: int, world: int, state: dict | None 
                            f"{state.get('distributed_optimizer', False)}; set it the same to resume")
     check_base(ckpt, state.get("base"), base_identity(trainer))
     trainer.load_checkpoint_weights(state["model"])
+    if plan.resharded and trainer.cfg.distributed_optimizer:
+        trainer.load_optimizer_state(trainer.reshard_optimizer_state([states[r]["optimizer"] for r in plan.trainers]))
+        if state_digest(trainer.checkpoint_weights()) != state_digest(state["model"]):
+            raise RuntimeError(f"{ckpt}: the restored weights do not hash to rank {source}'s as written")
+        return int(state["step"]), (f"weights bitwise as written, the distributed optimizer's state re-sharded from "
+                                    f"DP {plan.saved.dp} to DP {trainer.dp_size}")
     trainer.load_optimizer_state(state["optimizer"])
-    want = json.loads((ckpt / f"done_rank{rank}").read_text())["sha256"]
+    want = json.loads((ckpt / f"done_rank{source}").read_text())["sha256"]
     if trainer_digest(trainer) != want:
-        raise RuntimeError(f"{ckpt}: rank {rank}'s restored weights and optimizer state do not hash to what was "
+        raise RuntimeError(f"{ckpt}: rank {source}'s restored weights and optimizer state do not hash to what was "
                            "written with them: the checkpoint is damaged")
-    return int(state["step"])
+    return int(state["step"]), "weights and optimizer state bitwise as written"
 
 
 def check_base(ckpt: Path, saved: dict | None, live: dict | None) -> None:
@@ -468,11 +584,28 @@ def check_base(ckpt: Path, saved: dict | None, live: dict | None) -> None:
                            f"({live['sha256'][:12]}...): resume with the base the adapter was trained on")
 
 
-def load_controller(ckpt: Path, controller, dp_rank: int) -> None:
+def load_controller(ckpt: Path, controller, dp_rank: int, plan: ResumePlan | None = None, dp_size: int = 1) -> None:
+    """Restore DP group `dp_rank`'s data position and sampler buffer. At another DP size
+    (`plan.resharded`): every old group's position goes into the re-split of the data
+    (`PromptSource.resplit`), the buffered groups of old groups `plan.buffers` come here, and the
+    valid-rate estimate is their mean."""
     from safetensors.torch import load_file
 
-    state = json.loads((ckpt / f"controller_dp{dp_rank}.json").read_text())
-    load_controller_state(controller, state, load_file(str(ckpt / f"controller_dp{dp_rank}.safetensors")))
+    if plan is None or not plan.resharded:
+        d = plan.positions[0] if plan and plan.positions else dp_rank
+        state = json.loads((ckpt / f"controller_dp{d}.json").read_text())
+        load_controller_state(controller, state, load_file(str(ckpt / f"controller_dp{d}.safetensors")))
+        return
+    old = [json.loads((ckpt / f"controller_dp{d}.json").read_text()) for d in plan.positions]
+    tensors, buffer = {}, []
+    for d in plan.buffers:  # their groups' tensors under names of their own: "d:i.<member>"
+        for k, v in load_file(str(ckpt / f"controller_dp{d}.safetensors")).items():
+            tensors[f"{d}:{k}"] = v
+        buffer += [g | {"index": f"{d}:{g['index']}"} for g in old[d]["sampler"]["buffer"]]
+    rates = [float(s["sampler"]["valid_rate"]) for s in old]
+    state = {"source": controller.source.resplit([s["source"] for s in old], dp_rank, dp_size),
+             "sampler": {"valid_rate": sum(rates) / len(rates), "buffer": buffer}}
+    load_controller_state(controller, state, tensors)
 
 
 def drop_lines_after(path: Path, step: int) -> None:

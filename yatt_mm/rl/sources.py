@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dataio.blend import BlendedReader
 from dataio.reader import DataReader, Sample
+from dataio.resplit import resplit
 from yatt_mm.rl.balance import Move
 from yatt_mm.rl.distributed import exchange
 from yatt_mm.rl.samples import Prompt
@@ -57,6 +58,11 @@ class PromptSource:
         question or answer), a blend's also by source: the same keys on every DP group."""
         names = ["skipped", "skipped_no_question", "remote_retries"] + [f"{n}/skipped" for n in self.names]
         return dict.fromkeys(names, 0.0)
+
+    def resplit(self, states: list[dict], dp_rank: int, dp_size: int) -> dict:
+        """This DP group's state, for a resume at another DP size, from every old group's
+        `state_dict()` (dataio/resplit.py)."""
+        raise ValueError(f"{type(self).__name__} resumes at the DP size its checkpoint was written at only")
 
 
 class ParallelSource(PromptSource):
@@ -103,6 +109,13 @@ class ParallelSource(PromptSource):
 
     def state_dict(self) -> dict:
         return {"reader": self.reader.state_dict(), "skipped_no_question": self.skipped_no_question}
+
+    def resplit(self, states: list[dict], dp_rank: int, dp_size: int) -> dict:
+        """The rest of each unfinished epoch re-split over `dp_size` groups; old group d's
+        counts go to group d % dp_size, so their sums stay."""
+        return {"reader": resplit([s["reader"] for s in states], dp_rank, dp_size),
+                "skipped_no_question": sum(int(s.get("skipped_no_question", 0)) for d, s in enumerate(states)
+                                           if d % dp_size == dp_rank)}
 
     def load_state_dict(self, state: dict) -> None:
         self.reader.load_state_dict(state["reader"])

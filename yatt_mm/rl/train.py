@@ -34,7 +34,7 @@ from yatt_mm.reward.judges import build_judges
 from yatt_mm.reward.rewarder import Rewarder
 from yatt_mm.reward.teacher import InProcessTeacher, build_teacher
 from yatt_mm.rl.actor import Actor
-from yatt_mm.rl.checkpoint import Checkpointer, NoUsableCheckpoint
+from yatt_mm.rl.checkpoint import Checkpointer, Layout, NoUsableCheckpoint
 from yatt_mm.rl.config import RLConfig
 from yatt_mm.rl.evaluation import read_held_out
 from yatt_mm.rl.controller import Controller
@@ -65,7 +65,9 @@ class Run:
         self.metrics = MetricsWriter(self.run_dir, ranks.rank, cfg.metrics.tensorboard, cfg.metrics.wandb, cfg, plot_run)
         self.timeline = Timeline(ranks.rank, self.run_dir / f"timeline_rank{ranks.rank}.jsonl")
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", ranks.rank, ranks.world,
-                                         cfg.run.keep_checkpoints, attempt_id())
+                                         cfg.run.keep_checkpoints, attempt_id(), Layout(
+                                             ranks.tp_size, ranks.cp_size, ranks.pp_size, ranks.ep_size,
+                                             ranks.dp_size, trainer_cfg.distributed_optimizer))
         self.policy_dir = str(check_hf_dir(cfg.policy.model))
         self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer, cfg.policy.lora, cfg.policy.freeze_vision)
         processor = AutoProcessor.from_pretrained(self.policy_dir)
@@ -209,9 +211,9 @@ def train(cfg: RLConfig) -> int:
 
 
 def resume(run: Run) -> int:
-    logs = [run.run_dir / "metrics.jsonl"] if run.ranks.rank == 0 else []
-    if run.ranks.leader:
-        logs.append(run.run_dir / f"consumed_rank{run.ranks.rank}.jsonl")
+    # rank 0 trims every log, the lineage of DP groups this run may no longer have too
+    logs = [run.run_dir / "metrics.jsonl", *sorted(run.run_dir.glob("consumed_rank*.jsonl"))] \
+        if run.ranks.rank == 0 else []
     step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run, -1), logs,
                                    group=run.ranks.world_cpu)
     if run.controller is not None:

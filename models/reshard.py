@@ -1,0 +1,72 @@
+"""The distributed optimizer's state carried to another DP size.
+
+Megatron's distributed optimizer gives each DP rank a contiguous range of each gradient bucket;
+the fp32 main weights and Adam moments a rank steps are 1-D slices of whole parameters, and
+where those slices fall depends on the DP size. A rank's checkpoint therefore names, beside its
+shards, which parameter and which element range each shard is (`shard_places`). Resuming at
+another DP size puts every parameter's state together from the old ranks' shards (`stitch`)
+and cuts it again as this rank's optimizer owns it (`cut`), in the form
+`VLMTrainer.load_optimizer_state` reads: no format of our own beside Megatron's, and the same
+load path as a resume at the same size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Whole = dict[str, dict[str, torch.Tensor]]  # parameter name -> {"param", "exp_avg", ...} (1-D, whole)
+
+
+def shard_places(opt, module) -> list[list]:
+    """[name, start, end] of each main-weight shard of a Megatron DistributedOptimizer `opt`, in
+    its param groups' order (the order of the torch optimizer's state indices)."""
+    names = {p: n for n, p in module.named_parameters()}
+    at = {place: p for p, place in opt.model_param_group_index_map.items()}  # (group, order) -> model param
+    out = []
+    for g, group in enumerate(opt.optimizer.param_groups):
+        for o in range(len(group["params"])):
+            p = at[(g, o)]
+            r = opt._get_model_param_range_map(p)["param"]
+            out.append([names[p], int(r.start), int(r.end)])
+    return out
+
+
+def stitch(shards: list[dict], numel: dict[str, int]) -> tuple[Whole, torch.Tensor | None]:
+    """Whole parameters' main weights and Adam moments from one inner optimizer's shards of
+    every old DP rank (each {"state", "params", "places"}), and Adam's step count."""
+    whole: Whole = {}
+    step = None
+    for shard in shards:
+        adam = shard["state"]["state"]
+        for j, (name, start, end) in enumerate(shard["places"]):
+            moments = {k: v for k, v in adam.get(j, {}).items() if k != "step"}
+            step = adam.get(j, {}).get("step", step)
+            for key, v in {"param": shard["params"][j], **moments}.items():
+                buf = whole.setdefault(name, {}).setdefault(key, torch.zeros(numel[name], dtype=v.dtype))
+                buf[start:end] = v.reshape(-1)
+    return whole, step
+
+
+def cut(whole: Whole, step: torch.Tensor | None, opt, module) -> dict:
+    """This rank's shard of one inner optimizer, as `optimizer_state()` writes it."""
+    places = shard_places(opt, module)
+    state, params = {}, []
+    for j, (name, start, end) in enumerate(places):
+        params.append(whole[name]["param"][start:end].clone())
+        moments = {k: v[start:end].clone() for k, v in whole[name].items() if k != "param"}
+        if moments:
+            state[j] = {"step": step.clone(), **moments}
+    groups = opt.optimizer.state_dict()["param_groups"]  # this rank's params, the run's hyperparameters
+    return {"state": {"state": state, "param_groups": groups}, "params": params, "places": places}
+
+
+def reshard(saved: list[dict], optimizer, module, inner: list) -> dict:
+    """This rank's optimizer state from `saved`, the states written by every old DP rank of this
+    rank's TP/PP position (their `optimizer_state()`), in DP order."""
+    numel = {n: p.numel() for n, p in module.named_parameters()}
+    optimizer.load_state_dict(saved[0]["megatron"])  # hyperparameters first: `cut` keeps this rank's
+    shards = []
+    for i, opt in enumerate(inner):
+        whole, step = stitch([s["shards"][i] for s in saved], numel)
+        shards.append(cut(whole, step, opt, module))
+    return {"megatron": saved[0]["megatron"], "shards": shards}
