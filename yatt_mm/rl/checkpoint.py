@@ -97,18 +97,26 @@ class ResumePlan:
     buffers: list[int] = field(default_factory=list)
     saved: Layout | None = None
     resharded: bool = False  # the DP size changed
+    convert: bool = False  # TP, PP or CP changed: through HF names (yatt_mm/rl/relayout.py)
 
 
 def resume_plan(ckpt: Path, saved: Layout, live: Layout, rank: int) -> ResumePlan:
-    """How rank `rank` of a run at `live` resumes from a checkpoint written at `saved`: only the
-    number of DP groups may differ (an error naming both layouts otherwise)."""
+    """How rank `rank` of a run at `live` resumes from a checkpoint written at `saved`. The number
+    of DP groups may differ; with the distributed optimizer and without expert parallelism, so
+    may TP, PP and CP (the checkpoint is converted). Otherwise an error names both layouts."""
     t, c, d, p = live.place(rank)
     if saved == live:
         return ResumePlan([rank], [d], [d], saved)
-    fixed = ("tp", "cp", "pp", "ep", "distributed_optimizer")
-    if any(getattr(saved, k) != getattr(live, k) for k in fixed):
+    data = (list(range(saved.dp)), [dd for dd in range(saved.dp) if dd % live.dp == d]) if saved.dp != live.dp \
+        else ([d], [d])
+    inside = any(getattr(saved, k) != getattr(live, k) for k in ("tp", "cp", "pp", "ep"))
+    if inside and saved.distributed_optimizer == live.distributed_optimizer and live.distributed_optimizer \
+            and saved.ep == live.ep == 1:
+        return ResumePlan([], *data, saved, resharded=saved.dp != live.dp, convert=True)
+    if inside or saved.distributed_optimizer != live.distributed_optimizer:
         raise RuntimeError(f"{ckpt} was written at {saved.describe()}; this run has {live.describe()}: only the number "
-                           "of DP groups may change between save and resume (docs/checkpoints.md): set the others as "
+                           "of DP groups may change between save and resume, and with the distributed optimizer "
+                           "and no expert parallelism also TP, PP and CP (docs/checkpoints.md): set the others as "
                            "they were")
     if live.distributed_optimizer and live.ep > 1:
         raise RuntimeError(f"{ckpt} was written at DP {saved.dp}; this run has DP {live.dp}: with expert parallelism "
@@ -117,8 +125,7 @@ def resume_plan(ckpt: Path, saved: Layout, live: Layout, rank: int) -> ResumePla
         trainers = [saved.rank(t, c, dd, p) for dd in range(saved.dp)]
     else:  # every DP rank held the whole state: the one at this rank's expert shard (d % EP) has it
         trainers = [saved.rank(t, c, d % saved.ep, p)]
-    return ResumePlan(trainers, list(range(saved.dp)), [dd for dd in range(saved.dp) if dd % live.dp == d],
-                      saved, resharded=True)
+    return ResumePlan(trainers, *data, saved, resharded=True)
 
 
 def state_digest(state: dict) -> str:
@@ -246,6 +253,14 @@ class Checkpointer:
                 drop_lines_after(path, -1)
             return 0
         plan, states = read
+        if plan.convert:  # the first rank writes the checkpoint in HF names once; every rank reads it
+            if self.rank == 0:
+                from yatt_mm.rl.relayout import convert
+
+                print(f"converting {ckpt} from {plan.saved.describe()} to {self.layout.describe()}", flush=True)
+                convert(ckpt)
+            if group is not None:
+                dist.barrier(group=group)
         step, how = load_trainer_as(ckpt, trainer, plan, states)
         sync_weights()
         if controller is not None:
@@ -257,6 +272,9 @@ class Checkpointer:
             if plan.resharded:
                 print(f"resumed at another layout: written at {plan.saved.describe()}, now {self.layout.describe()}; "
                       f"the rest of each unfinished epoch is re-split across the {self.layout.dp} DP group(s)", flush=True)
+            elif plan.convert:
+                print(f"resumed at another layout: written at {plan.saved.describe()}, now {self.layout.describe()}; "
+                      "the data positions are kept", flush=True)
         return step
 
     def choose(self, controller: bool, group=None) -> tuple[Path | None, tuple[ResumePlan, dict] | None]:
@@ -541,6 +559,8 @@ def load_trainer_as(ckpt: Path, trainer, plan: ResumePlan, states: dict[int, dic
     """Restore this rank's model shard and optimizer state as `plan` says, from the trainer
     states read (`verify_files`); checks the layout, then that the live state hashes to what was
     written (bit for bit). Returns the step and what was restored, in words."""
+    if plan.convert:
+        return load_converted_trainer(ckpt, trainer, plan)
     source = plan.trainers[0]
     state = states[source]
     layout = (state["tensor_parallel"], state.get("pipeline_parallel", 1))
@@ -569,6 +589,18 @@ def load_trainer_as(ckpt: Path, trainer, plan: ResumePlan, states: dict[int, dic
         raise RuntimeError(f"{ckpt}: rank {source}'s restored weights and optimizer state do not hash to what was "
                            "written with them: the checkpoint is damaged")
     return int(state["step"]), "weights and optimizer state bitwise as written"
+
+
+def load_converted_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, str]:
+    """Weights and optimizer state from the checkpoint in HF names (yatt_mm/rl/relayout.py)."""
+    from yatt_mm.rl.relayout import converted_dir, load_converted
+
+    if trainer.lora is not None:
+        raise RuntimeError(f"{ckpt} holds a LoRA adapter: only its DP size may change on resume")
+    load_converted(ckpt, trainer)
+    step = int((converted_dir(ckpt) / "done").read_text().split()[1])
+    return step, (f"weights and the distributed optimizer's state converted from {plan.saved.describe()} "
+                  f"through HF names")
 
 
 def check_base(ckpt: Path, saved: dict | None, live: dict | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from yatt_mm.rl.checkpoint import Layout, _complete_markers, _verify_trainer_file, check_base, resume_plan
@@ -44,7 +45,18 @@ def run_config(ckpt: Path):
     return load(RLConfig, str(path), [])
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False) -> int:
+def check_relayout(ckpt: Path, saved: Layout, lora: bool) -> None:
+    """What a resume at another TP/PP/CP size (yatt_mm/rl/relayout.py) can carry over, else why not."""
+    if not saved.distributed_optimizer:
+        raise ValueError(f"{ckpt} was written without policy.trainer.distributed_optimizer: only its DP size may "
+                         "change on resume")
+    if lora:
+        raise ValueError(f"{ckpt} holds a LoRA adapter: only its DP size may change on resume")
+    if saved.ep > 1:
+        raise ValueError(f"{ckpt} was written at expert parallelism {saved.ep}: only its DP size may change on resume")
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, with_optimizer: bool = False) -> int:
     """The launcher: check, then run the export here (one rank) or as ranks under torchrun."""
     from yatt_mm.launch import relaunch, under_torchrun
 
@@ -53,35 +65,62 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False) ->
     cfg = run_config(ckpt)
     if merge and not cfg.policy.lora.enabled:
         raise ValueError(f"{ckpt} holds every weight (its run had no policy.lora): --merge is for LoRA checkpoints")
+    if with_optimizer:
+        check_relayout(ckpt, saved, cfg.policy.lora.enabled)
     live = export_layout(saved)
-    args = [str(ckpt), "--out", str(out)] + (["--merge"] if merge else [])
+    args = [str(ckpt), "--out", str(out)] + (["--merge"] if merge else []) + (["--with-optimizer"] if with_optimizer
+                                                                               else [])
     if live.world == 1 or under_torchrun():
-        return export_rank(ckpt, Path(out), merge)
+        return export_rank(ckpt, Path(out), merge, with_optimizer)
     return relaunch("yatt_mm.rl.export", live.world, args)
 
 
-def export_rank(ckpt: Path, out: Path, merge: bool) -> int:
+def export_rank(ckpt: Path, out: Path, merge: bool, with_optimizer: bool = False) -> int:
+    """One rank's part (`with_optimizer`: a resume's conversion, yatt_mm/rl/relayout.py: the weights
+    under `out/model`, the optimizer state beside them)."""
     import torch.distributed as dist
 
     from models.comm import init_parallel
     from models.hf_io import save_hf_dir
     from models.lora import save_adapter_dir
     from models.trainer import VLMTrainer
-    from yatt_mm.rl.checkpoint import base_identity, state_digest
+    from yatt_mm.rl.checkpoint import base_identity, load_trainer_as, state_digest, verify_files
 
     saved, cfg = checkpoint_layout(ckpt), run_config(ckpt)
-    trainer_cfg = cfg.policy.trainer
     ranks = init_parallel(saved.tp, cfg.run.seed, saved.pp, saved.ep, saved.cp)
-    live = export_layout(saved)
-    source = resume_plan(ckpt, saved, live, ranks.rank).trainers[0]
-    state, reason = _verify_trainer_file(ckpt, source)
+    plan = resume_plan(ckpt, saved, export_layout(saved), ranks.rank)
+    source = plan.trainers[0]
+    if not with_optimizer:
+        plan.trainers = [source]  # the weights only: the first old DP rank's file
+    states, reason = verify_files(ckpt, plan, controller=False)
     if reason is not None:
         raise RuntimeError(f"{ckpt} cannot be exported: {reason}")
+    state = states[source]
+    # the layout that wrote the checkpoint (config.yaml holds the newest launch's, which may be another)
+    trainer_cfg = replace(cfg.policy.trainer, tensor_parallel=saved.tp, pipeline_parallel=saved.pp,
+                          context_parallel=saved.cp, expert_parallel=saved.ep,
+                          distributed_optimizer=saved.distributed_optimizer,
+                          pipeline_layers=list(state.get("pipeline_layers", [])))
     trainer = VLMTrainer(cfg.policy.model, trainer_cfg, cfg.policy.lora, cfg.policy.freeze_vision)
+    if with_optimizer:
+        load_trainer_as(ckpt, trainer, plan, states)  # the optimizer's shards put together at DP 1 too
     check_base(ckpt, state.get("base"), base_identity(trainer))
     trainer.load_checkpoint_weights(state["model"])
     if state_digest(trainer.checkpoint_weights()) != state_digest(state["model"]):
         raise RuntimeError(f"{ckpt}: the loaded weights do not hash to rank {source}'s as written")
+    if with_optimizer:
+        from yatt_mm.rl.relayout import write_optimizer
+
+        out.mkdir(parents=True, exist_ok=True)
+        weights = trainer.export_hf()
+        if ranks.rank == 0:
+            save_hf_dir(weights, cfg.policy.model, out / "model")
+        write_optimizer(trainer, out, ranks.rank == 0)
+        if dist.is_initialized():
+            dist.barrier()
+        if ranks.rank == 0:
+            (out / "done").write_text(f"step {state['step']}\n")
+        return 0
     if trainer.lora is not None and not merge:
         adapter = trainer.export_adapter()  # collective over TP and PP
         if ranks.rank == 0:
@@ -102,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--merge", action="store_true")
+    p.add_argument("--with-optimizer", action="store_true")
     a = p.parse_args(argv)
-    return export_rank(Path(a.checkpoint), Path(a.out), a.merge)
+    return export_rank(Path(a.checkpoint), Path(a.out), a.merge, a.with_optimizer)
 
 
 if __name__ == "__main__":

@@ -214,8 +214,19 @@ def resume(run: Run) -> int:
     # rank 0 trims every log, the lineage of DP groups this run may no longer have too
     logs = [run.run_dir / "metrics.jsonl", *sorted(run.run_dir.glob("consumed_rank*.jsonl"))] \
         if run.ranks.rank == 0 else []
-    step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, lambda: sync_weights(run, -1), logs,
-                                   group=run.ranks.world_cpu)
+    # with policy.trainer.offload the trainer waits on the host from the start: a checkpoint loads into
+    # its own storage, so it comes back for the load and goes again before the sync's phase takes it
+    released = run.trainer.offloaded
+    run.trainer.acquire()
+
+    def sync() -> None:
+        if released:
+            run.trainer.release()
+        sync_weights(run, -1)
+
+    step = run.checkpointer.resume(run.trainer, run.controller, run.ranks.dp_rank, sync, logs, group=run.ranks.world_cpu)
+    if released and not run.trainer.offloaded:  # no checkpoint: nothing was loaded, nothing synced
+        run.trainer.release()
     if run.controller is not None:
         run.controller.policy_version = step  # the engine now holds the weights of `step` steps
     dist.barrier(group=run.ranks.world_cpu)

@@ -1,0 +1,112 @@
+"""A checkpoint carried to another TP, PP or CP size, through Hugging Face names.
+
+A rank's trainer file holds its TP shard of its pipeline stage, in Megatron's names and fused
+layouts, so another TP/PP/CP layout cannot read it directly. The model's HF names are the one form
+that does not depend on the layout, and yatt-mm already converts both ways for every family (the
+weight sync exports HF tensors from any layout; a run loads an HF directory into any layout). The
+optimizer state goes the same way: Adam's moments and the fp32 main weights have the parameters'
+shapes and are moved element for element, so each is exported as if it were the weights (through
+an fp32 copy of the model) and loaded back as if it were.
+
+1. `convert` (once, by the first rank that resumes): `yatt-mm export CKPT --with-optimizer` on this
+   machine's CPU, with the ranks of the layout that wrote the checkpoint, writes
+   `CKPT/converted/`: `model/` (the weights), `optimizer_{param,exp_avg,exp_avg_sq}/` (HF
+   directories of the optimizer's state) and `optimizer.pt` (Adam's step and Megatron's
+   hyperparameters), then `done`.
+2. `load_converted` (every rank): the weights loaded into its own layout, the optimizer state
+   loaded into an fp32 copy of the model per key and cut as this rank's distributed optimizer owns
+   it (models/reshard.py), then restored through the trainer's usual path.
+
+With the distributed optimizer only (the default; the state is per parameter there), without LoRA
+(an adapter's own names are another conversion), and without expert parallelism on either side.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+KEYS = ("param", "exp_avg", "exp_avg_sq")
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def converted_dir(ckpt: Path) -> Path:
+    return Path(ckpt) / "converted"
+
+
+def convert(ckpt: Path) -> Path:
+    """`CKPT/converted/`, written now unless an earlier resume wrote it whole. Runs the export on the
+    CPU in processes of its own (the layout that wrote the checkpoint), outside this run's groups."""
+    out = converted_dir(ckpt)
+    if (out / "done").is_file():
+        return out
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a conversion, not training: gloo on the CPU, whatever the machine has
+    cmd = [sys.executable, "-m", "yatt_mm.cli", "export", str(ckpt), "--out", str(out), "--with-optimizer"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"converting {ckpt} to this run's layout failed (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-2000:]}")
+    return out
+
+
+def write_optimizer(trainer, out: Path, rank0: bool) -> None:
+    """The optimizer state of `trainer` (at DP 1: each rank's shards are its parameters whole) in
+    HF names, one directory per key, and its step and hyperparameters (a collective over TP/PP)."""
+    from models.family import family_of
+    from models.optimizer import inner_optimizers
+    from models.reshard import stitch
+    from models.trainer import build_module
+
+    state = trainer.optimizer_state()
+    numel = {n: p.numel() for n, p in trainer.module.named_parameters()}
+    whole, step = {}, None
+    for shard in state["shards"]:
+        part, s = stitch([shard], numel)
+        whole.update(part)
+        step = s if s is not None else step
+    carrier = build_module(trainer.hf_dir, trainer.spec, replace(trainer.cfg, dtype="fp32"))
+    family = family_of(trainer.spec)
+    for key in KEYS:
+        with torch.no_grad():
+            for name, p in carrier.named_parameters():
+                if name in whole and key in whole[name]:
+                    p.copy_(whole[name][key].view(p.shape))
+        tensors = {k: t for bucket in family.export_hf_buckets(carrier, trainer.tp_group, torch.float32, None)
+                   for k, t in bucket.items()}
+        if rank0:
+            from models.hf_io import save_hf_dir
+
+            save_hf_dir(tensors, trainer.hf_dir, out / f"optimizer_{key}")
+    if rank0:
+        torch.save({"megatron": state["megatron"], "step": step, "inner": len(inner_optimizers(trainer.optimizer))},
+                   out / "optimizer.pt")
+
+
+def load_converted(ckpt: Path, trainer) -> None:
+    """This rank's weights and optimizer state from `CKPT/converted/`, at this run's layout."""
+    from models.family import family_of
+    from models.optimizer import inner_optimizers
+    from models.reshard import cut
+    from models.trainer import build_module
+
+    conv = converted_dir(ckpt)
+    family = family_of(trainer.spec)
+    tp_rank, tp = trainer.tp_rank, trainer.cfg.tensor_parallel
+    family.load_hf_into(trainer.module, conv / "model", tp_rank, tp)
+    carrier = build_module(str(conv / "model"), trainer.spec, replace(trainer.cfg, dtype="fp32"))
+    whole: dict[str, dict[str, torch.Tensor]] = {}
+    for key in KEYS:
+        family.load_hf_into(carrier, conv / f"optimizer_{key}", tp_rank, tp)
+        for name, p in carrier.named_parameters():
+            whole.setdefault(name, {})[key] = p.detach().reshape(-1).clone()
+    meta = torch.load(conv / "optimizer.pt", map_location="cpu", weights_only=True)
+    trainer.optimizer.load_state_dict(meta["megatron"])  # hyperparameters first: `cut` keeps this rank's
+    shards = [cut(whole, meta["step"], opt, trainer.module) for opt in inner_optimizers(trainer.optimizer)]
+    trainer.load_optimizer_state({"megatron": meta["megatron"], "shards": shards})
