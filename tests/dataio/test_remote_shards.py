@@ -246,13 +246,18 @@ def test_the_local_cache_serves_later_epochs_within_its_size_limit(s3_dataset, p
     assert sorted(again) == sorted(first) and not proxy.ranged_gets(), (proxy.requests, cached.decoder.remote.cache_hits)
     spans = [reader.decoder.span(i) for i in range(24)]
     total = sum(end - start for _, start, end in spans)
-    limit = total // 3
+    import diskcache
+
+    with diskcache.Cache(str(tmp_path / "empty")) as empty:
+        overhead = empty.volume()  # SQLite's own pages count against the limit: 32 KiB when empty
+    # half the data besides: diskcache culls up to 10 entries at once, so with a third of the data
+    # alone (the database itself 32-45 KiB of it) a cull could leave 0 of the 7 KB samples, and this
+    # failed in 1 run of 3
+    limit = overhead + total // 2
     small = DataReader(_cfg([url], workers=2, read_cache_dir=str(tmp_path / "small"), read_cache_gb=limit / 2**30))
     proxy.reset_counts()
     assert sorted(_read(small)) == sorted(first) and len(proxy.ranged_gets()) == 24, proxy.requests
-    import diskcache
-
     with diskcache.Cache(str(tmp_path / "small")) as cache:
-        assert 0 < len(cache) < 24
+        assert 0 < len(cache) < 24, (len(cache), cache.volume(), limit)
         kept = sum(len(cache[k]) for k in cache.iterkeys())
-    assert 0 < kept <= limit, (kept, limit)
+    assert 0 < kept <= limit - overhead < total, (kept, limit, overhead, total)

@@ -325,6 +325,14 @@ def test_which_files_a_rank_reads_at_another_dp_size_and_which_changes_are_refus
     with pytest.raises(RuntimeError, match=r"written at DP 2 x TP 1 x PP 1 x CP 1, distributed_optimizer=false; "
                                            r"this run has DP 1 x TP 2 x PP 1 x CP 1, .*only the number of DP groups"):
         resume_plan(tmp_path, at(), at(dp=1, tp=2), rank=0)
+    # with the distributed optimizer TP, PP and CP may change: through HF names (yatt_mm/rl/relayout.py)
+    sharded_at = lambda **kw: at(distributed_optimizer=True, **kw)  # noqa: E731
+    tp_change = resume_plan(tmp_path, sharded_at(tp=2, dp=1), sharded_at(dp=1, pp=2), rank=1)
+    assert (tp_change.convert, tp_change.resharded, tp_change.trainers, tp_change.positions) == (True, False, [], [0])
+    both = resume_plan(tmp_path, sharded_at(tp=2, dp=2), sharded_at(tp=1, dp=1), rank=0)
+    assert both.convert and both.resharded and both.positions == [0, 1] and both.buffers == [0, 1]
+    with pytest.raises(RuntimeError, match="only the number of DP groups"):
+        resume_plan(tmp_path, sharded_at(ep=2), sharded_at(ep=1), rank=0)
     with pytest.raises(RuntimeError, match="with expert parallelism and the distributed optimizer"):
         resume_plan(tmp_path, at(dp=4, ep=2, distributed_optimizer=True), at(ep=2, distributed_optimizer=True), 0)
 
