@@ -405,7 +405,7 @@ def test_the_single_controller_baseline_reads_the_whole_dataset_for_every_group(
     assert sorted(drawn["consumed_rank0.jsonl"]) == sorted((0, k) for k in open_dataset([str(tmp_path / "train")]).sample_key)
 
 
-@pytest.mark.slow  # ~70 s; the trainer's PP equality and parity tests run in make test
+@pytest.mark.slow  # ~60 s; the trainer's PP equality and parity tests run in make test
 def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp_path, warm_policy):
     """PP=2 on 2 ranks: one DP group whose controller (stage 0) broadcasts the samples to stage 1;
     old logprobs go through the pipeline forward only, the update through Megatron's 1F1B
@@ -413,15 +413,19 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     probe after each sync (scored through both stages) equals vLLM's, and the bytes synced are
     the whole model. With the GPU memory order on (trainer offloaded, engine put to sleep), a
     mini-batch split (so old logprobs are their own pass) and the final export from both stages;
-    `yatt-mm export` of the run's last checkpoint writes the same model as the final export."""
+    `yatt-mm export` of the run's last checkpoint writes the same model as the final export, and
+    so does that checkpoint resumed at PP 1 (converted through HF names)."""
+    import shutil
+
     from safetensors.torch import load_file
 
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "policy.trainer.pipeline_parallel=2", "eval.every=0",
-                   "policy.trainer.offload=always", "rollout.engine.release=sleep", "rollout.prompts_per_step=4",
-                   "reward.judges=[]", "sync.bucket_mb=0.5", "algorithm.mini_batches=2", "run.checkpoint_every=2",
-                   policy=warm_policy, audit=True)
+    settings = ["run.steps=2", "eval.every=0", "policy.trainer.offload=always", "rollout.engine.release=sleep",
+                "rollout.prompts_per_step=4", "reward.judges=[]", "sync.bucket_mb=0.5", "algorithm.mini_batches=2",
+                "run.checkpoint_every=2"]
+    cmd = _tiny_rl(run_dir, tmp_path / "train", *settings, "policy.trainer.pipeline_parallel=2", policy=warm_policy,
+                   audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 1 x PP 2" in proc.stdout
@@ -441,6 +445,18 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     assert f"policy of step 2 written to {tmp_path / 'exported'}" in export.stdout
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     assert exported.keys() == final.keys() and all(exported[k].equal(final[k]) for k in final)
+    # the same checkpoint resumed at PP 1 on one rank (converted through HF names), with nothing
+    # left to train: its final export is the PP 2 run's, bit for bit
+    pp1_dir = tmp_path / "pp1"
+    shutil.copytree(run_dir, pp1_dir, ignore=shutil.ignore_patterns(".lock*", "final"))
+    one = _tiny_rl(pp1_dir, tmp_path / "train", *settings, policy=warm_policy)
+    one[one.index("--nproc") + 1] = "1"
+    pp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert pp1.returncode == 0, (pp1.stdout[-3000:], pp1.stderr[-5000:])
+    assert (f"resumed from {pp1_dir / 'checkpoints' / 'step_2'} (step 2; weights and the distributed optimizer's "
+            "state converted from DP 1 x TP 1 x PP 2 x CP 1") in pp1.stdout, pp1.stdout[-3000:]
+    again = load_file(pp1_dir / "final" / "model.safetensors")
+    assert again.keys() == final.keys() and all(again[k].equal(final[k]) for k in final)
 
 
 def _assert_collectives_name_their_groups(run_dir, at_least: int = 20) -> list[dict]:
