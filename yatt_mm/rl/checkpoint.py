@@ -12,14 +12,22 @@ while the next step's rollout runs:
         controller_dp{d}.json           the DP group's data position (reader state) and the
                                         dynamic sampler's valid-rate estimate and buffer
         controller_dp{d}.safetensors    media of the groups waiting in that buffer
-        done_rank{r}                    written last: the attempt's id, the world size, and a
-                                        SHA-256 of the rank's weights and optimizer state
+        done_rank{r}                    written last: the attempt's id, the world size and the
+                                        layout (DP, TP, PP, CP, EP sizes, the optimizer setting),
+                                        and a SHA-256 of the rank's weights and optimizer state
 
 Every file is written under a temporary name, fsynced and renamed, and the directory fsynced,
 before the marker is (itself the same way): a marker on disk means its files are. A checkpoint
-is complete when every rank's marker exists and all carry the same attempt id (one launch of the
-run), so markers left by a crashed attempt never complete a checkpoint that a later attempt
-rewrites. `latest_complete` picks the newest complete one and says which partial ones it skips.
+is complete when every rank of one attempt (one launch of the run, of the world size its markers
+name) left its marker, so markers left by a crashed attempt never complete a checkpoint that a
+later attempt rewrites. `latest_complete` picks the newest complete one and says which partial
+ones it skips.
+
+A run may resume at another layout (`resume_plan`): at another number of DP groups each rank
+reads the files of its TP/PP place (with the distributed optimizer, every old DP rank's there,
+re-sharded by models/reshard.py) and each controller every old group's data position (re-split by
+dataio/resplit.py); at another TP, PP or CP size the checkpoint is converted once through HF
+names (yatt_mm/rl/relayout.py).
 
 A complete checkpoint can still be damaged after the fact (a disk or a copy that cut a file
 short, a file edited or lost): resume verifies each rank's own files before it trusts them (the
@@ -292,7 +300,7 @@ class Checkpointer:
         newer one skipped and why, with every rank's reasons gathered."""
         say = print if self.rank == 0 else (lambda _: None)
         dirs = list(reversed(_step_dirs(self.root)))
-        complete = [d for d in dirs if _complete_markers(d) is not None]
+        complete = [d for d in dirs if complete_markers(d) is not None]
         if not complete:
             for d in dirs:
                 say(_incomplete_message(d, self.world))
@@ -337,7 +345,7 @@ class Checkpointer:
         return chosen, kept[1]  # this rank's answer was the agreed one: its state is kept
 
     def _plan(self, ckpt: Path) -> ResumePlan:
-        markers = _complete_markers(ckpt)
+        markers = complete_markers(ckpt)
         saved = markers[0].get("layout")
         if saved is None:  # written before checkpoints recorded their layout: the same world only
             if markers[0]["world"] != self.world:
@@ -389,7 +397,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the newest `keep` complete checkpoints, and anything newer (being written)."""
-        complete = [d for d in _step_dirs(self.root) if _complete_markers(d) is not None]
+        complete = [d for d in _step_dirs(self.root) if complete_markers(d) is not None]
         for d in complete[: max(len(complete) - self.keep, 0)]:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -428,7 +436,7 @@ def _markers(d: Path) -> dict[int, dict]:
     return out
 
 
-def _complete_markers(d: Path) -> dict[int, dict] | None:
+def complete_markers(d: Path) -> dict[int, dict] | None:
     """The markers of the attempt (one launch) that finished `d` on every one of its ranks, by
     rank; None when no attempt did. A marker says how many ranks its attempt had, so a
     checkpoint written at another world size is complete too (resume decides whether it fits).
@@ -461,7 +469,7 @@ def latest_complete(root: Path, world: int, say=print) -> Path | None:
     or markers of different attempts) are skipped, and `say` tells which (`world`: the ranks
     expected when no marker says)."""
     for d in reversed(_step_dirs(root)):
-        if _complete_markers(d) is not None:
+        if complete_markers(d) is not None:
             return d
         say(_incomplete_message(d, world))
     return None
@@ -488,7 +496,7 @@ def verify_files(ckpt: Path, plan: ResumePlan, controller: bool) -> tuple[dict[i
 
     states = {}
     for rank in plan.trainers:
-        state, reason = _verify_trainer_file(ckpt, rank)
+        state, reason = verify_trainer_file(ckpt, rank)
         if reason is not None:
             return None, reason
         states[rank] = state
@@ -505,7 +513,9 @@ def verify_files(ckpt: Path, plan: ResumePlan, controller: bool) -> tuple[dict[i
     return states, None
 
 
-def _verify_trainer_file(ckpt: Path, rank: int) -> tuple[dict | None, str | None]:
+def verify_trainer_file(ckpt: Path, rank: int) -> tuple[dict | None, str | None]:
+    """(rank `rank`'s trainer state as read, None) when its file reads and hashes to its marker's
+    SHA-256, else (None, why not)."""
     name = f"trainer_rank{rank}.pt"
     path = ckpt / name
     if not path.is_file():

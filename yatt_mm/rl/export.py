@@ -17,11 +17,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from yatt_mm.rl.checkpoint import Layout, _complete_markers, _verify_trainer_file, check_base, resume_plan
+from yatt_mm.rl.checkpoint import Layout, check_base, complete_markers, resume_plan, verify_trainer_file
 
 
 def checkpoint_layout(ckpt: Path) -> Layout:
-    markers = _complete_markers(ckpt)
+    markers = complete_markers(ckpt)
     if markers is None:
         raise ValueError(f"{ckpt} is not a complete checkpoint (a done_rank{{r}} marker of every rank of one attempt)")
     saved = markers[0].get("layout")
