@@ -439,16 +439,16 @@ class BaseWithoutAdapter:
             return self.trainer.logprobs(micro_batches)
 
 
-def build_module(hf_dir: str, spec, cfg: TrainerConfig) -> torch.nn.Module:
+def build_module(hf_dir: str, spec, cfg: TrainerConfig, device: str | torch.device | None = None) -> torch.nn.Module:
     """The Megatron model of `hf_dir` (`spec` read by its family), this rank's TP shard of its
-    pipeline stage, on the training device."""
+    pipeline stage, on the training device (or `device`)."""
     from megatron.core import parallel_state
 
     cfg.check_context(spec, "TrainerConfig")  # the launchers check first, naming the config's section
     family = family_of(spec)
     module = family.build_model(spec, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, cfg.tensor_parallel,
                                 cfg.recompute, cfg.pipeline_parallel, tuple(cfg.pipeline_layers), **cfg.expert_kwargs)
-    module = module.to(accelerator_device())
+    module = module.to(device or accelerator_device())
     family.load_hf_into(module, hf_dir, parallel_state.get_tensor_model_parallel_rank(), cfg.tensor_parallel)
     return module
 

@@ -71,7 +71,7 @@ def write_optimizer(trainer, out: Path, rank0: bool) -> None:
         part, s = stitch([shard], numel)
         whole.update(part)
         step = s if s is not None else step
-    carrier = build_module(trainer.hf_dir, trainer.spec, replace(trainer.cfg, dtype="fp32"))
+    carrier = build_module(trainer.hf_dir, trainer.spec, replace(trainer.cfg, dtype="fp32"), device="cpu")
     family = family_of(trainer.spec)
     for key in KEYS:
         with torch.no_grad():
@@ -100,7 +100,8 @@ def load_converted(ckpt: Path, trainer) -> None:
     family = family_of(trainer.spec)
     tp_rank, tp = trainer.tp_rank, trainer.cfg.tensor_parallel
     family.load_hf_into(trainer.module, conv / "model", tp_rank, tp)
-    carrier = build_module(str(conv / "model"), trainer.spec, replace(trainer.cfg, dtype="fp32"))
+    # in host memory: on a GPU the engines already hold their share of the device
+    carrier = build_module(str(conv / "model"), trainer.spec, replace(trainer.cfg, dtype="fp32"), device="cpu")
     whole: dict[str, dict[str, torch.Tensor]] = {}
     for key in KEYS:
         family.load_hf_into(carrier, conv / f"optimizer_{key}", tp_rank, tp)
