@@ -15,7 +15,7 @@ from test_rl import (ROOT, UNTRAINED_JUDGE, _assert_collectives_name_their_group
                      _consumed, _kill_rank_and_wait, _metrics, _steps, _tiny_rl, _wait_for)
 
 
-@pytest.mark.slow  # ~2 min: one 2-rank launch
+@pytest.mark.slow  # ~3 min: two 2-rank launches
 def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_into_vllm(tmp_path):
     """The tiny Qwen3-VL-MoE (4 experts, top-2, every layer) on 2 ranks with
     policy.trainer.expert_parallel=2: each rank trains half of every layer's experts, and each
@@ -26,7 +26,10 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
     load metrics (models/moe_metrics.py) within their bounds. With routing replay (2 PPO
     mini-batches: the second's forward follows an optimizer step), each rank's update passes take
     the routes its old-logprob pass recorded (models/routing_replay.py), under EP 2 and the
-    distributed optimizer, and log how many the routers would have changed."""
+    distributed optimizer, and log how many the routers would have changed. Then its step-1
+    checkpoint resumed at EP 1 (yatt_mm/rl/relayout.py) trains step 2 as the EP 2 run did."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from models.tiny import tiny_model_dir
@@ -36,10 +39,10 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
     # the untrained model never answers right, so every group's rewards are equal: dynamic
     # sampling off and an entropy bonus give every layer's experts a gradient (the load-balancing
     # loss alone leaves the last layer's experts without one)
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "reward.judges=[]",
-                   "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01",
-                   "policy.trainer.expert_parallel=2", "sync.bucket_mb=1", "algorithm.routing_replay=train",
-                   "algorithm.mini_batches=2", policy="tiny:qwen3vlmoe")
+    same = ["run.steps=2", "eval.every=0", "reward.judges=[]", "dynamic_sampling.enabled=false",
+            "algorithm.entropy_coef=0.01", "sync.bucket_mb=1", "algorithm.routing_replay=train",
+            "algorithm.mini_batches=2", "run.checkpoint_every=1", "run.keep_checkpoints=2", "rollout.sampling.seed=3"]
+    cmd = _tiny_rl(run_dir, tmp_path / "train", *same, "policy.trainer.expert_parallel=2", policy="tiny:qwen3vlmoe")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "step 2/2" in proc.stdout and "expert_parallel: 2" in (run_dir / "config.yaml").read_text()
@@ -75,6 +78,30 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
     for key in experts:
         assert final[key].shape == start[key].shape
         assert all(not final[key][e].equal(start[key][e]) for e in range(4)), key
+
+    # its step-1 checkpoint resumed at EP 1 on the same 2 ranks (converted through HF names: the
+    # experts gathered, the experts' own optimizer's state merged into the one optimizer EP 1
+    # has): step 2 draws the same responses and trains as the EP 2 run did within float32 rounding
+    ep1_dir = tmp_path / "ep1"
+    shutil.copytree(run_dir, ep1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "final"))
+    ep1 = subprocess.run(_tiny_rl(ep1_dir, tmp_path / "train", *same, policy="tiny:qwen3vlmoe"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
+    assert ep1.returncode == 0, ep1.stdout[-8000:]
+    assert (f"resumed from {ep1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
+            "state converted from DP 2 x TP 1 x PP 1 x CP 1 x EP 2") in ep1.stdout, ep1.stdout[-3000:]
+    ep2_step, ep1_step = steps[1], _steps(ep1_dir)[-1]
+    print("EP 2 vs EP 1 after the conversion, step 2:",
+          [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm", "moe/aux_loss")] for r in (ep2_step, ep1_step)])
+    assert ep1_step["step"] == 2 and ep1_step["rollout/response_length"] == ep2_step["rollout/response_length"]
+    for k in ("train/loss", "train/entropy", "train/grad_norm", "moe/aux_loss"):
+        assert abs(ep2_step[k] - ep1_step[k]) <= 1e-4 * max(abs(ep2_step[k]), 1e-2), (k, ep2_step[k], ep1_step[k])
+    # step 2's update itself (Adam's moments converted: their merge is what it reads)
+    step1 = load_file(ep1_dir / "checkpoints" / "step_1" / "converted" / "model" / "model.safetensors")
+    again = load_file(ep1_dir / "final" / "model.safetensors")
+    update = max(float((final[k] - step1[k]).abs().max()) for k in final)
+    off = max(float((again[k] - final[k]).abs().max()) for k in final)
+    print(f"step 2's update: largest {update:.3g}, EP 1 off EP 2's by at most {off:.3g}")
+    assert off <= 1e-2 * update, (off, update)  # measured 6e-8 of an update of 1e-4: the weights' rounding
 
 
 @pytest.mark.slow

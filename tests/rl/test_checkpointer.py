@@ -305,8 +305,8 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_base_by_hash_and_resumes_on
         load_trainer(tmp_path / "step_2", _trainer(1), rank=0, world=1)  # a full-weight run
 
 
-def test_which_files_a_rank_reads_at_another_dp_size_and_which_changes_are_refused(tmp_path):
-    """Only the number of DP groups may change. Without the distributed optimizer a rank loads the
+def test_which_files_a_rank_reads_at_another_layout_and_which_changes_are_refused(tmp_path):
+    """Without the distributed optimizer only the number of DP groups may change. Without the distributed optimizer a rank loads the
     whole state of one old rank at its TP/PP place (at its expert shard with EP); with it, every
     old DP rank's there (their optimizer shards). Each controller reads every old group's
     position and takes the buffers of old groups d with d % new DP == its own."""
@@ -332,10 +332,16 @@ def test_which_files_a_rank_reads_at_another_dp_size_and_which_changes_are_refus
     assert (tp_change.convert, tp_change.resharded, tp_change.trainers, tp_change.positions) == (True, False, [], [0])
     both = resume_plan(tmp_path, sharded_at(tp=2, dp=2), sharded_at(tp=1, dp=1), rank=0)
     assert both.convert and both.resharded and both.positions == [0, 1] and both.buffers == [0, 1]
-    with pytest.raises(RuntimeError, match="only the number of DP groups"):
-        resume_plan(tmp_path, sharded_at(ep=2), sharded_at(ep=1), rank=0)
-    with pytest.raises(RuntimeError, match="with expert parallelism and the distributed optimizer"):
-        resume_plan(tmp_path, at(dp=4, ep=2, distributed_optimizer=True), at(ep=2, distributed_optimizer=True), 0)
+    # EP too, from a checkpoint written at DP = EP (its ranks are the conversion's); a DP change
+    # under EP converts as well (the experts' optimizer shards lie over other groups)
+    ep_change = resume_plan(tmp_path, sharded_at(ep=2), sharded_at(ep=1), rank=1)
+    assert (ep_change.convert, ep_change.resharded, ep_change.positions) == (True, False, [1])
+    ep_dp = resume_plan(tmp_path, sharded_at(ep=2), sharded_at(dp=4, ep=2), rank=3)
+    assert ep_dp.convert and ep_dp.resharded and ep_dp.positions == [0, 1] and ep_dp.buffers == []
+    with pytest.raises(RuntimeError, match=r"written at DP 4 x .* EP 2, .*under expert parallelism: at DP = EP"):
+        resume_plan(tmp_path, sharded_at(dp=4, ep=2), sharded_at(ep=2), 0)
+    with pytest.raises(RuntimeError, match="only the number of DP groups"):  # no distributed optimizer: no conversion
+        resume_plan(tmp_path, at(ep=2), at(ep=1), rank=0)
 
 
 def test_a_controller_resumed_at_another_dp_size_reads_the_rest_of_the_epoch_and_takes_the_buffers(tmp_path):

@@ -26,7 +26,7 @@ ones it skips.
 A run may resume at another layout (`resume_plan`): at another number of DP groups each rank
 reads the files of its TP/PP place (with the distributed optimizer, every old DP rank's there,
 re-sharded by models/reshard.py) and each controller every old group's data position (re-split by
-dataio/resplit.py); at another TP, PP or CP size the checkpoint is converted once through HF
+dataio/resplit.py); at another TP, PP, CP or EP size the checkpoint is converted once through HF
 names (yatt_mm/rl/relayout.py).
 
 A complete checkpoint can still be damaged after the fact (a disk or a copy that cut a file

@@ -17,8 +17,12 @@ an fp32 copy of the model) and loaded back as if it were.
    loaded into an fp32 copy of the model per key and cut as this rank's distributed optimizer owns
    it (models/reshard.py), then restored through the trainer's usual path.
 
-With the distributed optimizer only (the default; the state is per parameter there), without LoRA
-(an adapter's own names are another conversion), and without expert parallelism on either side.
+With the distributed optimizer only (the default; the state is per parameter there) and without
+LoRA (an adapter's own names are another conversion). Under expert parallelism the export runs at
+the layout that wrote the checkpoint (DP = EP: yatt_mm/rl/layout.py's `convertible`), each rank
+puts together the state its optimizers shard over their DP groups, and the experts are gathered
+over EP as the weight sync gathers them; Megatron gives the experts an optimizer of their own only
+under EP, so a conversion to another EP takes this run's hyperparameters with the saved step.
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ def convert(ckpt: Path) -> Path:
 
 
 def write_optimizer(trainer, out: Path, rank0: bool) -> None:
-    """The optimizer state of `trainer` (at DP 1: each rank's shards are its parameters whole) in
-    HF names, one directory per key, and its step and hyperparameters (a collective over TP/PP)."""
+    """The optimizer state of `trainer` in HF names, one directory per key, and its step and
+    hyperparameters (collectives over each inner optimizer's DP group, TP, EP and PP)."""
     from models.family import family_of
     from models.optimizer import inner_optimizers
     from models.reshard import stitch
@@ -67,8 +71,8 @@ def write_optimizer(trainer, out: Path, rank0: bool) -> None:
     state = trainer.optimizer_state()
     numel = {n: p.numel() for n, p in trainer.module.named_parameters()}
     whole, step = {}, None
-    for shard in state["shards"]:
-        part, s = stitch([shard], numel)
+    for opt, shard in zip(inner_optimizers(trainer.optimizer), state["shards"]):
+        part, s = stitch(_dp_shards(opt, shard), numel)
         whole.update(part)
         step = s if s is not None else step
     carrier = build_module(trainer.hf_dir, trainer.spec, replace(trainer.cfg, dtype="fp32"), device="cpu")
@@ -87,6 +91,19 @@ def write_optimizer(trainer, out: Path, rank0: bool) -> None:
     if rank0:
         torch.save({"megatron": state["megatron"], "step": step, "inner": len(inner_optimizers(trainer.optimizer))},
                    out / "optimizer.pt")
+
+
+def _dp_shards(opt, shard: dict) -> list[dict]:
+    """Every DP rank's shard of one inner optimizer (`opt` shards its parameters over its own DP
+    group: the experts' over the expert-data-parallel ranks, the rest over all DP ranks)."""
+    import torch.distributed as dist
+
+    group = getattr(opt, "data_parallel_group", None)
+    if group is None or group.size() == 1:
+        return [shard]
+    shards = [None] * group.size()
+    dist.all_gather_object(shards, shard, group=group)
+    return shards
 
 
 def load_converted(ckpt: Path, trainer) -> None:
@@ -108,6 +125,23 @@ def load_converted(ckpt: Path, trainer) -> None:
         for name, p in carrier.named_parameters():
             whole.setdefault(name, {})[key] = p.detach().reshape(-1).clone()
     meta = torch.load(conv / "optimizer.pt", map_location="cpu", weights_only=True)
-    trainer.optimizer.load_state_dict(meta["megatron"])  # hyperparameters first: `cut` keeps this rank's
-    shards = [cut(whole, meta["step"], opt, trainer.module) for opt in inner_optimizers(trainer.optimizer)]
-    trainer.load_optimizer_state({"megatron": meta["megatron"], "shards": shards})
+    inner = inner_optimizers(trainer.optimizer)
+    megatron = meta["megatron"] if meta["inner"] == len(inner) else _stepped_hyperparameters(inner, meta["step"])
+    trainer.optimizer.load_state_dict(megatron)  # hyperparameters first: `cut` keeps this rank's
+    shards = [cut(whole, meta["step"], opt, trainer.module) for opt in inner]
+    trainer.load_optimizer_state({"megatron": megatron, "shards": shards})
+
+
+def _stepped_hyperparameters(inner: list, step: torch.Tensor) -> dict | list[dict]:
+    """Megatron's state_dict() of this run's optimizer as if it had stepped `step` times: its own
+    param groups (this run's hyperparameters; no schedule changes them) with Adam's step, for a
+    checkpoint whose layout chained another number of inner optimizers (under EP the experts
+    have one of their own)."""
+    states = []
+    for opt in inner:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": float(step)}
+                  for g in opt.optimizer.state_dict()["param_groups"]]
+        grad_scaler = getattr(opt, "grad_scaler", None)
+        states.append({"optimizer": {"param_groups": groups}}
+                      | ({"grad_scaler": grad_scaler.state_dict()} if grad_scaler else {}))
+    return states[0] if len(states) == 1 else states
