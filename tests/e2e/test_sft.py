@@ -150,6 +150,10 @@ def test_warm_start_chains_its_stages_is_cached_and_works_inside_a_torchrun_rank
 
 
 @pytest.mark.slow
+# not in CI (3 min, the largest single cost of the slow suite): the warm start's stages and caching
+# are make test's test above, and every judge path of the RL loop (in-process, judge servers,
+# partial colocation) is tested with a judge; this grades the demo's trained judge itself
+@pytest.mark.extended
 @pytest.mark.timeout(1800)  # its child's own limit is 1500 s
 def test_tiny_judge_agrees_with_the_rule_reward(tmp_path):
     """The demo's judge, built as the demo builds it (about 3 min), graded with vLLM on fresh pairs."""
