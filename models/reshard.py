@@ -1,4 +1,5 @@
-"""The distributed optimizer's state carried to another DP size.
+"""The optimizer's state carried to another DP size, or between the distributed optimizer and the
+plain one.
 
 Megatron's distributed optimizer gives each DP rank a contiguous range of each gradient bucket;
 the fp32 main weights and Adam moments a rank steps are 1-D slices of whole parameters, and
@@ -7,7 +8,9 @@ shards, which parameter and which element range each shard is (`shard_places`). 
 another DP size puts every parameter's state together from the old ranks' shards (`stitch`)
 and cuts it again as this rank's optimizer owns it (`cut`), in the form
 `VLMTrainer.load_optimizer_state` reads: no format of our own beside Megatron's, and the same
-load path as a resume at the same size.
+load path as a resume at the same size. A conversion through HF names (yatt_mm/rl/relayout.py) goes through
+the same whole form: `plain_whole` and `load_plain` are its two ends for Megatron's optimizer
+without sharding, where each rank holds every parameter of its shard of the model whole.
 """
 
 from __future__ import annotations
@@ -70,3 +73,41 @@ def reshard(saved: list[dict], optimizer, module, inner: list) -> dict:
         whole, step = stitch([s["shards"][i] for s in saved], numel)
         shards.append(cut(whole, step, opt, module))
     return {"megatron": saved[0]["megatron"], "shards": shards}
+
+
+def _main_params(opt, module) -> list[tuple[str, torch.Tensor]]:
+    """(name, main weight) of each parameter a Megatron optimizer without sharding steps, in its
+    torch optimizer's index order: the parameters themselves (FP32Optimizer; the fp32 ones of
+    mixed precision), or the fp32 copies of the 16-bit ones (Float16OptimizerWithFloat16Params)."""
+    names = {p: n for n, p in module.named_parameters()}
+    model_of = {}
+    for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
+        model_of.update(zip(main_group, model_group))
+    return [(names[model_of.get(p, p)], p) for g in opt.optimizer.param_groups for p in g["params"]]
+
+
+def plain_whole(opt, module) -> tuple[Whole, torch.Tensor | None]:
+    """Each parameter's main weight and Adam moments (1-D) held by a Megatron optimizer without
+    sharding `opt`, and Adam's step count."""
+    whole: Whole = {}
+    step = None
+    for name, p in _main_params(opt, module):
+        adam = opt.optimizer.state.get(p, {})
+        step = adam.get("step", step)
+        whole[name] = {"param": p.detach().reshape(-1).clone(),
+                       **{k: v.reshape(-1).clone() for k, v in adam.items() if k != "step"}}
+    return whole, step
+
+
+def load_plain(whole: Whole, step: torch.Tensor | None, opt, module) -> None:
+    """`whole` into a Megatron optimizer without sharding `opt`: its main weights, and Adam's state
+    through torch's own load_state_dict (with this run's hyperparameters)."""
+    adam = opt.optimizer.state_dict()
+    adam["state"] = {}
+    with torch.no_grad():
+        for j, (name, p) in enumerate(_main_params(opt, module)):
+            p.copy_(whole[name]["param"].view(p.shape))
+            moments = {k: v.view(p.shape).clone() for k, v in whole[name].items() if k != "param"}
+            if moments and step is not None:  # a parameter Adam has stepped
+                adam["state"][j] = {"step": step.clone(), **moments}
+    opt.optimizer.load_state_dict(adam)

@@ -1,7 +1,7 @@
 """`yatt-mm rl` with the model split over ranks, end to end: tensor parallelism (one controller per
 DP group, one vLLM engine over the TP ranks) and pipeline parallelism (the sync from every stage),
-each also resumed at another layout (TP 2 -> 1, PP 2 -> 1: the checkpoint converted through HF
-names) and the PP run's checkpoint exported with `yatt-mm export`."""
+each also resumed at another layout (TP 2 -> 1 onto the distributed optimizer, PP 2 -> 1 off it:
+the checkpoint converted through HF names) and the PP run's checkpoint exported with `yatt-mm export`."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     0.5 MB, each gathered over TP and loaded by both ranks' shards of the engine; micro-batches
     are packed rows (their logprobs must equal vLLM's, as padded ones do).
 
-    Then its step-1 checkpoint resumed at TP 1 on one rank (converted through HF names, the
-    distributed optimizer's state with it): with seeded sampling, steps 2 and 3 draw the same
+    Then its step-1 checkpoint resumed at TP 1 on one rank with the distributed optimizer (the
+    TP 2 run had the plain one; converted through HF names, Adam's state with it): with seeded
+    sampling, steps 2 and 3 draw the same
     rewards, and their loss, entropy and gradient norm equal the TP 2 run's within float32
     rounding; step 3's are computed after the converted optimizer state's update."""
     import shutil
@@ -38,7 +39,8 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
             "rollout.sampling.seed=3", "eval.every=0", "policy.trainer.offload=always", "rollout.engine.release=sleep",
             "run.save_final=false", "reward.judges=[]", "sync.bucket_mb=0.5", "run.packing=true"]
     cmd = _tiny_rl(run_dir, tmp_path / "train", *same, "policy.trainer.tensor_parallel=2",
-                   "rollout.engine.tensor_parallel_size=2", policy=warm_policy, audit=True)
+                   "rollout.engine.tensor_parallel_size=2", "policy.trainer.distributed_optimizer=false",
+                   policy=warm_policy, audit=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "DP 1 x TP 2 x PP 1 x CP 1, rollout engines of 2 rank(s)" in proc.stdout  # one vLLM engine over both ranks
@@ -59,7 +61,7 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
     assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
-            "state converted from DP 1 x TP 2 x PP 1 x CP 1") in tp1.stdout, tp1.stdout[-3000:]
+            "state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in tp1.stdout, tp1.stdout[-3000:]
     assert (tp1_dir / "checkpoints" / "step_1" / "converted" / "done").is_file()
     tp2_steps, tp1_steps = _trained(run_dir)[1:], _trained(tp1_dir)[1:]
     print("TP 2 vs TP 1 after the conversion, steps 2-3:",
@@ -83,7 +85,8 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     the whole model. With the GPU memory order on (trainer offloaded, engine put to sleep), a
     mini-batch split (so old logprobs are their own pass) and the final export from both stages;
     `yatt-mm export` of the run's last checkpoint writes the same model as the final export, and
-    so does that checkpoint resumed at PP 1 (converted through HF names)."""
+    so does that checkpoint resumed at PP 1 without the distributed optimizer (converted through
+    HF names)."""
     import shutil
 
     from safetensors.torch import load_file
@@ -114,15 +117,17 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     assert f"policy of step 2 written to {tmp_path / 'exported'}" in export.stdout
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     assert exported.keys() == final.keys() and all(exported[k].equal(final[k]) for k in final)
-    # the same checkpoint resumed at PP 1 on one rank (converted through HF names), with nothing
-    # left to train: its final export is the PP 2 run's, bit for bit
+    # the same checkpoint resumed at PP 1 on one rank without the distributed optimizer (converted
+    # through HF names; the plain optimizer's main weights are the model's own), with nothing left
+    # to train: its final export is the PP 2 run's, bit for bit
     pp1_dir = tmp_path / "pp1"
     shutil.copytree(run_dir, pp1_dir, ignore=shutil.ignore_patterns(".lock*", "final"))
-    one = _tiny_rl(pp1_dir, tmp_path / "train", *settings, policy=warm_policy)
+    one = _tiny_rl(pp1_dir, tmp_path / "train", *settings, "policy.trainer.distributed_optimizer=false",
+                   policy=warm_policy)
     one[one.index("--nproc") + 1] = "1"
     pp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert pp1.returncode == 0, (pp1.stdout[-3000:], pp1.stderr[-5000:])
-    assert (f"resumed from {pp1_dir / 'checkpoints' / 'step_2'} (step 2; weights and the distributed optimizer's "
-            "state converted from DP 1 x TP 1 x PP 2 x CP 1") in pp1.stdout, pp1.stdout[-3000:]
+    assert (f"resumed from {pp1_dir / 'checkpoints' / 'step_2'} (step 2; weights and the optimizer's state converted "
+            "from DP 1 x TP 1 x PP 2 x CP 1, distributed_optimizer=true") in pp1.stdout, pp1.stdout[-3000:]
     again = load_file(pp1_dir / "final" / "model.safetensors")
     assert again.keys() == final.keys() and all(again[k].equal(final[k]) for k in final)

@@ -306,7 +306,7 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_base_by_hash_and_resumes_on
 
 
 def test_which_files_a_rank_reads_at_another_layout_and_which_changes_are_refused(tmp_path):
-    """Without the distributed optimizer only the number of DP groups may change. Without the distributed optimizer a rank loads the
+    """At another number of DP groups: without the distributed optimizer a rank loads the
     whole state of one old rank at its TP/PP place (at its expert shard with EP); with it, every
     old DP rank's there (their optimizer shards). Each controller reads every old group's
     position and takes the buffers of old groups d with d % new DP == its own."""
@@ -323,11 +323,14 @@ def test_which_files_a_rank_reads_at_another_layout_and_which_changes_are_refuse
     assert tp2.trainers == [2 * 2 * 1 + 1]  # the old TP rank 1 of stage 1, DP 0: rank 5
     moe = resume_plan(tmp_path, at(dp=4, ep=2), at(dp=2, ep=2), rank=1)
     assert moe.trainers == [1] and moe.buffers == [1, 3]
-    with pytest.raises(RuntimeError, match=r"written at DP 2 x TP 1 x PP 1 x CP 1, distributed_optimizer=false; "
-                                           r"this run has DP 1 x TP 2 x PP 1 x CP 1, .*only the number of DP groups"):
-        resume_plan(tmp_path, at(), at(dp=1, tp=2), rank=0)
-    # with the distributed optimizer TP, PP and CP may change: through HF names (yatt_mm/rl/relayout.py)
+    # TP, PP, CP, EP and the distributed optimizer's setting may change: through HF names
+    # (yatt_mm/rl/relayout.py), with or without the distributed optimizer
+    plain_tp = resume_plan(tmp_path, at(), at(dp=1, tp=2), rank=0)
+    assert plain_tp.convert and plain_tp.resharded and plain_tp.positions == [0, 1]
     sharded_at = lambda **kw: at(distributed_optimizer=True, **kw)  # noqa: E731
+    switch = resume_plan(tmp_path, at(), sharded_at(), rank=1)
+    assert (switch.convert, switch.resharded, switch.positions, switch.buffers) == (True, False, [1], [1])
+    assert resume_plan(tmp_path, sharded_at(), at(), rank=0).convert
     tp_change = resume_plan(tmp_path, sharded_at(tp=2, dp=1), sharded_at(dp=1, pp=2), rank=1)
     assert (tp_change.convert, tp_change.resharded, tp_change.trainers, tp_change.positions) == (True, False, [], [0])
     both = resume_plan(tmp_path, sharded_at(tp=2, dp=2), sharded_at(tp=1, dp=1), rank=0)
@@ -338,10 +341,12 @@ def test_which_files_a_rank_reads_at_another_layout_and_which_changes_are_refuse
     assert (ep_change.convert, ep_change.resharded, ep_change.positions) == (True, False, [1])
     ep_dp = resume_plan(tmp_path, sharded_at(ep=2), sharded_at(dp=4, ep=2), rank=3)
     assert ep_dp.convert and ep_dp.resharded and ep_dp.positions == [0, 1] and ep_dp.buffers == []
-    with pytest.raises(RuntimeError, match=r"written at DP 4 x .* EP 2, .*under expert parallelism: at DP = EP"):
+    with pytest.raises(RuntimeError, match=r"written at DP 4 x TP 1 x PP 1 x CP 1 x EP 2, distributed_optimizer=true; "
+                                           r"this run has DP 2 x .* EP 2, .*only from DP = EP"):
         resume_plan(tmp_path, sharded_at(dp=4, ep=2), sharded_at(ep=2), 0)
-    with pytest.raises(RuntimeError, match="only the number of DP groups"):  # no distributed optimizer: no conversion
-        resume_plan(tmp_path, at(ep=2), at(ep=1), rank=0)
+    with pytest.raises(RuntimeError, match=r"only from DP = EP"):
+        resume_plan(tmp_path, sharded_at(dp=4, ep=2), sharded_at(dp=4, ep=1), 0)
+    assert resume_plan(tmp_path, at(dp=4, ep=2), at(ep=1), rank=0).convert  # plain: each DP rank holds its shard whole
 
 
 def test_a_controller_resumed_at_another_dp_size_reads_the_rest_of_the_epoch_and_takes_the_buffers(tmp_path):

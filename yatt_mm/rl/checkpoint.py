@@ -26,8 +26,8 @@ ones it skips.
 A run may resume at another layout (`resume_plan`): at another number of DP groups each rank
 reads the files of its TP/PP place (with the distributed optimizer, every old DP rank's there,
 re-sharded by models/reshard.py) and each controller every old group's data position (re-split by
-dataio/resplit.py); at another TP, PP, CP or EP size the checkpoint is converted once through HF
-names (yatt_mm/rl/relayout.py).
+dataio/resplit.py); at another TP, PP, CP or EP size, or with the distributed optimizer
+switched, the checkpoint is converted once through HF names (yatt_mm/rl/relayout.py).
 
 A complete checkpoint can still be damaged after the fact (a disk or a copy that cut a file
 short, a file edited or lost): resume verifies each rank's own files before it trusts them (the
@@ -537,8 +537,8 @@ def load_converted_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, 
         raise RuntimeError(f"{ckpt} holds a LoRA adapter: only its DP size may change on resume")
     load_converted(ckpt, trainer)
     step = int((converted_dir(ckpt) / "done").read_text().split()[1])
-    return step, (f"weights and the distributed optimizer's state converted from {plan.saved.describe()} "
-                  f"through HF names")
+    which = "the distributed optimizer's" if trainer.cfg.distributed_optimizer else "the optimizer's"
+    return step, f"weights and {which} state converted from {plan.saved.describe()} through HF names"
 
 
 def check_base(ckpt: Path, saved: dict | None, live: dict | None) -> None:

@@ -47,15 +47,13 @@ def run_config(ckpt: Path):
 
 
 def check_relayout(ckpt: Path, saved: Layout, lora: bool) -> None:
-    """What a resume at another TP/PP/CP/EP size (yatt_mm/rl/relayout.py) can carry over, else why not."""
-    if not saved.distributed_optimizer:
-        raise ValueError(f"{ckpt} was written without policy.trainer.distributed_optimizer: only its DP size may "
-                         "change on resume")
+    """What a resume at another layout (yatt_mm/rl/relayout.py) can carry over, else why not."""
     if lora:
         raise ValueError(f"{ckpt} holds a LoRA adapter: only its DP size may change on resume")
     if not convertible(saved):
         raise ValueError(f"{ckpt} was written at DP {saved.dp} x EP {saved.ep}: under expert parallelism a "
-                         "checkpoint is converted only from DP = EP; resume it at the layout that wrote it")
+                         "checkpoint of the distributed optimizer is converted only from DP = EP; resume it at the "
+                         "layout that wrote it")
 
 
 def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, with_optimizer: bool = False) -> int:

@@ -4,10 +4,10 @@ A checkpoint's markers record the layout that wrote it (`Layout`). `resume_plan`
 the resuming run which trainer files it loads and which DP groups' controller files it reads: the
 same rank's at the same layout; at another number of DP groups the files of its TP/PP place (every
 old DP rank's there with the distributed optimizer, whose shards models/reshard.py puts together)
-and every old group's data position (re-split by dataio/resplit.py); at another TP, PP, CP or EP size
-(and any DP change under expert parallelism) a conversion through HF names
-(yatt_mm/rl/relayout.py). What cannot change is refused, naming both
-layouts.
+and every old group's data position (re-split by dataio/resplit.py); at another TP, PP, CP or EP
+size, with the distributed optimizer switched, and at any DP change under expert parallelism with
+it, a conversion through HF names (yatt_mm/rl/relayout.py). What cannot change is refused, naming
+both layouts.
 """
 
 from __future__ import annotations
@@ -63,33 +63,33 @@ class ResumePlan:
 
 def convertible(saved: Layout) -> bool:
     """Whether a checkpoint written at `saved` can be carried through HF names
-    (yatt_mm/rl/relayout.py): with the distributed optimizer, and under expert parallelism only
-    where every DP rank holds an expert shard of its own (DP = EP), so that the conversion's ranks
-    are the ones that wrote it."""
-    return saved.distributed_optimizer and (saved.ep == 1 or saved.dp == saved.ep)
+    (yatt_mm/rl/relayout.py): under expert parallelism with the distributed optimizer only where
+    every DP rank holds an expert shard of its own (DP = EP), so that the conversion's ranks are
+    the ones that wrote it."""
+    return not saved.distributed_optimizer or saved.ep == 1 or saved.dp == saved.ep
 
 
 def resume_plan(ckpt: Path, saved: Layout, live: Layout, rank: int) -> ResumePlan:
     """How rank `rank` of a run at `live` resumes from a checkpoint written at `saved`. The number
-    of DP groups may differ; with the distributed optimizer on both sides, so may TP, PP, CP and EP
-    (the checkpoint is converted; written under expert parallelism, at DP = EP). Otherwise an
-    error names both layouts."""
+    of DP groups may change as it is; TP, PP, CP, EP and the distributed optimizer's setting
+    through a conversion of the checkpoint (one written with the distributed optimizer under
+    expert parallelism: at DP = EP). Otherwise an error names both layouts."""
     t, c, d, p = live.place(rank)
     if saved == live:
         return ResumePlan([rank], [d], [d], saved)
     data = (list(range(saved.dp)), [dd for dd in range(saved.dp) if dd % live.dp == d]) if saved.dp != live.dp \
         else ([d], [d])
-    inside = any(getattr(saved, k) != getattr(live, k) for k in ("tp", "cp", "pp", "ep"))
+    inside = any(getattr(saved, k) != getattr(live, k) for k in ("tp", "cp", "pp", "ep")) \
+        or saved.distributed_optimizer != live.distributed_optimizer
     # under expert parallelism the experts' optimizer shards lie over other groups than the rest's:
     # a DP change there goes through the conversion too
     expert_dp = live.ep > 1 and saved.dp != live.dp and live.distributed_optimizer
-    if (inside or expert_dp) and live.distributed_optimizer and convertible(saved):
+    if (inside or expert_dp) and convertible(saved):
         return ResumePlan([], *data, saved, resharded=saved.dp != live.dp, convert=True)
-    if inside or expert_dp or saved.distributed_optimizer != live.distributed_optimizer:
-        raise RuntimeError(f"{ckpt} was written at {saved.describe()}; this run has {live.describe()}: only the number "
-                           "of DP groups may change between save and resume, and with the distributed optimizer "
-                           "on both sides also TP, PP, CP and EP (a checkpoint written under expert parallelism: "
-                           "at DP = EP) (docs/checkpoints.md): set the others as they were")
+    if inside or expert_dp:
+        raise RuntimeError(f"{ckpt} was written at {saved.describe()}; this run has {live.describe()}: a checkpoint "
+                           "written with the distributed optimizer under expert parallelism changes its layout only "
+                           "from DP = EP (docs/checkpoints.md): resume it at the layout that wrote it")
     if live.distributed_optimizer:  # every old DP rank's optimizer shards, the weights from the first
         trainers = [saved.rank(t, c, dd, p) for dd in range(saved.dp)]
     else:  # every DP rank held the whole state: the one at this rank's expert shard (d % EP) has it

@@ -1,4 +1,5 @@
-"""A checkpoint carried to another TP, PP or CP size, through Hugging Face names.
+"""A checkpoint carried to another TP, PP, CP or EP size, or across a switch of the distributed
+optimizer, through Hugging Face names.
 
 A rank's trainer file holds its TP shard of its pipeline stage, in Megatron's names and fused
 layouts, so another TP/PP/CP layout cannot read it directly. The model's HF names are the one form
@@ -15,14 +16,16 @@ an fp32 copy of the model) and loaded back as if it were.
    hyperparameters), then `done`.
 2. `load_converted` (every rank): the weights loaded into its own layout, the optimizer state
    loaded into an fp32 copy of the model per key and cut as this rank's distributed optimizer owns
-   it (models/reshard.py), then restored through the trainer's usual path.
+   it, or loaded whole into the plain one (models/reshard.py).
 
-With the distributed optimizer only (the default; the state is per parameter there) and without
-LoRA (an adapter's own names are another conversion). Under expert parallelism the export runs at
-the layout that wrote the checkpoint (DP = EP: yatt_mm/rl/layout.py's `convertible`), each rank
-puts together the state its optimizers shard over their DP groups, and the experts are gathered
-over EP as the weight sync gathers them; Megatron gives the experts an optimizer of their own only
-under EP, so a conversion to another EP takes this run's hyperparameters with the saved step.
+The distributed optimizer may be on or off on either side (the state is per parameter in both:
+models/reshard.py's whole form); a LoRA run is not converted (an adapter's own names are another
+conversion). Under expert parallelism the export runs at the layout that wrote the checkpoint (with
+the distributed optimizer at DP = EP: yatt_mm/rl/layout.py's `convertible`), each rank puts
+together the state its optimizers shard over their DP groups, and the experts are gathered over EP
+as the weight sync gathers them. Megatron gives the experts an optimizer of their own only under
+EP, so a conversion to another EP, or from the plain optimizer, takes this run's hyperparameters
+with the saved step.
 """
 
 from __future__ import annotations
@@ -65,14 +68,15 @@ def write_optimizer(trainer, out: Path, rank0: bool) -> None:
     hyperparameters (collectives over each inner optimizer's DP group, TP, EP and PP)."""
     from models.family import family_of
     from models.optimizer import inner_optimizers
-    from models.reshard import stitch
+    from models.reshard import plain_whole, stitch
     from models.trainer import build_module
 
     state = trainer.optimizer_state()
     numel = {n: p.numel() for n, p in trainer.module.named_parameters()}
     whole, step = {}, None
-    for opt, shard in zip(inner_optimizers(trainer.optimizer), state["shards"]):
-        part, s = stitch(_dp_shards(opt, shard), numel)
+    for i, opt in enumerate(inner_optimizers(trainer.optimizer)):
+        part, s = stitch(_dp_shards(opt, state["shards"][i]), numel) if trainer.cfg.distributed_optimizer \
+            else plain_whole(opt, trainer.module)
         whole.update(part)
         step = s if s is not None else step
     carrier = build_module(trainer.hf_dir, trainer.spec, replace(trainer.cfg, dtype="fp32"), device="cpu")
@@ -89,8 +93,8 @@ def write_optimizer(trainer, out: Path, rank0: bool) -> None:
 
             save_hf_dir(tensors, trainer.hf_dir, out / f"optimizer_{key}")
     if rank0:
-        torch.save({"megatron": state["megatron"], "step": step, "inner": len(inner_optimizers(trainer.optimizer))},
-                   out / "optimizer.pt")
+        torch.save({"megatron": state["megatron"], "step": step, "inner": len(inner_optimizers(trainer.optimizer)),
+                    "distributed": trainer.cfg.distributed_optimizer}, out / "optimizer.pt")
 
 
 def _dp_shards(opt, shard: dict) -> list[dict]:
@@ -110,7 +114,7 @@ def load_converted(ckpt: Path, trainer) -> None:
     """This rank's weights and optimizer state from `CKPT/converted/`, at this run's layout."""
     from models.family import family_of
     from models.optimizer import inner_optimizers
-    from models.reshard import cut
+    from models.reshard import cut, load_plain
     from models.trainer import build_module
 
     conv = converted_dir(ckpt)
@@ -126,7 +130,12 @@ def load_converted(ckpt: Path, trainer) -> None:
             whole.setdefault(name, {})[key] = p.detach().reshape(-1).clone()
     meta = torch.load(conv / "optimizer.pt", map_location="cpu", weights_only=True)
     inner = inner_optimizers(trainer.optimizer)
-    megatron = meta["megatron"] if meta["inner"] == len(inner) else _stepped_hyperparameters(inner, meta["step"])
+    if not trainer.cfg.distributed_optimizer:  # each rank steps its shard of the model whole
+        for opt in inner:
+            load_plain(whole, meta["step"], opt, trainer.module)
+        return
+    same = meta.get("distributed", True) and meta["inner"] == len(inner)  # the saved state_dict() fits this one
+    megatron = meta["megatron"] if same else _stepped_hyperparameters(inner, meta["step"])
     trainer.optimizer.load_state_dict(megatron)  # hyperparameters first: `cut` keeps this rank's
     shards = [cut(whole, meta["step"], opt, trainer.module) for opt in inner]
     trainer.load_optimizer_state({"megatron": megatron, "shards": shards})
@@ -135,8 +144,8 @@ def load_converted(ckpt: Path, trainer) -> None:
 def _stepped_hyperparameters(inner: list, step: torch.Tensor) -> dict | list[dict]:
     """Megatron's state_dict() of this run's optimizer as if it had stepped `step` times: its own
     param groups (this run's hyperparameters; no schedule changes them) with Adam's step, for a
-    checkpoint whose layout chained another number of inner optimizers (under EP the experts
-    have one of their own)."""
+    checkpoint written without the distributed optimizer or whose layout chained another number
+    of inner optimizers (under EP the experts have one of their own)."""
     states = []
     for opt in inner:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": float(step)}
