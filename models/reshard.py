@@ -81,7 +81,8 @@ def _main_params(opt, module) -> list[tuple[str, torch.Tensor]]:
     mixed precision), or the fp32 copies of the 16-bit ones (Float16OptimizerWithFloat16Params)."""
     names = {p: n for n, p in module.named_parameters()}
     model_of = {}
-    for model_group, main_group in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
+    model_groups, main_groups = getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])
+    for model_group, main_group in zip(model_groups, main_groups):
         model_of.update(zip(main_group, model_group))
     return [(names[model_of.get(p, p)], p) for g in opt.optimizer.param_groups for p in g["params"]]
 

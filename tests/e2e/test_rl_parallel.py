@@ -61,7 +61,8 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
     assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
-            "state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in tp1.stdout, tp1.stdout[-3000:]
+            "state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in tp1.stdout, \
+        tp1.stdout[-3000:]
     assert (tp1_dir / "checkpoints" / "step_1" / "converted" / "done").is_file()
     tp2_steps, tp1_steps = _trained(run_dir)[1:], _trained(tp1_dir)[1:]
     print("TP 2 vs TP 1 after the conversion, steps 2-3:",

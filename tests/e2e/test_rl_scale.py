@@ -90,10 +90,10 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
     assert (f"resumed from {ep1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
             "state converted from DP 2 x TP 1 x PP 1 x CP 1 x EP 2") in ep1.stdout, ep1.stdout[-3000:]
     ep2_step, ep1_step = steps[1], _steps(ep1_dir)[-1]
-    print("EP 2 vs EP 1 after the conversion, step 2:",
-          [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm", "moe/aux_loss")] for r in (ep2_step, ep1_step)])
+    compared = ("train/loss", "train/entropy", "train/grad_norm", "moe/aux_loss")
+    print("EP 2 vs EP 1 after the conversion, step 2:", [[r[k] for k in compared] for r in (ep2_step, ep1_step)])
     assert ep1_step["step"] == 2 and ep1_step["rollout/response_length"] == ep2_step["rollout/response_length"]
-    for k in ("train/loss", "train/entropy", "train/grad_norm", "moe/aux_loss"):
+    for k in compared:
         assert abs(ep2_step[k] - ep1_step[k]) <= 1e-4 * max(abs(ep2_step[k]), 1e-2), (k, ep2_step[k], ep1_step[k])
     # step 2's update itself (Adam's moments converted: their merge is what it reads)
     step1 = load_file(ep1_dir / "checkpoints" / "step_1" / "converted" / "model" / "model.safetensors")
