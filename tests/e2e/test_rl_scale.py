@@ -186,7 +186,8 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     starts from the weights A had after step 2, bit for bit, vLLM samples with them (the trainer's
     logprobs of its samples equal vLLM's), and no sample is drawn twice or lost. Checked too: > 8k
     tokens a sample, both ranks computing half of each sequence (their chunks in the CP gathers),
-    the checkpoint from both ranks with one data position."""
+    the checkpoint from both ranks with one data position. Last, that checkpoint resumed at CP 1
+    on one rank (converted through HF names) trains step 3 as CP 2 did."""
     from models.comm import free_port
 
     write_shards(str(tmp_path / "train"), images=0, videos=3, samples_per_shard=3, seed=9, video_frames=32,
@@ -203,7 +204,7 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
                    # the untrained policy's answers all score 0: no dynamic sampling, and an entropy
                    # bonus gives every step a gradient; the trainer/vLLM gap checks every sync
                    "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01", "run.check_sync=false",
-                   policy=str(policy), audit=True)
+                   "rollout.sampling.seed=7", policy=str(policy), audit=True)
     settings = cmd[cmd.index("--config"):]
     port = free_port()
     outs = [open(tmp_path / f"node{r}.out", "w") for r in (0, 1)]
@@ -271,3 +272,24 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     prompt = steps[2]["rollout/prompt_length"]
     assert chunks[1] == [chunk] and prompt + 1 <= 2 * chunk <= prompt + 4 + 3, (chunks, prompt)
     _assert_collectives_name_their_groups(run_dir, at_least=10)  # the resumed launch's one step
+
+    # the step-2 checkpoint resumed at CP 1 on one rank (converted through HF names): step 3 starts
+    # from the same weights bit for bit, samples the same responses (seeded) and trains as at CP 2
+    # within float32 rounding
+    import shutil
+
+    cp1_dir = tmp_path / "cp1"
+    shutil.copytree(run_dir, cp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_3", "collectives_rank*"))
+    at_cp1 = [a.replace(str(run_dir), str(cp1_dir)) for a in settings if not a.startswith("policy.trainer.context_")]
+    cp1 = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--nproc", "1", *at_cp1], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert cp1.returncode == 0, (cp1.stdout[-3000:], cp1.stderr[-5000:])
+    assert "converted from DP 1 x TP 1 x PP 1 x CP 2" in cp1.stdout, cp1.stdout[-3000:]
+    cp2_step, cp1_step = steps[2], _steps(cp1_dir)[-1]
+    compared = ("train/loss", "train/entropy", "train/grad_norm")
+    print("CP 2 vs CP 1 after the conversion, step 3:", [[r[k] for k in compared] for r in (cp2_step, cp1_step)])
+    assert cp1_step["step"] == 3
+    for k in ("train/weights_checksum_before", "rollout/response_length", "rollout/reward_mean"):
+        assert cp1_step[k] == cp2_step[k], (k, cp2_step[k], cp1_step[k])
+    for k in compared:
+        assert abs(cp2_step[k] - cp1_step[k]) <= 1e-4 * max(abs(cp2_step[k]), 1e-2), (k, cp2_step[k], cp1_step[k])
