@@ -95,11 +95,10 @@ def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") 
     if getattr(family, "lora_to_hf", None) is None:
         raise ValueError(f"{prefix}lora: {family.name} has no LoRA yet (supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL); "
                          f"set {prefix}lora.rank=0 to train every weight")
-    for name, size in (("context_parallel", trainer_cfg.context_parallel),
-                       ("expert_parallel", trainer_cfg.expert_parallel)):
-        if size > 1:
-            raise ValueError(f"{prefix}lora runs at tensor and pipeline parallelism only so far; "
-                             f"{prefix}trainer.{name}={size}: set it to 1, or {prefix}lora.rank=0")
+    if trainer_cfg.expert_parallel > 1:
+        raise ValueError(f"{prefix}lora runs at tensor, pipeline and context parallelism only so far; "
+                         f"{prefix}trainer.expert_parallel={trainer_cfg.expert_parallel}: set it to 1, or "
+                         f"{prefix}lora.rank=0")
 
 
 # -- the adapters on the model -----------------------------------------------------------------

@@ -14,6 +14,8 @@ writes OUT/result.json (losses, grad norms, logprobs, the sync's coverage) and O
                                       # the 3-layer tiny model on uneven stages (its reference: --kind judge)
     torchrun --nproc-per-node 4 tests/dist/pipeline.py --layouts 2,2,1 1,2,2 --out DIR
                                       # several layouts in one launch: OUT/2,2,1 and OUT/1,2,2
+    python tests/dist/pipeline.py --lora 8 --out DIR                          # LoRA rank 8 (its reference)
+    torchrun --nproc-per-node 2 tests/dist/pipeline.py --layouts 1,1,2,8 --out DIR   # LoRA at CP 2
 """
 
 from __future__ import annotations
@@ -144,17 +146,25 @@ def dp_sum(value: float) -> float:
     return float(t)
 
 
-def run_layout(tp: int, pp: int, cp: int, kind: str, layers: list[int], steps: int, out: Path) -> None:
-    """One layout's run; rank 0 writes its results to `out`."""
+def run_layout(tp: int, pp: int, cp: int, kind: str, layers: list[int], steps: int, out: Path,
+               lora_rank: int = 0) -> None:
+    """One layout's run (with `lora_rank`, the trainer has LoRA adapters on every language projection,
+    B set to seeded values, and its reference is the base with them off); rank 0 writes its results
+    to `out`."""
     from transformers import AutoProcessor
+
+    from models.lora import LoRAConfig
+    from models.trainer import BaseWithoutAdapter
 
     groups = init_parallel(tp, 0, pp, context_parallel=cp)
     path = str(tiny_model_dir(kind))
     cfg = TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, pipeline_layers=layers, lr=1e-4,
                         context_parallel=cp)
     cfg.check_model(path, "trainer")
-    trainer = VLMTrainer(path, cfg)
-    reference = ReferencePolicy(path, cfg)
+    trainer = VLMTrainer(path, cfg, lora=LoRAConfig(rank=lora_rank))
+    if lora_rank:
+        _seeded_b(trainer.module)  # B starts at zero: the first steps would not reach A
+    reference = BaseWithoutAdapter(trainer) if lora_rank else ReferencePolicy(path, cfg)
     processor = AutoProcessor.from_pretrained(path)
     processor.tokenizer.padding_side = "right"
     sft = sft_steps(trainer, processor, steps)
@@ -186,14 +196,25 @@ def run_layout(tp: int, pp: int, cp: int, kind: str, layers: list[int], steps: i
     dist.barrier(group=groups.world_cpu)
 
 
+def _seeded_b(module) -> None:
+    """Every LoRA B to seeded values, the same on every rank of a layout whose B is whole (no TP)."""
+    from models.lora import lora_linears
+
+    with torch.no_grad():
+        for i, (_, linear) in enumerate(lora_linears(module)):
+            gen = torch.Generator().manual_seed(100 + i)
+            linear.lora_B.copy_(0.05 * torch.randn(linear.lora_B.shape, generator=gen))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1, help="context parallel (models/context.py)")
-    parser.add_argument("--layouts", nargs="+", default=None, metavar="TP,PP,CP",
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="TP,PP,CP[,LORA]",
                         help="several layouts in one launch (instead of --tp/--pp/--cp), each written to "
-                             "OUT/TP,PP,CP: a launch costs ~10 s of imports on two cores")
+                             "OUT/TP,PP,CP[,LORA]: a launch costs ~10 s of imports on two cores")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on every language projection (no TP)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kind", default="policy", help="the tiny model: policy (2 layers), judge (3 layers)")
@@ -201,10 +222,10 @@ def main() -> int:
     args = parser.parse_args()
     layers = [int(n) for n in args.pipeline_layers.split(",") if n.strip()]
     if args.layouts is None:
-        run_layout(args.tp, args.pp, args.cp, args.kind, layers, args.steps, Path(args.out))
+        run_layout(args.tp, args.pp, args.cp, args.kind, layers, args.steps, Path(args.out), args.lora)
     for layout in args.layouts or []:
-        tp, pp, cp = (int(n) for n in layout.split(","))
-        run_layout(tp, pp, cp, args.kind, layers, args.steps, Path(args.out) / layout)
+        tp, pp, cp, lora = ([int(n) for n in layout.split(",")] + [0])[:4]
+        run_layout(tp, pp, cp, args.kind, layers, args.steps, Path(args.out) / layout, lora)
         destroy_parallel()  # the next layout makes its own groups
     dist.destroy_process_group()
     return 0

@@ -11,10 +11,10 @@ from subproc import run_json
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = str(ROOT / "tests" / "dist" / "pipeline.py")
 
-# the slow tests' layouts (TP, PP, CP; DP fills the rest), one launch per rank count:
+# the slow tests' layouts (TP, PP, CP[, LoRA rank]; DP fills the rest), one launch per rank count:
 # test_models.py's TP 2 x PP 2 (held to TP 2 alone too) and PP 2 x DP 2; test_context_parallel.py's
-# CP 2 alone, PP 2 x CP 2, TP 2 x CP 2 and DP 2 x CP 2
-TWO_RANK_LAYOUTS = [(2, 1, 1), (1, 1, 2)]
+# CP 2 alone (also with LoRA), PP 2 x CP 2, TP 2 x CP 2 and DP 2 x CP 2
+TWO_RANK_LAYOUTS = [(2, 1, 1), (1, 1, 2), (1, 1, 2, 8)]
 FOUR_RANK_LAYOUTS = [(2, 2, 1), (1, 2, 1), (1, 2, 2), (2, 1, 2), (1, 1, 2)]
 
 
@@ -26,8 +26,16 @@ def one_process_training(tmp_path_factory, tiny_policy):
     return out
 
 
-def _layouts(tmp_path_factory, nproc: int, layouts: list[tuple[int, int, int]]) -> dict:
-    """`layouts` in one launch of `nproc` ranks: {(tp, pp, cp): the folder of that layout's results}."""
+@pytest.fixture(scope="session")
+def one_process_lora_training(tmp_path_factory, tiny_policy):
+    """The same with LoRA (rank 8, B seeded; the reference is the base with the adapters off)."""
+    out = tmp_path_factory.mktemp("lora-reference")
+    run_json([sys.executable, PIPELINE, "--lora", "8", "--out", str(out)], timeout=900)
+    return out
+
+
+def _layouts(tmp_path_factory, nproc: int, layouts: list[tuple[int, ...]]) -> dict:
+    """`layouts` in one launch of `nproc` ranks: {(tp, pp, cp[, lora]): the folder of that layout's results}."""
     out = tmp_path_factory.mktemp(f"layouts-{nproc}-ranks")
     run_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), PIPELINE,
               "--layouts", *(",".join(map(str, layout)) for layout in layouts), "--out", str(out)], timeout=1200)

@@ -157,8 +157,9 @@ def _rel(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp, nproc", [(1, 1, 2), (1, 2, 4), (2, 1, 4), (1, 1, 4)])  # the last: DP 2 x CP 2
-def test_context_parallel_2_trains_sft_and_the_rl_actor_like_one_process(tp, pp, nproc, one_process_training, request):
+# DP 2 x CP 2 (4 ranks at TP 1 x PP 1), and CP 2 with LoRA (rank 8)
+@pytest.mark.parametrize("tp, pp, nproc, lora", [(1, 1, 2, 0), (1, 2, 4, 0), (2, 1, 4, 0), (1, 1, 4, 0), (1, 1, 2, 8)])
+def test_context_parallel_2_trains_sft_and_the_rl_actor_like_one_process(tp, pp, nproc, lora, request):
     """tests/dist/pipeline.py at CP 2 (one DP replica; with PP 2, the stages hand [s / CP, b, h]
     over; with TP 2, the K/V gather is of each TP rank's heads; with DP 2, gradients average
     over Megatron's dp_cp group of 4) against one process: 3 SFT steps,
@@ -166,11 +167,15 @@ def test_context_parallel_2_trains_sft_and_the_rl_actor_like_one_process(tp, pp,
     update), 2 GSPO-token steps with an entropy bonus, then the HF export and the bucketed weight
     sync. Measured (CP 2; PP 2 x CP 2; TP 2 x CP 2): steps' max relative diff 3.4e-6 (a grad
     norm); 7.8e-7; 1.4e-6, exported weights 5.3e-7; 9.8e-7; 2.2e-6, old logprobs 9.5e-6; 9.5e-6;
-    1.1e-5; DP 2 x CP 2: steps 2.8e-6, weights 7.0e-7; the bucketed sync covers the export."""
+    1.1e-5; DP 2 x CP 2: steps 2.8e-6, weights 7.0e-7; the bucketed sync covers the export.
+    With LoRA (adapters on every language projection, B seeded, the reference the base with them
+    off) against one process with LoRA: steps 4.3e-6, merged weights 1.5e-8, old logprobs 1.4e-5."""
     from safetensors.torch import load_file
 
     # the layouts share a launch per rank count with test_models.py's (tests/models/conftest.py)
-    out = request.getfixturevalue("four_rank_layouts" if nproc == 4 else "two_rank_layouts")[(tp, pp, 2)]
+    one_process_training = request.getfixturevalue("one_process_lora_training" if lora else "one_process_training")
+    out = request.getfixturevalue("four_rank_layouts" if nproc == 4 else "two_rank_layouts")[
+        (tp, pp, 2, lora) if lora else (tp, pp, 2)]
     ref, got = (json.loads((d / "result.json").read_text()) for d in (one_process_training, out))
     dp = nproc // (2 * tp * pp)
     assert (got["cp"], got["dp"], got["tp"], got["pp"]) == (2, dp, tp, pp)

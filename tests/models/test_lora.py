@@ -16,13 +16,13 @@ def test_families_without_lora_and_unsupported_layouts_are_refused_by_name():
     lora = LoRAConfig(rank=8)
     with pytest.raises(ValueError, match=r"policy.lora: Qwen3-VL-MoE has no LoRA yet .*set policy.lora.rank=0"):
         check_layout(lora, family_for_model_type("qwen3_vl_moe"), TrainerConfig())
-    for setting in ("context_parallel", "expert_parallel"):
-        with pytest.raises(ValueError, match=f"policy.trainer.{setting}=2: set it to 1, or policy.lora.rank=0"):
-            check_layout(lora, family_for_model_type("qwen2_vl"), TrainerConfig(**{setting: 2}))
-    # without LoRA nothing is refused, and the dense families have it
+    with pytest.raises(ValueError, match="policy.trainer.expert_parallel=2: set it to 1, or policy.lora.rank=0"):
+        check_layout(lora, family_for_model_type("qwen2_vl"), TrainerConfig(expert_parallel=2))
+    # without LoRA nothing is refused, and the dense families have it, at TP, PP and CP
     check_layout(LoRAConfig(rank=0), family_for_model_type("qwen3_vl_moe"), TrainerConfig(context_parallel=2))
     for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        check_layout(lora, family_for_model_type(model_type), TrainerConfig(tensor_parallel=2, pipeline_parallel=2))
+        check_layout(lora, family_for_model_type(model_type),
+                     TrainerConfig(tensor_parallel=2, pipeline_parallel=2, context_parallel=2))
 
 
 def test_the_peft_config_targets_the_language_model_only():
