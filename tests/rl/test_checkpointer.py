@@ -13,7 +13,7 @@ from PIL import Image
 from yatt_mm.engines.engine import Response
 from yatt_mm.rl.checkpoint import (Checkpointer, NoUsableCheckpoint, controller_state, drop_lines_after, latest_complete,
                                    load_controller, load_trainer)
-from yatt_mm.rl.layout import Layout, resume_plan
+from yatt_mm.rl.layout import Layout, resume_plan, weights_plan
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
 from yatt_mm.rl.samples import Group, Prompt
 
@@ -347,6 +347,13 @@ def test_which_files_a_rank_reads_at_another_layout_and_which_changes_are_refuse
     with pytest.raises(RuntimeError, match=r"only from DP = EP"):
         resume_plan(tmp_path, sharded_at(dp=4, ep=2), sharded_at(dp=4, ep=1), 0)
     assert resume_plan(tmp_path, at(dp=4, ep=2), at(ep=1), rank=0).convert  # plain: each DP rank holds its shard whole
+    # the export's weights alone come from any such checkpoint: each export rank (one per expert
+    # shard and TP place) reads the file of DP group 0's rank at its place
+    from yatt_mm.rl.export import export_layout
+
+    wide = sharded_at(dp=4, ep=2, tp=2)
+    assert [weights_plan(wide, export_layout(wide), r).trainers for r in range(4)] == [[0], [1], [2], [3]]
+    assert weights_plan(wide, export_layout(wide), 3).saved == wide
 
 
 def test_a_controller_resumed_at_another_dp_size_reads_the_rest_of_the_epoch_and_takes_the_buffers(tmp_path):

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from yatt_mm.rl.checkpoint import check_base, complete_markers
-from yatt_mm.rl.layout import Layout, convertible, resume_plan
+from yatt_mm.rl.layout import Layout, convertible, resume_plan, weights_plan
 
 
 def checkpoint_layout(ckpt: Path) -> Layout:
@@ -88,10 +88,10 @@ def export_rank(ckpt: Path, out: Path, merge: bool, with_optimizer: bool = False
 
     saved, cfg = checkpoint_layout(ckpt), run_config(ckpt)
     ranks = init_parallel(saved.tp, cfg.run.seed, saved.pp, saved.ep, saved.cp)
-    plan = resume_plan(ckpt, saved, export_layout(saved), ranks.rank)
+    # the weights only: the file of the DP rank that holds this rank's place (and expert shard)
+    plan = resume_plan(ckpt, saved, export_layout(saved), ranks.rank) if with_optimizer \
+        else weights_plan(saved, export_layout(saved), ranks.rank)
     source = plan.trainers[0]
-    if not with_optimizer:
-        plan.trainers = [source]  # the weights only: the first old DP rank's file
     states, reason = verify_files(ckpt, plan, controller=False)
     if reason is not None:
         raise RuntimeError(f"{ckpt} cannot be exported: {reason}")

@@ -61,6 +61,14 @@ class ResumePlan:
     convert: bool = False  # TP, PP or CP changed: through HF names (yatt_mm/rl/relayout.py)
 
 
+def weights_plan(saved: Layout, live: Layout, rank: int) -> ResumePlan:
+    """The one file rank `rank` of `live` reads for the weights alone (an export): the old rank at
+    its TP/CP/PP place in the DP group that holds its expert shard (DP rank d % EP), whatever the
+    optimizer."""
+    t, c, d, p = live.place(rank)
+    return ResumePlan([saved.rank(t, c, d % saved.ep, p)], saved=saved)
+
+
 def convertible(saved: Layout) -> bool:
     """Whether a checkpoint written at `saved` can be carried through HF names
     (yatt_mm/rl/relayout.py): under expert parallelism with the distributed optimizer only where
