@@ -24,6 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 _own_cache = not os.environ.get("YATT_MM_TEST_CACHE")
 os.environ["YATT_MM_CACHE"] = os.environ.get("YATT_MM_TEST_CACHE") or tempfile.mkdtemp(prefix="yatt-mm-test-cache-")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the Ray prep test: no usage report
+# gcsfs' experimental bucket-layout probe asks Google's gRPC control plane, which the local GCS
+# server of the gs:// test does not speak (each probe waits out a 60 s timeout): off, as it is for
+# a user of such a server (docs/data.md)
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import models  # noqa: E402,F401 - installs the CPU runtime hooks before any test imports torchvision
 

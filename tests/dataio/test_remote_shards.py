@@ -1,5 +1,6 @@
 """Shards in object storage (dataio/storage.py): the real s3fs client against moto's real S3
-server on 127.0.0.1, and fsspec's HTTP client against a real HTTP server (tests/s3_store.py).
+server on 127.0.0.1, gcsfs against a real GCS-protocol server (the gcp-storage-emulator package),
+and fsspec's HTTP client against a real HTTP server (tests/s3_store.py).
 Latency and faults (503, a reset mid-body, a stalled answer) come from a small proxy between
 client and server: the server cannot be made to fail on cue, the proxy can."""
 
@@ -229,6 +230,38 @@ def test_http_shards_read_by_range_as_local_ones(s3_dataset):
             check_shard_specs([f"{base}/nothing.tar"], "data.shards")
     finally:
         server.shutdown()
+
+
+def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_dataset, monkeypatch):
+    """gs:// shards through gcsfs from a GCS-protocol server on 127.0.0.1 (gcp-storage-emulator,
+    found through STORAGE_EMULATOR_HOST as gcsfs finds any such server), behind the counting proxy:
+    the same samples as from disk, each in one ranged GET; a missing shard and a missing bucket
+    refused by name."""
+    import fsspec
+    from gcp_storage_emulator.server import create_server
+
+    from s3_store import free_port
+
+    local, _ = s3_dataset
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="shards")
+    server.start()
+    proxy = FaultProxy(port)
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        fsspec.filesystem("gcs", skip_instance_cache=True).put(f"{local}/", "shards/ds/", recursive=True)
+        reader = DataReader(_cfg(["gs://shards/ds/"], workers=2))
+        proxy.reset_counts()
+        got = _read(reader)
+        assert got == _read(DataReader(_cfg([local], workers=2))) and len(got) == 24
+        assert len(proxy.ranged_gets()) == len(proxy.requests) == 24, proxy.requests
+        with pytest.raises(FileNotFoundError, match="data.shards: gs://shards/ds/nothing.tar does not exist"):
+            check_shard_specs(["gs://shards/ds/nothing.tar"], "data.shards")
+        with pytest.raises(FileNotFoundError, match="gs://elsewhere/"):
+            check_shard_specs(["gs://elsewhere/ds/"], "data.shards")
+    finally:
+        proxy.close()
+        server.stop()
 
 
 def test_the_local_cache_serves_later_epochs_within_its_size_limit(s3_dataset, proxy, tmp_path):
