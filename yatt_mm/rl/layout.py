@@ -58,7 +58,7 @@ class ResumePlan:
     buffers: list[int] = field(default_factory=list)
     saved: Layout | None = None
     resharded: bool = False  # the DP size changed
-    convert: bool = False  # TP, PP or CP changed: through HF names (yatt_mm/rl/relayout.py)
+    convert: bool = False  # TP, PP, CP, EP or the optimizer changed: through HF names (yatt_mm/rl/relayout.py)
 
 
 def weights_plan(saved: Layout, live: Layout, rank: int) -> ResumePlan:
