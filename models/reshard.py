@@ -8,9 +8,9 @@ shards, which parameter and which element range each shard is (`shard_places`). 
 another DP size puts every parameter's state together from the old ranks' shards (`stitch`)
 and cuts it again as this rank's optimizer owns it (`cut`), in the form
 `VLMTrainer.load_optimizer_state` reads: no format of our own beside Megatron's, and the same
-load path as a resume at the same size. A conversion through HF names (yatt_mm/rl/relayout.py) goes through
-the same whole form: `plain_whole` and `load_plain` are its two ends for Megatron's optimizer
-without sharding, where each rank holds every parameter of its shard of the model whole.
+load path as a resume at the same size. A conversion through HF names (yatt_mm/rl/relayout.py)
+goes through the same whole form: `plain_whole` and `load_plain` are its two ends for Megatron's
+optimizer without sharding, where each rank holds every parameter of its shard of the model whole.
 """
 
 from __future__ import annotations

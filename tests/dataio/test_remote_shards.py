@@ -21,7 +21,7 @@ import pytest
 from dataio import storage
 from dataio.index import check_shard_specs, expand_shards, open_dataset
 from dataio.reader import DataConfig, DataReader
-from s3_store import Fault, FaultProxy, serve_directory
+from s3_store import Fault, FaultProxy, free_port, serve_directory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -239,8 +239,6 @@ def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_d
     refused by name."""
     import fsspec
     from gcp_storage_emulator.server import create_server
-
-    from s3_store import free_port
 
     local, _ = s3_dataset
     port = free_port()

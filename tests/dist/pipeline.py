@@ -197,7 +197,8 @@ def run_layout(tp: int, pp: int, cp: int, kind: str, layers: list[int], steps: i
 
 
 def _seeded_b(module) -> None:
-    """Every LoRA B to seeded values, the same on every rank of a layout whose B is whole (no TP)."""
+    """Every LoRA B to seeded values, the same on every rank (no TP here): unlike tests/dist/lora.py's
+    per-rank seeds, so that the CP ranks and the one-process reference hold the same adapter."""
     from models.lora import lora_linears
 
     with torch.no_grad():

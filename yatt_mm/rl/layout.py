@@ -87,14 +87,14 @@ def resume_plan(ckpt: Path, saved: Layout, live: Layout, rank: int) -> ResumePla
         return ResumePlan([rank], [d], [d], saved)
     data = (list(range(saved.dp)), [dd for dd in range(saved.dp) if dd % live.dp == d]) if saved.dp != live.dp \
         else ([d], [d])
-    inside = any(getattr(saved, k) != getattr(live, k) for k in ("tp", "cp", "pp", "ep")) \
+    changed = any(getattr(saved, k) != getattr(live, k) for k in ("tp", "cp", "pp", "ep")) \
         or saved.distributed_optimizer != live.distributed_optimizer
     # under expert parallelism the experts' optimizer shards lie over other groups than the rest's:
     # a DP change there goes through the conversion too
     expert_dp = live.ep > 1 and saved.dp != live.dp and live.distributed_optimizer
-    if (inside or expert_dp) and convertible(saved):
+    if (changed or expert_dp) and convertible(saved):
         return ResumePlan([], *data, saved, resharded=saved.dp != live.dp, convert=True)
-    if inside or expert_dp:
+    if changed or expert_dp:
         raise RuntimeError(f"{ckpt} was written at {saved.describe()}; this run has {live.describe()}: a checkpoint "
                            "written with the distributed optimizer under expert parallelism changes its layout only "
                            "from DP = EP (docs/checkpoints.md): resume it at the layout that wrote it")
