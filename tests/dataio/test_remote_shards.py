@@ -21,6 +21,7 @@ import pytest
 from dataio import storage
 from dataio.index import check_shard_specs, expand_shards, open_dataset
 from dataio.reader import DataConfig, DataReader
+from yatt_mm.rl.sources import to_prompt
 from s3_store import Fault, FaultProxy, free_port, serve_directory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +42,10 @@ def _cfg(shards, **kw) -> DataConfig:
 
 
 def _digest(sample) -> str:
-    h = hashlib.sha1(sample.key.encode() + str(sample.answer).encode())
+    """The sample's key, answer, pixels and the draw that seeds its rollouts (the same wherever
+    its shard sits, so a seeded run samples alike from a bucket and from disk)."""
+    prompt = to_prompt(sample)
+    h = hashlib.sha1(sample.key.encode() + str(sample.answer).encode() + (prompt.origin if prompt else "").encode())
     for im in sample.images:
         h.update(np.asarray(im).tobytes())
     for v in sample.videos:
@@ -121,6 +125,7 @@ def test_a_sample_whose_reads_keep_failing_is_a_counted_quarantined_skip(s3_data
 READ_AND_RECORD = """
 import json, os, sys
 from dataio.reader import DataConfig, DataReader
+from yatt_mm.rl.sources import to_prompt
 log, url = sys.argv[1], sys.argv[2]
 reader = DataReader(DataConfig(shards=[url], seed=5, workers=2, read_ahead=8, video_isolation="none"))
 lines = [json.loads(x) for x in open(log).read().splitlines()] if os.path.exists(log) else []

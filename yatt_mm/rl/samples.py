@@ -31,7 +31,8 @@ class Prompt:
     images: list = field(default_factory=list)
     videos: list = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
-    # where in the data stream it was drawn ("epoch/shard/key"): unique to this draw; seeds it
+    # where in the data stream it was drawn ("epoch/index/key", the index its place in the
+    # dataset's sample list): unique to this draw, the same wherever the shards sit; seeds it
     origin: str = ""
     source: str = ""  # the blend's dataset it came from (data.blend); "" outside a blend
 

@@ -39,7 +39,9 @@ def missing_text(sample: Sample) -> tuple[str, str] | None:
 def to_prompt(sample: Sample) -> Prompt | None:
     if missing_text(sample):
         return None
-    origin = f"{sample.epoch}/{sample.shard}/{sample.key}"  # a blend's sources count their epochs apart
+    # the draw by its place in the dataset, not by where the shards sit: a seeded run samples the
+    # same from a copy of its data elsewhere, or in a bucket (a blend's sources count epochs apart)
+    origin = f"{sample.epoch}/{sample.index}/{sample.key}"
     return Prompt(key=sample.key, question=sample.prompt, answer=str(sample.answer),
                   images=list(sample.images), videos=list(sample.videos), metadata=dict(sample.metadata),
                   origin=f"{sample.source}/{origin}" if sample.source else origin, source=sample.source)
