@@ -163,6 +163,10 @@ def test_sft_checks_its_shards_too(capsys, tmp_path):
     (["dynamic_sampling.max_wave_groups=2"],
      "dynamic_sampling: max_waves=3 waves of at most max_wave_groups=2 groups cannot fill a step of "
      "rollout.prompts_per_step=8 groups: raise max_wave_groups to >= 3 or max_waves"),
+    (["rollout.engine.media_tokens_in_responses=true"],
+     "rollout.engine.media_tokens_in_responses=true lets responses hold media placeholder tokens, which the trainer "
+     "cannot train on (its positions and vision features would look for a medium behind each): set it to false"),
+    (["rollout.sampling.temperature=3"], "rollout.sampling.temperature must be in [0, 2], got 3.0"),  # vLLM's range
     (["reward.functions[0].weight=-1"], "reward.functions[0].weight must be >= 0, got -1.0"),
     (["reward.judges=[{judge: {name: g, model: 'tiny:judge'}, weight: -0.5}]"],
      "reward.judges[0].weight must be >= 0, got -0.5"),

@@ -130,3 +130,31 @@ def test_weight_sync_changes_outputs_and_restoring_restores_exactly(rollout_engi
     restored = rollout_engine.generate(request, sampling).responses[0]
     assert [r.token_ids for r in restored] == [r.token_ids for r in before]
     assert [r.logprobs for r in restored] == [r.logprobs for r in before]
+
+
+def test_responses_never_hold_a_media_placeholder_token(rollout_engine, tiny_policy):
+    """A policy samples its media placeholder tokens (image/video pad, vision start/end) now and
+    then (the tiny one at temperature 2 often; a warm-started one early in RL did), and a
+    response holding one could not be trained on. The engine keeps them out by default; its logprobs stay the raw ones (the
+    trainer's), so the responses agree token for token with the unbiased engine's up to where
+    that one drew a placeholder."""
+    import json
+
+    ids = json.loads((tiny_policy / "config.json").read_text())
+    placeholders = {ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    assert rollout_engine.no_media_tokens and set(rollout_engine.no_media_tokens) == placeholders
+    rng = random.Random(5)
+    requests = [_ask("image", c.question, images=[c.image]) for c in (colour_image(rng) for _ in range(8))]
+    sampling = SamplingConfig(n=8, max_tokens=32, temperature=2.0, seed=11)
+    kept_out = [r for g in rollout_engine.generate(requests, sampling).responses for r in g]
+    bias, rollout_engine.no_media_tokens = rollout_engine.no_media_tokens, None
+    try:
+        free = [r for g in rollout_engine.generate(requests, sampling).responses for r in g]
+    finally:
+        rollout_engine.no_media_tokens = bias
+    assert not [r.token_ids for r in kept_out if placeholders & set(r.token_ids)]
+    drew = [r for r in free if placeholders & set(r.token_ids)]
+    assert drew, "no placeholder drawn: the check above proves nothing"
+    for a, b in zip(kept_out, free):
+        first = next((i for i, t in enumerate(b.token_ids) if t in placeholders), len(b.token_ids))
+        assert a.token_ids[:first] == b.token_ids[:first] and a.logprobs[:first] == b.logprobs[:first]

@@ -40,7 +40,7 @@ class SamplingConfig:
     # request without one of its own.
     seed: int | None = None
 
-    RANGES = {"n": ">= 1", "max_tokens": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "seed": ">= 0"}
+    RANGES = {"n": ">= 1", "max_tokens": ">= 1", "temperature": "[0, 2]", "top_p": "(0, 1]", "seed": ">= 0"}
 
 
 def derived_seed(seed: int | None, *names: str) -> int | None:
@@ -73,9 +73,10 @@ class EngineConfig:
     # serve a LoRA adapter of up to this rank, loaded by the trainer's adapter sync (RL sets it from
     # policy.lora.rank when sync.lora is adapter; yatt_mm/engines/adapters.py); 0: no LoRA
     lora_rank: int = 0
-    # false: responses never sample the media placeholder tokens (engines/media.py no_media_tokens);
-    # on-policy distillation sets it, as its teacher cannot score a response holding one
-    media_tokens_in_responses: bool = True
+    # false: responses never sample the media placeholder tokens (engines/media.py no_media_tokens),
+    # which no answer needs; RL refuses true, as it can neither train on a response holding one nor
+    # have a teacher score it
+    media_tokens_in_responses: bool = False
 
     def __post_init__(self):
         self.tools = ToolsConfig.of(self.tools)  # a dict where the config came as one (an engine worker)

@@ -31,11 +31,11 @@ def has_timed_videos(model_dir: str | Path) -> bool:
     return any(model_type in family.timed_video_types for family in families())
 
 
-# The tokens that stand for media in a prompt. Sampled into a response (an untrained policy does)
-# they cannot be trained on (the trainer's M-RoPE positions would look for a medium behind them)
-# nor scored by a distillation teacher (vLLM would look for a medium for each), and no answer
-# needs them, so a rollout engine may keep them out (`no_media_tokens`,
-# EngineConfig.media_tokens_in_responses).
+# The tokens that stand for media in a prompt. Sampled into a response (an untrained policy does,
+# and a policy early in RL now and then) they cannot be trained on (the trainer's M-RoPE positions
+# and vision features would look for a medium behind them) nor scored by a distillation teacher
+# (vLLM would look for a medium for each), and no answer needs them, so engines keep them out
+# (`no_media_tokens`, EngineConfig.media_tokens_in_responses).
 PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 

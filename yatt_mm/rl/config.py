@@ -224,6 +224,10 @@ class RLConfig:
                              "which multi-turn rollouts (rollout.engine.tools) apply per turn: set its buffer to 0 "
                              "(overlong.filter works: it masks responses cut off)")
         self._check_distill()
+        if self.rollout.engine.media_tokens_in_responses:
+            raise ValueError("rollout.engine.media_tokens_in_responses=true lets responses hold media placeholder "
+                             "tokens, which the trainer cannot train on (its positions and vision features would "
+                             "look for a medium behind each): set it to false")
         if self.run.placement == "partial":
             local = [wj.judge.name for wj in self.reward.judges if wj.judge.backend != "server"]
             distill = self.algorithm.distill

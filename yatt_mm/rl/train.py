@@ -91,8 +91,6 @@ class Run:
         cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
         self.worker = None
         distill = cfg.algorithm.distill
-        if distill.active:  # the teacher cannot score a response holding a media placeholder token
-            cfg.rollout.engine.media_tokens_in_responses = False
         if cfg.run.placement == "disaggregated":
             self.engine, self.judges, self.teacher = self._engines_in_worker()
         else:
