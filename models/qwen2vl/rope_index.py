@@ -58,7 +58,11 @@ def rope_index(
         while i < len(ids):
             tok = ids[i]
             if tok in grids:
-                t, h, w = next(grids[tok])
+                grid = next(grids[tok], None)
+                if grid is None:  # a media token beyond the media given: one sampled into a response?
+                    raise ValueError(f"input_ids hold more {'image' if tok == image_token_id else 'video'} "
+                                     "media tokens than the grid sizes given describe")
+                t, h, w = grid
                 h, w = h // merge, w // merge
                 temporal = torch.arange(t)
                 factor = next(factors) if tok == video_token_id else 1.0

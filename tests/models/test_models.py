@@ -66,6 +66,9 @@ def test_rope_index_matches_transformers_and_follows_vllm_for_long_videos(tiny_p
     # Qwen2-VL) continue after the largest position, 11; transformers 5 after max(h, w) = 1
     assert ours[:, 0, 14].tolist() == [11, 11, 11]
     assert ref[:, 0, 14].tolist() == [8, 8, 8]
+    # a media token past the media given (one sampled into a response) is named, not a StopIteration
+    with pytest.raises(ValueError, match="more image media tokens than the grid sizes given describe"):
+        rope_index(torch.cat([ids, torch.tensor([[img]])], dim=1), img_grid, vid_grid, img, vid, 2)
 
 
 # tests/dist/cases.py's cases, run in one 2-rank launch for the tests below that read them (a
