@@ -291,7 +291,7 @@ RL, SFT = (RLConfig, "tiny_demo.yaml"), (SFTConfig, "tiny_sft.yaml")
 @pytest.mark.parametrize("root, override, error", [
     (RL, "rollout.sampling.n=0", "rollout.sampling.n must be >= 1, got 0"),
     (RL, "rollout.sampling.max_tokens=-1", "rollout.sampling.max_tokens must be >= 1, got -1"),
-    (RL, "rollout.sampling.temperature=-2", "rollout.sampling.temperature must be >= 0, got -2.0"),
+    (RL, "rollout.sampling.temperature=-2", "rollout.sampling.temperature must be in [0, 2], got -2.0"),
     (RL, "rollout.sampling.top_p=1.5", "rollout.sampling.top_p must be in (0, 1], got 1.5"),
     (RL, "rollout.sampling.seed=-1", "rollout.sampling.seed must be >= 0, got -1"),
     (RL, "rollout.engine.max_model_len=0", "rollout.engine.max_model_len must be >= 1, got 0"),
