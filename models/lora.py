@@ -93,8 +93,13 @@ def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") 
     if not cfg.enabled:
         return
     if getattr(family, "lora_to_hf", None) is None:
-        raise ValueError(f"{prefix}lora: {family.name} has no LoRA yet (supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL); "
-                         f"set {prefix}lora.rank=0 to train every weight")
+        raise ValueError(f"{prefix}lora: {family.name} has no LoRA yet (supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
+                         f"Qwen3-VL-MoE); set {prefix}lora.rank=0 to train every weight")
+    allowed = family.lora_targets or tuple(TARGETS)
+    if beyond := [name for name in cfg.target_modules if name not in allowed]:
+        raise ValueError(f"{prefix}lora.target_modules: {family.name}'s adapters reach {', '.join(allowed)} only "
+                         f"(not {', '.join(beyond)}: the experts have none yet): set {prefix}lora.target_modules="
+                         f"[{', '.join(allowed)}]")
     if trainer_cfg.expert_parallel > 1:
         raise ValueError(f"{prefix}lora runs at tensor, pipeline and context parallelism only so far; "
                          f"{prefix}trainer.expert_parallel={trainer_cfg.expert_parallel}: set it to 1, or "

@@ -188,6 +188,29 @@ def test_the_limits_themselves_are_accepted():
                           "dynamic_sampling.max_wave_groups=3"])
 
 
+def test_lora_on_a_mixture_of_experts_reaches_the_attention_and_its_adapter_needs_a_gpu_engine(capsys, tmp_path,
+                                                                                                shards):
+    """Qwen3-VL-MoE's adapters reach the attention's projections (the experts have none yet); on
+    a CPU-only machine vLLM cannot serve an adapter on an MoE model, so its LoRA runs sync the
+    merged weights. Each refusal names the setting that fixes it."""
+    from models.tiny import tiny_model_dir
+
+    tiny_model_dir("qwen3vlmoe")
+    capsys.readouterr()  # the build's progress is not the refusal's stderr
+    moe = ["policy.model=tiny:qwen3vlmoe", "policy.lora.rank=8"]
+    assert _refused(capsys, tmp_path, _rl(shards, *moe)) == (
+        "yatt-mm rl: policy.lora.target_modules: Qwen3-VL-MoE's adapters reach q_proj, k_proj, v_proj, o_proj only "
+        "(not gate_proj, up_proj, down_proj: the experts have none yet): set policy.lora.target_modules=[q_proj, "
+        "k_proj, v_proj, o_proj]")
+    attention = [*moe, "policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj]"]
+    assert _refused(capsys, tmp_path, _rl(shards, *attention, "sync.lora=adapter")) == (
+        "yatt-mm rl: sync.lora=adapter: vLLM's CPU build cannot serve a LoRA adapter on a mixture-of-experts model "
+        "(its experts' LoRA path needs Triton's GPU kernels): set sync.lora=merged (the adapter merged into its "
+        "weights, synced as full weights are)")
+    cfg = load(RLConfig, DEMO, ["policy.model=" + str(tiny_model_dir("qwen3vlmoe")), *attention[1:]])
+    cfg.check_model()  # the merged sync (the default) is accepted
+
+
 # ---------------------------------------------------------------- the pipeline-stage hint
 
 

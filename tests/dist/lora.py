@@ -88,9 +88,13 @@ def run(tp: int = 1, pp: int = 1, kind: str = "policy") -> dict:
     from models.hf_io import save_hf_dir
     from models.qwen2vl.parity import logit_diffs
 
+    from models.family import family_for_tiny_kind
+    from models.lora import TARGETS
+
     groups = init_parallel(tp, seed=0, pipeline_parallel=pp)
     path = str(tiny_model_dir(kind))
-    lora = LoRAConfig(rank=8, alpha=16.0)
+    # every projection the family's adapters reach (an MoE's: the attention's)
+    lora = LoRAConfig(rank=8, alpha=16.0, target_modules=list(family_for_tiny_kind(kind).lora_targets or TARGETS))
     trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, lr=1e-2, seed=3), lora=lora)
     module, spec = trainer.module, trainer.spec
     _randomise_b(module, 11)

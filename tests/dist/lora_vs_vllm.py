@@ -28,7 +28,11 @@ def run(path: str) -> dict:
 
     from vlm_vs_vllm import build, diffs, prompt_diff
 
-    trainer = VLMTrainer(path, TrainerConfig(lr=1e-2), lora=LoRAConfig(rank=8, alpha=16.0))
+    from models.family import family_for_dir
+    from models.lora import TARGETS
+
+    targets = list(family_for_dir(path).lora_targets or TARGETS)  # an MoE's: the attention's
+    trainer = VLMTrainer(path, TrainerConfig(lr=1e-2), lora=LoRAConfig(rank=8, alpha=16.0, target_modules=targets))
     engine = RolloutEngine(EngineConfig(model=path, lora_rank=8))
     processor = AutoProcessor.from_pretrained(path)
     rng = random.Random(1)

@@ -75,7 +75,8 @@ def test_rope_index_matches_transformers_and_follows_vllm_for_long_videos(tiny_p
 # launch is ~10 s of imports on two cores; each case builds its own model and groups)
 CASES = ["parity:policy:1:1", "parity:policy25:1:1", "parity:policy:2:1", "parity:policy25:2:1",
          "parity:policy:1:2", "train:1:fp32", "train:2:fp32", "train:1:bf16", "shared_media", "distopt",
-         "packing:1", "packing:2", "recompute", "recompute:policy25", "lora:1:1", "lora:2:1", "lora:1:2"]
+         "packing:1", "packing:2", "recompute", "recompute:policy25", "lora:1:1", "lora:2:1", "lora:1:2",
+         "lora:2:1:qwen3vlmoe"]
 
 
 # and the slow tests' cases, in a launch of their own: the 3-layer model at PP 2 on uneven stages
@@ -87,7 +88,7 @@ SLOW_CASES = ["parity:judge:1:2:1,2", "packing:1:qwen3vl", "recompute:qwen3vl", 
 def cases(tiny_policy) -> dict:
     from models.tiny import tiny_model_dir
 
-    tiny_model_dir("policy25")  # built here, not by two ranks at once
+    tiny_model_dir("policy25"), tiny_model_dir("qwen3vlmoe")  # built here, not by two ranks at once
     return _torchrun("tests/dist/cases.py", *CASES)
 
 
@@ -454,3 +455,18 @@ def test_lora_equals_transformers_with_peft_and_trains_the_adapter_only(tp, pp, 
         f = r["freeze_vision"]
         assert f["vision_unchanged"] and f["language_moved"], f
         assert f["grad_buffer_numel"] == f["optimizer_numel"] == f["language_numel"], f
+
+
+def test_lora_on_qwen3vl_moe_reaches_the_attention_as_peft_does_at_tp_2(cases):
+    """Qwen3-VL-MoE with adapters on the attention's projections (its experts have none yet), at
+    TP 2 (experts split over TP): the logits and the merged export equal transformers + peft's with
+    the same adapter, so do the adapter's gradients; only the adapter trains."""
+    r = cases["lora:2:1:qwen3vlmoe"]
+    print("LoRA on Qwen3-VL-MoE at TP 2 vs transformers + peft:", r)
+    assert r["adapter_tensors"] == 32 and r["grads_compared"] == 16, r  # 4 layers x 4 projections x (A, B)
+    # measured: logits 1.4e-5 to 1.6e-5, merged 2.0e-5, gradients 1.0e-6 (B) and 1.5e-6 (A)
+    assert all(d < 1e-4 for d in r["logits_max_diff"].values()) and r["merged_vs_peft_max_diff"] < 1e-4, r
+    assert r["grad_b_max_diff"] < 1e-5 and r["grad_a_max_diff"] < 1e-5, r
+    assert r["trainable"] and r["base_unchanged"] and r["adapters_all_moved"] and r["replicated_differ"] == {}, r
+    assert r["grad_buffer_numel"] == r["adapter_numel"] and r["optimizer_numel"] <= r["adapter_numel"], r
+    assert r["reference_vs_policy_max_diff"] > 1.0 and r["reference_after_step_max_diff"] == 0.0, r

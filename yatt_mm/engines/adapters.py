@@ -31,6 +31,20 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}")
 
 
+def check_adapter_serving(model_dir: str | Path, setting: str = "sync.lora") -> None:
+    """Whether vLLM here can serve an adapter on `model_dir` (ValueError naming `setting`). vLLM's
+    CPU build (0.32) cannot on a mixture-of-experts model: with LoRA on, its experts run a Triton
+    kernel the CPU build lacks (AttributeError in triton_moe.py at the first request). On a GPU
+    that kernel is vLLM's own; untested here."""
+    from models.family import read_spec
+    from models.runtime import has_gpu
+
+    if not has_gpu() and getattr(read_spec(model_dir), "num_experts", 0):
+        raise ValueError(f"{setting}=adapter: vLLM's CPU build cannot serve a LoRA adapter on a mixture-of-experts "
+                         f"model (its experts' LoRA path needs Triton's GPU kernels): set {setting}=merged (the "
+                         "adapter merged into its weights, synced as full weights are)")
+
+
 def engine_lora_kwargs(rank: int) -> dict:
     """vLLM's settings for serving one adapter of up to `rank` (none when `rank` is 0)."""
     return dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(rank), max_loras=1) if rank else {}

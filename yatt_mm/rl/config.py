@@ -410,6 +410,10 @@ class RLConfig:
 
         self.policy.trainer.check_model(self.policy.model, "policy.trainer")
         check_lora_layout(self.policy.lora, family_of(read_spec(self.policy.model)), self.policy.trainer)
+        if self.sync.lora == "adapter":
+            from yatt_mm.engines.adapters import check_adapter_serving
+
+            check_adapter_serving(self.policy.model)
         self.algorithm.check_model(bool(getattr(read_spec(self.policy.model), "num_experts", 0)), self.policy.model)
         self.data.media = media_for_model(self.data.media, self.policy.model, "data.media.factor")
         if self.algorithm.distill.active:
