@@ -382,6 +382,16 @@ def test_lora_is_planned_without_base_gradients_optimizer_or_reference_and_recom
     assert "M adapter parameters per GPU beside the frozen base" in capsys.readouterr().out
 
 
+def test_lora_advice_for_a_mixture_of_experts_names_the_attention_targets(capsys):
+    """The 16-GPU Qwen3-VL-30B-A3B recipe on 8: LoRA is named with the attention's projections
+    (its experts have no adapters yet), a change the config check accepts."""
+    recipe = str(ROOT / "configs" / "qwen3vl_30b_a3b_16gpu.yaml")
+    assert main(["plan", "--config", recipe, "--nodes", "1", "--gpus-per-node", "8"]) == 1
+    out = capsys.readouterr().out
+    change = "policy.lora.rank=64 sync.lora=adapter policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj]"
+    assert "DOES NOT FIT" in out and change in out, out[-1500:]
+
+
 @pytest.fixture(scope="module")
 def qwen3vl_stage_params():
     """Each rank's parameters as Megatron builds the tiny Qwen3-VL at TP 2 and at PP 2 (one launch)."""

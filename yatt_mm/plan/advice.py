@@ -43,10 +43,23 @@ def candidate_changes(cfg, cluster: Cluster) -> list[list[str]]:
         out.append([f"rollout.engine.tensor_parallel_size={t.tensor_parallel}"])
     if not cfg.policy.lora.rank:  # frozen base: no gradients or Adam state but the adapter's; the plan
         # refuses it where the family or layout has no LoRA, and the change is then dropped
-        out.append(["policy.lora.rank=64", "sync.lora=adapter"])
+        out.append(["policy.lora.rank=64", "sync.lora=adapter", *_lora_targets(cfg)])
         if not cfg.policy.freeze_vision:
             out.append(["policy.freeze_vision=true"])
     return out
+
+
+def _lora_targets(cfg) -> list[str]:
+    """The target_modules override a family whose adapters reach fewer projections needs (an
+    MoE's: the attention's); none when they reach all, or the model cannot be read."""
+    from models.family import family_of
+    from yatt_mm.plan.architectures import load_spec
+
+    try:
+        targets = family_of(load_spec(cfg.policy.model)).lora_targets
+    except ValueError:  # the plan names what it cannot read
+        return []
+    return [f"policy.lora.target_modules=[{', '.join(targets)}]"] if targets else []
 
 
 def over_limit(plan: Plan) -> int:
