@@ -4,12 +4,15 @@ against transformers + peft in test_models.py (one launch with the other 2-rank 
 engine's adapter sync there too (tests/dist/lora_vs_vllm.py)."""
 
 import re
+from pathlib import Path
 
 import pytest
 
 from models.family import family_for_model_type
 from models.lora import LoRAConfig, check_layout, peft_config
 from models.trainer import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_families_without_lora_and_unsupported_layouts_are_refused_by_name():
@@ -93,3 +96,24 @@ def test_export_merge_writes_the_model_peft_gives_with_the_adapter(tiny_policy, 
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert len(changed) == 7 * base.config.text_config.num_hidden_layers
     assert all(re.search(r"\.(q|k|v|o|gate|up|down)_proj\.weight$", k) and "visual" not in k for k in changed)
+
+
+def test_the_engines_adapter_folder_goes_with_a_process_that_crashes(tmp_path):
+    """The adapter versions a rollout engine serves live in a folder of its process's own; a rank
+    that dies of an exception (close() never called) leaves none behind in the temp folder."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from yatt_mm.engines.adapters import AdapterSlot\n"
+            "slot = AdapterSlot()\n"
+            "version = slot._next_version()\n"
+            "version.mkdir()\n"
+            "(version / 'adapter_model.safetensors').write_bytes(b'x')\n"
+            "print(slot.root, flush=True)\n"
+            "raise RuntimeError('the step failed')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=str(ROOT))
+    assert proc.returncode == 1 and "the step failed" in proc.stderr, proc.stderr[-2000:]
+    root = proc.stdout.strip()
+    assert root.startswith(str(tmp_path)) and not list(tmp_path.glob("yatt-mm-adapter-*")), (root, proc.stderr)

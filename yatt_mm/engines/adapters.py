@@ -10,6 +10,7 @@ deletes the one before, so a load never reads a directory that is being rewritte
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 import time
@@ -64,15 +65,21 @@ class AdapterSlot:
     def load(self, llm, tensors: dict[str, torch.Tensor], config: dict) -> dict[str, float]:
         """Write the adapter as a new version's directory and swap it in; {seconds, bytes, tensors}."""
         start = time.perf_counter()
-        if self.root is None:
-            self.root = Path(tempfile.mkdtemp(prefix="yatt-mm-adapter-"))
-        self.version += 1
-        previous, self.path = self.path, save_adapter_dir(tensors, config, self.root / f"v{self.version}")
+        previous, self.path = self.path, save_adapter_dir(tensors, config, self._next_version())
         self._add(llm)
         if previous is not None and previous.parent == self.root:  # ours, not a directory serve() was given
             shutil.rmtree(previous, ignore_errors=True)
         return {"seconds": time.perf_counter() - start, "bytes": float(adapter_bytes(tensors)),
                 "tensors": float(len(tensors))}
+
+    def _next_version(self) -> Path:
+        """The directory of the next version, in a folder of this process's own that goes with
+        it: at close(), or at exit when a crash skips close() (not after kill -9)."""
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="yatt-mm-adapter-"))
+            atexit.register(shutil.rmtree, self.root, True)
+        self.version += 1
+        return self.root / f"v{self.version}"
 
     def _add(self, llm) -> None:
         from vllm.lora.request import LoRARequest
