@@ -174,6 +174,40 @@ def whole_pairs(module: torch.nn.Module, tp_group, grads: bool = False) -> dict[
     return out
 
 
+def whole_adapter_tensors(module: torch.nn.Module, values: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
+    """`values` ({this stage's adapter parameter name: a tensor of its shape}: the adapter itself,
+    or its optimizer state) whole over TP as `whole_pairs` gathers the adapter, by whole-model
+    name: the same at every TP and PP layout. A collective over TP."""
+    out = {}
+    for name, linear in lora_linears(module):
+        split_b = linear.lora_kind == "column"  # a column layer's B is split over TP, a row layer's A
+        for which, dim in (("lora_A", None if split_b else 1), ("lora_B", 0 if split_b else None)):
+            t = values[f"{name}.{which}"]
+            t = t.detach() if dim is None else _gather_adapter(t, dim, linear.lora_gated and which == "lora_B", tp_group)
+            out[whole_model_name(f"{name}.{which}", module)] = t
+    return out
+
+
+def split_adapter_tensors(module: torch.nn.Module, whole: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
+    """The inverse of `whole_adapter_tensors` at this module's layout: {this stage's adapter
+    parameter name: this TP rank's part} of the whole tensors in `whole` (other stages' ignored)."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
+    rank = dist.get_rank(tp_group) if tp > 1 else 0
+    out = {}
+    for name, linear in lora_linears(module):
+        split_b = linear.lora_kind == "column"
+        for which, dim in (("lora_A", None if split_b else 1), ("lora_B", 0 if split_b else None)):
+            t = whole[whole_model_name(f"{name}.{which}", module)]
+            if dim is not None and linear.lora_gated and which == "lora_B":  # [gate; up]: each half split
+                t = torch.cat([half.chunk(tp, dim)[rank] for half in t.chunk(2, dim)], dim)
+            elif dim is not None:
+                t = t.chunk(tp, dim)[rank]
+            out[f"{name}.{which}"] = t.contiguous()
+    return out
+
+
 def adapter_buckets(module: torch.nn.Module, family, tp_group, dtype: torch.dtype | None = None
                     ) -> Iterator[dict[str, torch.Tensor]]:
     """The whole adapter as PEFT names it ({base_model.model.<HF module>.lora_A/B.weight: tensor}),

@@ -117,7 +117,14 @@ def run(tp: int = 1, pp: int = 1, kind: str = "policy") -> dict:
     if tp > 1:  # what every TP rank holds whole (a column layer's A, a row layer's B) stayed alike
         from vlm_train_steps import replicated_weights_diff
 
+        from models.convert import split_adapter_tensors, whole_adapter_tensors
+
         out["replicated_differ"] = replicated_weights_diff(module, trainer.tp_group)
+        # a resume at another layout's whole form (yatt_mm/rl/relayout.py), cut again: this rank's part
+        mine = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+        back = split_adapter_tensors(module, whole_adapter_tensors(module, mine, trainer.tp_group), trainer.tp_group)
+        out["whole_form_roundtrip_bitwise"] = back.keys() == mine.keys() and all(torch.equal(back[n], mine[n])
+                                                                                 for n in mine)
     return out
 
 

@@ -132,3 +132,55 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
             "from DP 1 x TP 1 x PP 2 x CP 1, distributed_optimizer=true") in pp1.stdout, pp1.stdout[-3000:]
     again = load_file(pp1_dir / "final" / "model.safetensors")
     assert again.keys() == final.keys() and all(again[k].equal(final[k]) for k in final)
+
+
+@pytest.mark.slow  # ~60 s: a 2-step LoRA run at TP 2 and its resume at TP 1
+def test_a_lora_run_at_tp_2_resumes_at_tp_1_with_its_adapter_and_adam_state(tmp_path, warm_policy):
+    """A LoRA run (rank-8 adapters, the adapter sync, the plain optimizer) at TP 2 on 2 ranks, its
+    step-1 checkpoint resumed at TP 1 on one rank with the distributed optimizer: the adapter and
+    Adam's state are carried in the Megatron model's whole names (yatt_mm/rl/relayout.py), cut for
+    TP 1 (a column layer's B and a row layer's A were split over TP 2, the gated [gate; up] B
+    half by half). Step 2 draws the same rewards, its loss, entropy and gradient norm equal the TP
+    2 run's within float32 rounding, and the adapter it ends with (after the converted Adam state's
+    update) equals the TP 2 run's."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    same = ["rollout.prompts_per_step=4", "run.steps=2", "run.checkpoint_every=1", "rollout.sampling.seed=3",
+            "eval.every=0", "reward.judges=[]", "run.save_final=true", "policy.lora.rank=8", "sync.lora=adapter",
+            "policy.trainer.lr=5e-4"]
+    cmd = _tiny_rl(run_dir, tmp_path / "train", *same, "policy.trainer.tensor_parallel=2",
+                   "rollout.engine.tensor_parallel_size=2", "policy.trainer.distributed_optimizer=false",
+                   policy=warm_policy)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert "DP 1 x TP 2 x PP 1 x CP 1" in proc.stdout
+    _assert_real_updates_reach_vllm(_steps(run_dir))
+
+    tp1_dir = tmp_path / "tp1"
+    shutil.copytree(run_dir, tp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "final"))
+    one = _tiny_rl(tp1_dir, tmp_path / "train", *same, policy=warm_policy)
+    one[one.index("--nproc") + 1] = "1"
+    tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
+    assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; the LoRA adapter and the distributed "
+            "optimizer's state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in tp1.stdout, \
+        tp1.stdout[-3000:]
+    a, b = _trained(run_dir)[1], _trained(tp1_dir)[1]
+    print("LoRA TP 2 vs TP 1 after the conversion, step 2:",
+          [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm")] for r in (a, b)])
+    assert b["step"] == 2 and a["rollout/reward_mean"] == b["rollout/reward_mean"]
+    for k in ("train/loss", "train/entropy", "train/grad_norm"):
+        assert abs(a[k] - b[k]) <= 1e-4 * max(abs(a[k]), 1e-2), (k, a[k], b[k])
+    _assert_real_updates_reach_vllm(_steps(tp1_dir)[1:])
+    tp2_final = load_file(str(run_dir / "final" / "adapter_model.safetensors"))
+    tp1_final = load_file(str(tp1_dir / "final" / "adapter_model.safetensors"))
+    assert tp2_final.keys() == tp1_final.keys()
+    worst = max(float((tp2_final[k] - tp1_final[k]).abs().max()) for k in tp2_final)
+    scale = max(float(t.abs().max()) for t in tp2_final.values())
+    print("LoRA final adapter, TP 2 vs TP 1 resumed: max |diff|", worst, "of", scale)
+    assert worst <= 1e-4 * scale, (worst, scale)

@@ -451,6 +451,9 @@ def test_lora_equals_transformers_with_peft_and_trains_the_adapter_only(tp, pp, 
     assert r["reference_vs_policy_max_diff"] > 1.0 and r["reference_after_step_max_diff"] == 0.0, r
     if tp > 1:  # a column layer's A and a row layer's B, whole on every TP rank, stay alike
         assert r["replicated_differ"] == {}, r
+        # the layout-free form of a LoRA checkpoint's conversion, cut again at TP 2: each rank's part
+        # bit for bit (gate and up halves split apart; red with the fused [gate; up] B cut whole)
+        assert r["whole_form_roundtrip_bitwise"], r
     if (tp, pp) == (1, 1):  # policy.freeze_vision without LoRA: the language model trains alone
         f = r["freeze_vision"]
         assert f["vision_unchanged"] and f["language_moved"], f

@@ -533,11 +533,11 @@ def load_converted_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, 
     """Weights and optimizer state from the checkpoint in HF names (yatt_mm/rl/relayout.py)."""
     from yatt_mm.rl.relayout import converted_dir, load_converted
 
-    if trainer.lora is not None:
-        raise RuntimeError(f"{ckpt} holds a LoRA adapter: only its DP size may change on resume")
     load_converted(ckpt, trainer)
     step = int((converted_dir(ckpt) / "done").read_text().split()[1])
     which = "the distributed optimizer's" if trainer.cfg.distributed_optimizer else "the optimizer's"
+    if trainer.lora is not None:
+        return step, f"the LoRA adapter and {which} state converted from {plan.saved.describe()}"
     return step, f"weights and {which} state converted from {plan.saved.describe()} through HF names"
 
 

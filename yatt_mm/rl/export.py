@@ -46,10 +46,8 @@ def run_config(ckpt: Path):
     return load(RLConfig, str(path), [])
 
 
-def check_relayout(ckpt: Path, saved: Layout, lora: bool) -> None:
+def check_relayout(ckpt: Path, saved: Layout) -> None:
     """What a resume at another layout (yatt_mm/rl/relayout.py) can carry over, else why not."""
-    if lora:
-        raise ValueError(f"{ckpt} holds a LoRA adapter: only its DP size may change on resume")
     if not convertible(saved):
         raise ValueError(f"{ckpt} was written at DP {saved.dp} x EP {saved.ep}: under expert parallelism a "
                          "checkpoint of the distributed optimizer is converted only from DP = EP; resume it at the "
@@ -66,7 +64,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, wi
     if merge and not cfg.policy.lora.enabled:
         raise ValueError(f"{ckpt} holds every weight (its run had no policy.lora): --merge is for LoRA checkpoints")
     if with_optimizer:
-        check_relayout(ckpt, saved, cfg.policy.lora.enabled)
+        check_relayout(ckpt, saved)
     live = export_layout(saved)
     args = [str(ckpt), "--out", str(out)] + (["--merge"] if merge else []) + (["--with-optimizer"] if with_optimizer
                                                                                else [])
@@ -109,13 +107,16 @@ def export_rank(ckpt: Path, out: Path, merge: bool, with_optimizer: bool = False
     if state_digest(trainer.checkpoint_weights()) != state_digest(state["model"]):
         raise RuntimeError(f"{ckpt}: the loaded weights do not hash to rank {source}'s as written")
     if with_optimizer:
-        from yatt_mm.rl.relayout import write_optimizer
+        from yatt_mm.rl.relayout import write_adapter_state, write_optimizer
 
         out.mkdir(parents=True, exist_ok=True)
-        weights = trainer.export_hf()
-        if ranks.rank == 0:
-            save_hf_dir(weights, cfg.policy.model, out / "model")
-        write_optimizer(trainer, out, ranks.rank == 0)
+        if trainer.lora is not None:  # the adapter and its optimizer state, in Megatron's whole names
+            write_adapter_state(trainer, out)
+        else:
+            weights = trainer.export_hf()
+            if ranks.rank == 0:
+                save_hf_dir(weights, cfg.policy.model, out / "model")
+            write_optimizer(trainer, out, ranks.rank == 0)
         if dist.is_initialized():
             dist.barrier()
         if ranks.rank == 0:

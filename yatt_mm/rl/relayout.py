@@ -19,8 +19,11 @@ an fp32 copy of the model) and loaded back as if it were.
    it, or loaded whole into the plain one (models/reshard.py).
 
 The distributed optimizer may be on or off on either side (the state is per parameter in both:
-models/reshard.py's whole form); a LoRA run is not converted (an adapter's own names are another
-conversion). Under expert parallelism the export runs at the layout that wrote the checkpoint (with
+models/reshard.py's whole form). A LoRA run's adapter and its optimizer state go in the Megatron
+model's own whole names instead (`write_adapter_state`, `load_adapter_state`): each tensor whole
+over TP as the adapter sync gathers it (models/convert.py), one safetensors file per pipeline
+stage and key, cut again for the new layout; the base is checked by the export, at the layout
+that wrote the checkpoint. Under expert parallelism the export runs at the layout that wrote the checkpoint (with
 the distributed optimizer at DP = EP: yatt_mm/rl/layout.py's `convertible`), each rank puts
 together the state its optimizers shard over their DP groups, and the experts are gathered over EP
 as the weight sync gathers them. Megatron gives the experts an optimizer of their own only under
@@ -67,18 +70,9 @@ def write_optimizer(trainer, out: Path, rank0: bool) -> None:
     """The optimizer state of `trainer` in HF names, one directory per key, and its step and
     hyperparameters (collectives over each inner optimizer's DP group, TP, EP and PP)."""
     from models.family import family_of
-    from models.optimizer import inner_optimizers
-    from models.reshard import plain_whole, stitch
     from models.trainer import build_module
 
-    state = trainer.optimizer_state()
-    numel = {n: p.numel() for n, p in trainer.module.named_parameters()}
-    whole, step = {}, None
-    for i, opt in enumerate(inner_optimizers(trainer.optimizer)):
-        part, s = stitch(_dp_shards(opt, state["shards"][i]), numel) if trainer.cfg.distributed_optimizer \
-            else plain_whole(opt, trainer.module)
-        whole.update(part)
-        step = s if s is not None else step
+    whole, step, state = _whole_optimizer_state(trainer)
     carrier = build_module(trainer.hf_dir, trainer.spec, replace(trainer.cfg, dtype="fp32"), device="cpu")
     family = family_of(trainer.spec)
     for key in KEYS:
@@ -93,8 +87,57 @@ def write_optimizer(trainer, out: Path, rank0: bool) -> None:
 
             save_hf_dir(tensors, trainer.hf_dir, out / f"optimizer_{key}")
     if rank0:
-        torch.save({"megatron": state["megatron"], "step": step, "inner": len(inner_optimizers(trainer.optimizer)),
-                    "distributed": trainer.cfg.distributed_optimizer}, out / "optimizer.pt")
+        _save_meta(trainer, state, step, out)
+
+
+def _whole_optimizer_state(trainer) -> tuple[dict, torch.Tensor | None, dict]:
+    """(each parameter's optimizer state whole and 1-D, Adam's step, the optimizer's own state):
+    the distributed optimizer's shards put together over each inner optimizer's DP group."""
+    from models.optimizer import inner_optimizers
+    from models.reshard import plain_whole, stitch
+
+    state = trainer.optimizer_state()
+    numel = {n: p.numel() for n, p in trainer.module.named_parameters()}
+    whole, step = {}, None
+    for i, opt in enumerate(inner_optimizers(trainer.optimizer)):
+        part, s = stitch(_dp_shards(opt, state["shards"][i]), numel) if trainer.cfg.distributed_optimizer \
+            else plain_whole(opt, trainer.module)
+        whole.update(part)
+        step = s if s is not None else step
+    return whole, step, state
+
+
+def _save_meta(trainer, state: dict, step, out: Path) -> None:
+    from models.optimizer import inner_optimizers
+
+    lora = getattr(trainer, "lora", None)
+    torch.save({"megatron": state["megatron"], "step": step, "inner": len(inner_optimizers(trainer.optimizer)),
+                "distributed": trainer.cfg.distributed_optimizer, "lora_rank": lora.rank if lora else 0},
+               out / "optimizer.pt")
+
+
+def write_adapter_state(trainer, out: Path) -> None:
+    """A LoRA run's adapter and its optimizer state, layout-free: per key (the weights, then the
+    optimizer's), {whole-model parameter name: tensor whole over TP}, one file per pipeline stage
+    (written by its first TP/CP/DP rank). Collectives over each inner optimizer's DP group and TP."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    from models.convert import whole_adapter_tensors
+
+    whole, step, state = _whole_optimizer_state(trainer)
+    params = dict(trainer.module.named_parameters())
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0 \
+        and ps.get_data_parallel_rank() == 0
+    for key in ("weights", *KEYS):
+        values = {n: (p.detach() if key == "weights" else whole[n][key].view(p.shape))
+                  for n, p in params.items() if p.requires_grad}
+        tensors = whole_adapter_tensors(trainer.module, values, trainer.tp_group)
+        if first:
+            stage = ps.get_pipeline_model_parallel_rank()
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / f"adapter_{key}_stage{stage}.safetensors"))
+    if ps.get_pipeline_model_parallel_rank() == 0 and first:
+        _save_meta(trainer, state, step, out)
 
 
 def _dp_shards(opt, shard: dict) -> list[dict]:
@@ -113,11 +156,13 @@ def _dp_shards(opt, shard: dict) -> list[dict]:
 def load_converted(ckpt: Path, trainer) -> None:
     """This rank's weights and optimizer state from `CKPT/converted/`, at this run's layout."""
     from models.family import family_of
-    from models.optimizer import inner_optimizers
-    from models.reshard import cut, load_plain
     from models.trainer import build_module
 
     conv = converted_dir(ckpt)
+    meta = torch.load(conv / "optimizer.pt", map_location="cpu", weights_only=True)
+    if getattr(trainer, "lora", None) is not None:
+        _load_optimizer(trainer, load_adapter_state(conv, trainer, meta), meta)
+        return
     family = family_of(trainer.spec)
     tp_rank, tp = trainer.tp_rank, trainer.cfg.tensor_parallel
     family.load_hf_into(trainer.module, conv / "model", tp_rank, tp)
@@ -128,7 +173,43 @@ def load_converted(ckpt: Path, trainer) -> None:
         family.load_hf_into(carrier, conv / f"optimizer_{key}", tp_rank, tp)
         for name, p in carrier.named_parameters():
             whole.setdefault(name, {})[key] = p.detach().reshape(-1).clone()
-    meta = torch.load(conv / "optimizer.pt", map_location="cpu", weights_only=True)
+    _load_optimizer(trainer, whole, meta)
+
+
+def load_adapter_state(conv: Path, trainer, meta: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """`write_adapter_state`'s files into this rank's adapter (its TP part of its stage's layers),
+    and the optimizer state of each adapter parameter, whole and 1-D, as `_load_optimizer` takes it."""
+    from safetensors.torch import load_file
+
+    from models.convert import split_adapter_tensors
+
+    if meta.get("lora_rank") != trainer.lora.rank:
+        raise RuntimeError(f"{conv.parent} was written with policy.lora.rank={meta.get('lora_rank')}; this run has "
+                           f"policy.lora.rank={trainer.lora.rank}: set it the same to resume")
+    params = {n: p for n, p in trainer.module.named_parameters() if p.requires_grad}
+    whole: dict[str, dict[str, torch.Tensor]] = {}
+    for key in ("weights", *KEYS):
+        saved = {}
+        for part in sorted(conv.glob(f"adapter_{key}_stage*.safetensors")):
+            saved.update(load_file(str(part)))
+        mine = split_adapter_tensors(trainer.module, saved, trainer.tp_group)
+        if set(mine) != set(params):
+            raise RuntimeError(f"{conv.parent}: the converted adapter lacks {sorted(set(params) - set(mine))[:3]}")
+        for name, t in mine.items():
+            if key == "weights":
+                with torch.no_grad():
+                    params[name].copy_(t.view(params[name].shape))
+            else:
+                whole.setdefault(name, {})[key] = t.reshape(-1).clone()
+    return whole
+
+
+def _load_optimizer(trainer, whole: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
+    """Each parameter's whole optimizer state into this run's optimizer: cut as the distributed
+    optimizer shards it here, or whole into the plain one."""
+    from models.optimizer import inner_optimizers
+    from models.reshard import cut, load_plain
+
     inner = inner_optimizers(trainer.optimizer)
     if not trainer.cfg.distributed_optimizer:  # each rank steps its shard of the model whole
         for opt in inner:
