@@ -6,8 +6,10 @@ the checkpoint converted through HF names) and the PP run's checkpoint exported 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,8 +33,6 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     sampling, steps 2 and 3 draw the same
     rewards, and their loss, entropy and gradient norm equal the TP 2 run's within float32
     rounding; step 3's are computed after the converted optimizer state's update."""
-    import shutil
-
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
     same = ["rollout.prompts_per_step=4", "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=3",
@@ -54,15 +54,9 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     # the trainer's TP collectives (logprobs over the vocabulary, the weight gather) on the device's group
     assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
 
-    tp1_dir = tmp_path / "tp1"
-    shutil.copytree(run_dir, tp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "step_3"))
-    one = [*_tiny_rl(tp1_dir, tmp_path / "train", *same, policy=warm_policy)]
-    one[one.index("--nproc") + 1] = "1"
-    tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
+    tp1_dir, stdout = _resumed_on_one_rank(tmp_path, run_dir, same, warm_policy, "step_2", "step_3")
     assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
-            "state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in tp1.stdout, \
-        tp1.stdout[-3000:]
+            "state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in stdout, stdout[-3000:]
     assert (tp1_dir / "checkpoints" / "step_1" / "converted" / "done").is_file()
     tp2_steps, tp1_steps = _trained(run_dir)[1:], _trained(tp1_dir)[1:]
     print("TP 2 vs TP 1 after the conversion, steps 2-3:",
@@ -77,6 +71,18 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     _assert_real_updates_reach_vllm(_steps(tp1_dir)[1:])
 
 
+def _resumed_on_one_rank(tmp_path, run_dir, same: list[str], policy, *left_out: str) -> tuple[Path, str]:
+    """A copy of the 2-rank run `run_dir` without `left_out` (its later checkpoints, its final
+    export), rerun with the same settings on one rank (TP 1): (its run dir, its stdout)."""
+    tp1_dir = tmp_path / "tp1"
+    shutil.copytree(run_dir, tp1_dir, ignore=shutil.ignore_patterns(".lock*", *left_out))
+    one = _tiny_rl(tp1_dir, tmp_path / "train", *same, policy=policy)
+    one[one.index("--nproc") + 1] = "1"
+    tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
+    return tp1_dir, tp1.stdout
+
+
 @pytest.mark.slow  # ~60 s; the trainer's PP equality and parity tests run in make test
 def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp_path, warm_policy):
     """PP=2 on 2 ranks: one DP group whose controller (stage 0) broadcasts the samples to stage 1;
@@ -88,8 +94,6 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     `yatt-mm export` of the run's last checkpoint writes the same model as the final export, and
     so does that checkpoint resumed at PP 1 without the distributed optimizer (converted through
     HF names)."""
-    import shutil
-
     from safetensors.torch import load_file
 
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
@@ -143,9 +147,6 @@ def test_a_lora_run_at_tp_2_resumes_at_tp_1_with_its_adapter_and_adam_state(tmp_
     half by half). Step 2 draws the same rewards, its loss, entropy and gradient norm equal the TP
     2 run's within float32 rounding, and the adapter it ends with (after the converted Adam state's
     update) equals the TP 2 run's."""
-    import shutil
-
-    import torch
     from safetensors.torch import load_file
 
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
@@ -161,15 +162,10 @@ def test_a_lora_run_at_tp_2_resumes_at_tp_1_with_its_adapter_and_adam_state(tmp_
     assert "DP 1 x TP 2 x PP 1 x CP 1" in proc.stdout
     _assert_real_updates_reach_vllm(_steps(run_dir))
 
-    tp1_dir = tmp_path / "tp1"
-    shutil.copytree(run_dir, tp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "final"))
-    one = _tiny_rl(tp1_dir, tmp_path / "train", *same, policy=warm_policy)
-    one[one.index("--nproc") + 1] = "1"
-    tp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert tp1.returncode == 0, (tp1.stdout[-3000:], tp1.stderr[-5000:])
+    tp1_dir, stdout = _resumed_on_one_rank(tmp_path, run_dir, same, warm_policy, "step_2", "final")
     assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; the LoRA adapter and the distributed "
-            "optimizer's state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in tp1.stdout, \
-        tp1.stdout[-3000:]
+            "optimizer's state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in stdout, \
+        stdout[-3000:]
     a, b = _trained(run_dir)[1], _trained(tp1_dir)[1]
     print("LoRA TP 2 vs TP 1 after the conversion, step 2:",
           [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm")] for r in (a, b)])
