@@ -139,11 +139,30 @@ def _make_filesystem(protocol: str):
         fs.retries = 1  # s3fs's own loop (a class attribute, not an argument)
         return fs
     if protocol == "gcs":
-        return fsspec.filesystem("gcs", skip_instance_cache=True, use_listings_cache=False)
+        return _one_attempt_gcs()(skip_instance_cache=True, use_listings_cache=False, requests_timeout=timeout)
     import aiohttp
 
     return fsspec.filesystem(protocol, skip_instance_cache=True, use_listings_cache=False,
                              client_kwargs={"timeout": aiohttp.ClientTimeout(total=timeout)})
+
+
+def _one_attempt_gcs():
+    """gcsfs's filesystem making one attempt per request, as s3fs is made to above: gcsfs retries
+    every request up to 6 times inside (a retry decorator fixed when its class is built, with
+    backoffs of 1-2 s and more, longer than a read's timeout), so that RemoteReads could neither
+    count the retries nor time an attempt. Its undecorated request under the same decorator with one
+    attempt; the plain filesystem where a gcsfs without that method's wrapper is installed."""
+    import gcsfs
+    from gcsfs.retry import retry_request
+
+    undecorated = getattr(gcsfs.GCSFileSystem._request, "__wrapped__", None)
+    if undecorated is None:
+        return gcsfs.GCSFileSystem
+
+    class OneAttemptGCSFileSystem(gcsfs.GCSFileSystem):
+        _request = retry_request(retries=1)(undecorated)
+
+    return OneAttemptGCSFileSystem
 
 
 def _path(fs, url: str) -> str:

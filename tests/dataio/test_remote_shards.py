@@ -258,6 +258,12 @@ def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_d
         got = _read(reader)
         assert got == _read(DataReader(_cfg([local], workers=2))) and len(got) == 24
         assert len(proxy.ranged_gets()) == len(proxy.requests) == 24, proxy.requests
+        # 503s and resets mid-body through gcsfs: each retried once and counted (gcsfs's own retries,
+        # up to 6 a request, are off as s3fs's are), every sample decoded
+        faulty = DataReader(_cfg(["gs://shards/ds/"], workers=2))
+        proxy.rules = [Fault("503", 2), Fault("reset", 2)]
+        assert _read(faulty) == got
+        assert len(proxy.injected) == 4 and faulty.remote_retries == 4 and not faulty.skips, proxy.injected
         with pytest.raises(FileNotFoundError, match="data.shards: gs://shards/ds/nothing.tar does not exist"):
             check_shard_specs(["gs://shards/ds/nothing.tar"], "data.shards")
         with pytest.raises(FileNotFoundError, match="gs://elsewhere/"):
