@@ -64,7 +64,12 @@ def _eval(args: argparse.Namespace) -> int:
         if adapter is None:
             cfg.policy.model = resolve_model(cfg.policy.model, cfg.data.all_shards())
         else:
-            resolve_model(adapter["base_model_name_or_path"])  # the base must be there
+            from yatt_mm.engines.adapters import check_adapter_serving
+
+            base = resolve_model(adapter["base_model_name_or_path"])  # the base must be there
+            check_adapter_serving(base, f"--model {args.model or cfg.policy.model} (a LoRA adapter)",
+                                  "merge it into its base first (yatt-mm export ADAPTER_DIR --merge --out DIR) and "
+                                  "evaluate DIR")
     except (ConfigError, ValueError) as e:
         print(f"yatt-mm eval: {e}", file=sys.stderr)
         return 2

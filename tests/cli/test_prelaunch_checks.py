@@ -6,6 +6,7 @@ would fail on the exit code."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,17 @@ def test_lora_on_a_mixture_of_experts_reaches_the_attention_and_its_adapter_need
         "weights, synced as full weights are)")
     cfg = load(RLConfig, DEMO, ["policy.model=" + str(tiny_model_dir("qwen3vlmoe")), *attention[1:]])
     cfg.check_model()  # the merged sync (the default) is accepted
+    # yatt-mm eval of such a run's final adapter, likewise, before any engine starts
+    from models.lora import ADAPTER_CONFIG, LoRAConfig, peft_config
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / ADAPTER_CONFIG).write_text(json.dumps(peft_config(LoRAConfig(rank=8), str(tiny_model_dir("qwen3vlmoe")))))
+    assert main(["eval", "--config", str(DEMO), "--model", str(final), f"eval.shards=[{shards}]"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"yatt-mm eval: --model {final} (a LoRA adapter): vLLM's CPU build cannot serve a LoRA adapter on a "
+        "mixture-of-experts model (its experts' LoRA path needs Triton's GPU kernels): merge it into its base first "
+        "(yatt-mm export ADAPTER_DIR --merge --out DIR) and evaluate DIR")
 
 
 # ---------------------------------------------------------------- the pipeline-stage hint

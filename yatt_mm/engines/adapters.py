@@ -32,18 +32,20 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}")
 
 
-def check_adapter_serving(model_dir: str | Path, setting: str = "sync.lora") -> None:
-    """Whether vLLM here can serve an adapter on `model_dir` (ValueError naming `setting`). vLLM's
-    CPU build (0.32) cannot on a mixture-of-experts model: with LoRA on, its experts run a Triton
-    kernel the CPU build lacks (AttributeError in triton_moe.py at the first request). On a GPU
-    that kernel is vLLM's own; untested here."""
+RL_FIX = "set sync.lora=merged (the adapter merged into its weights, synced as full weights are)"
+
+
+def check_adapter_serving(model_dir: str | Path, what: str = "sync.lora=adapter", fix: str = RL_FIX) -> None:
+    """Whether vLLM here can serve an adapter on the base `model_dir` (ValueError naming `what`
+    and the `fix`). vLLM's CPU build (0.32) cannot on a mixture-of-experts model: with LoRA on, its
+    experts run a Triton kernel the CPU build lacks (AttributeError in triton_moe.py at the first
+    request). On a GPU that kernel is vLLM's own; untested here."""
     from models.family import read_spec
     from models.runtime import has_gpu
 
     if not has_gpu() and getattr(read_spec(model_dir), "num_experts", 0):
-        raise ValueError(f"{setting}=adapter: vLLM's CPU build cannot serve a LoRA adapter on a mixture-of-experts "
-                         f"model (its experts' LoRA path needs Triton's GPU kernels): set {setting}=merged (the "
-                         "adapter merged into its weights, synced as full weights are)")
+        raise ValueError(f"{what}: vLLM's CPU build cannot serve a LoRA adapter on a mixture-of-experts model (its "
+                         f"experts' LoRA path needs Triton's GPU kernels): {fix}")
 
 
 def engine_lora_kwargs(rank: int) -> dict:
