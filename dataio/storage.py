@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import random
 import threading
@@ -146,6 +147,7 @@ def _make_filesystem(protocol: str):
                              client_kwargs={"timeout": aiohttp.ClientTimeout(total=timeout)})
 
 
+@functools.cache
 def _one_attempt_gcs():
     """gcsfs's filesystem making one attempt per request, as s3fs is made to above: gcsfs retries
     every request up to 6 times inside (a retry decorator fixed when its class is built, with

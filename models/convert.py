@@ -163,28 +163,32 @@ def whole_pairs(module: torch.nn.Module, tp_group, grads: bool = False) -> dict[
             return p
         return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
-    out = {}
-    for name, linear in lora_linears(module):
-        a, b = value(linear.lora_A), value(linear.lora_B)
-        if linear.lora_kind == "column":
-            b = _gather_adapter(b, 0, linear.lora_gated, tp_group)
-        else:
-            a = _gather_adapter(a, 1, False, tp_group)
-        out[whole_model_name(name, module)] = (a.detach(), b.detach())
-    return out
+    linears = list(lora_linears(module))
+    whole = whole_adapter_tensors(module, {f"{name}.{which}": value(getattr(linear, which)) for name, linear in linears
+                                           for which in ("lora_A", "lora_B")}, tp_group)
+    return {whole_model_name(name, module): (whole[whole_model_name(f"{name}.lora_A", module)],
+                                             whole[whole_model_name(f"{name}.lora_B", module)]) for name, _ in linears}
+
+
+def _split_dim(linear: torch.nn.Module, which: str) -> int | None:
+    """The dimension an adapter tensor is split on over TP (models/lora.py): a column layer's B on
+    its rows, a row layer's A on its columns; None: whole on every TP rank."""
+    if linear.lora_kind == "column":
+        return 0 if which == "lora_B" else None
+    return 1 if which == "lora_A" else None
 
 
 def whole_adapter_tensors(module: torch.nn.Module, values: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
     """`values` ({this stage's adapter parameter name: a tensor of its shape}: the adapter itself,
-    or its optimizer state) whole over TP as `whole_pairs` gathers the adapter, by whole-model
-    name: the same at every TP and PP layout. A collective over TP."""
+    its gradients or its optimizer state) whole over TP, by whole-model name: the same at every TP
+    and PP layout. A collective over TP."""
     out = {}
     for name, linear in lora_linears(module):
-        split_b = linear.lora_kind == "column"  # a column layer's B is split over TP, a row layer's A
-        for which, dim in (("lora_A", None if split_b else 1), ("lora_B", 0 if split_b else None)):
-            t = values[f"{name}.{which}"]
-            t = t.detach() if dim is None else _gather_adapter(t, dim, linear.lora_gated and which == "lora_B", tp_group)
-            out[whole_model_name(f"{name}.{which}", module)] = t
+        for which in ("lora_A", "lora_B"):
+            t, dim = values[f"{name}.{which}"], _split_dim(linear, which)
+            gated = linear.lora_gated and which == "lora_B"  # linear_fc1's [gate; up]
+            out[whole_model_name(f"{name}.{which}", module)] = t.detach() if dim is None \
+                else _gather_adapter(t, dim, gated, tp_group)
     return out
 
 
@@ -197,9 +201,8 @@ def split_adapter_tensors(module: torch.nn.Module, whole: dict[str, torch.Tensor
     rank = dist.get_rank(tp_group) if tp > 1 else 0
     out = {}
     for name, linear in lora_linears(module):
-        split_b = linear.lora_kind == "column"
-        for which, dim in (("lora_A", None if split_b else 1), ("lora_B", 0 if split_b else None)):
-            t = whole[whole_model_name(f"{name}.{which}", module)]
+        for which in ("lora_A", "lora_B"):
+            t, dim = whole[whole_model_name(f"{name}.{which}", module)], _split_dim(linear, which)
             if dim is not None and linear.lora_gated and which == "lora_B":  # [gate; up]: each half split
                 t = torch.cat([half.chunk(tp, dim)[rank] for half in t.chunk(2, dim)], dim)
             elif dim is not None:

@@ -67,7 +67,7 @@ def _eval(args: argparse.Namespace) -> int:
             from yatt_mm.engines.adapters import check_adapter_serving
 
             base = resolve_model(adapter["base_model_name_or_path"])  # the base must be there
-            check_adapter_serving(base, f"--model {args.model or cfg.policy.model} (a LoRA adapter)",
+            check_adapter_serving(base, f"--model {cfg.policy.model} (a LoRA adapter)",
                                   "merge it into its base first (yatt-mm export ADAPTER_DIR --merge --out DIR) and "
                                   "evaluate DIR")
     except (ConfigError, ValueError) as e:
