@@ -67,9 +67,8 @@ def _remote_shards(spec: str, setting: str | None = None) -> list[storage.Entry]
             return [entry]
         found = [e for e in storage.listdir(spec) if e.url.endswith(SHARD_SUFFIXES) and e.size != 0]
         if not found and storage.bucket_missing(spec):
-            endpoint = storage.redact(os.environ.get("AWS_ENDPOINT_URL", "(unset)"))
             raise FileNotFoundError(f"{where}{shown}: the bucket does not exist (or is not at this endpoint: "
-                                    f"AWS_ENDPOINT_URL={endpoint})")
+                                    f"{storage.endpoint_setting(spec)})")
         if not found:
             raise FileNotFoundError(f"{where}{shown} holds no shards (.tar, or {', '.join(COMPRESSED_SUFFIXES)} "
                                     "objects), or does not exist; give a prefix of shards, a .tar URL or a glob")

@@ -435,6 +435,13 @@ def bucket_missing(url: str) -> bool:
     return not retrying("checking the bucket of", url, lambda: fs.exists(bucket))
 
 
+def endpoint_setting(url: str) -> str:
+    """The variable that points this URL's client at another server, as a message shows it:
+    `AWS_ENDPOINT_URL=...` for s3://, `STORAGE_EMULATOR_HOST=...` for gs://."""
+    name = "STORAGE_EMULATOR_HOST" if _protocol(url) == "gcs" else "AWS_ENDPOINT_URL"
+    return f"{name}={redact(os.environ.get(name, '(unset)'))}"
+
+
 def glob(url: str) -> list[Entry]:
     fs = filesystem(url)
     return retrying("listing", url, lambda: [_entry(fs, url, d) for d in fs.glob(_path(fs, url), detail=True).values()

@@ -56,7 +56,7 @@ class Destination:
             raise PermissionError(f"--out {e}") from None
         if storage.bucket_missing(self.out):
             raise ValueError(f"--out {self.shown()}: the bucket does not exist (or is not at this endpoint: "
-                             f"AWS_ENDPOINT_URL={storage.redact(os.environ.get('AWS_ENDPOINT_URL', '(unset)'))})")
+                             f"{storage.endpoint_setting(self.out)})")
 
     # ------------------------------------------------------------------ what the destination holds
     def names(self) -> list[str]:

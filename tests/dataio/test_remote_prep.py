@@ -1,7 +1,8 @@
 """`yatt-mm prep ... --out s3://...` against moto's S3 server (tests/s3_store.py), with the real
 s3fs client: shards and the index land in the bucket, none visible half-written, and a run
 killed -9 resumes from the bucket (on a machine without the first run's staging folder) to the
-same bytes as a local run."""
+same bytes as a local run. `--out gs://...` against a GCS-protocol server with the real gcsfs
+client: the same bytes, a rerun that finds the run done, refusals."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prep_media import make_images
-from s3_store import FaultProxy
+from s3_store import FaultProxy, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--workers", "0", "--max-side", "64", "--max-samples-per-shard", "2", "--no-progress"]
@@ -34,6 +35,28 @@ def image_list(tmp_path_factory):
     return os.path.join(root, "list.jsonl")
 
 
+@pytest.fixture(scope="module")
+def local_prep(image_list, tmp_path_factory) -> Path:
+    """The same list prepared into a local folder: the bytes every bucket run must hold."""
+    ref = tmp_path_factory.mktemp("prep-ref") / "ref"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "prep", "images", image_list, "--out", str(ref), *ARGS],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(list(ref.glob("shard-*.tar"))) == 12
+    return ref
+
+
+def _assert_same_outputs(seen: dict[str, bytes], ref: Path) -> None:
+    """The bucket's objects of a finished run equal the local run's files, the index as a table."""
+    ref_names = sorted(p.name for p in ref.glob("shard-*.tar"))
+    assert sorted(k for k in seen if k.startswith("shard-")) == ref_names
+    for name in ref_names + ["failures.parquet"]:
+        assert seen[name] == (ref / name).read_bytes(), name
+    assert pq.read_table(pa.BufferReader(seen["index.parquet"])).equals(pq.read_table(ref / "index.parquet"))
+    assert json.loads(seen["stats.json"])["samples"] == 24
+
+
 def _prep(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "yatt_mm.cli", "prep", "images", *args], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -44,16 +67,12 @@ def _objects(s3, bucket: str, prefix: str) -> dict[str, bytes]:
     return {o["Key"][len(prefix) + 1:]: s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
 
 
-def test_prep_writes_shards_and_index_to_a_bucket_and_resumes_there_after_kill_9(image_list, s3_store, tmp_path):
+def test_prep_writes_shards_and_index_to_a_bucket_and_resumes_there_after_kill_9(image_list, local_prep, s3_store,
+                                                                                  tmp_path):
     s3 = s3_store.client()
     s3.create_bucket(Bucket="prep")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "YATT_MM_CACHE": str(tmp_path / "cache-1")}
-    ref = tmp_path / "ref"
-    done = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "prep", "images", image_list, "--out", str(ref), *ARGS],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    ref_names = sorted(p.name for p in ref.glob("shard-*.tar"))
-    assert len(ref_names) == 12
+    ref = local_prep
 
     proxy = FaultProxy(int(s3_store.endpoint.rsplit(":", 1)[1]), latency_s=0.05)  # slow enough to be killed mid-run
     try:
@@ -86,11 +105,56 @@ def test_prep_writes_shards_and_index_to_a_bucket_and_resumes_there_after_kill_9
     finally:
         proxy.close()
     seen = _objects(s3, "prep", "ds")
-    assert sorted(k for k in seen if k.startswith("shard-")) == ref_names
-    for name in ref_names + ["failures.parquet"]:
-        assert seen[name] == (ref / name).read_bytes(), name
-    assert pq.read_table(pa.BufferReader(seen["index.parquet"])).equals(pq.read_table(ref / "index.parquet"))
-    assert json.loads(seen["stats.json"])["samples"] == 24 and json.loads(seen["stats.json"])["resumed"]
+    _assert_same_outputs(seen, ref)
+    assert json.loads(seen["stats.json"])["resumed"]
+
+
+def test_prep_writes_to_gcs_as_to_disk_and_a_rerun_finds_it_done(image_list, local_prep, tmp_path, monkeypatch):
+    """gs:// through gcsfs against a GCS-protocol server on 127.0.0.1 (gcp-storage-emulator): the
+    bucket ends with the local run's bytes, the resume state lives in the bucket (a rerun from a
+    machine without the staging folder writes nothing again), and a missing bucket is refused
+    naming the URL and the endpoint the client used."""
+    import fsspec
+    from gcp_storage_emulator.server import create_server
+
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="prep")
+    server.start()
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "YATT_MM_CACHE": str(tmp_path / "cache-1"),
+               "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+        done = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "prep", "images", image_list, "--out", "gs://prep/ds",
+                               *ARGS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", env["STORAGE_EMULATOR_HOST"])
+        gcs = fsspec.filesystem("gcs", skip_instance_cache=True)
+
+        def objects() -> dict[str, bytes]:
+            return {path.removeprefix("prep/ds/"): gcs.cat_file(path) for path in gcs.find("prep/ds")}
+
+        seen = objects()
+        _assert_same_outputs(seen, local_prep)
+        assert not json.loads(seen["stats.json"])["resumed"] and ".prep/journal.jsonl" in seen, sorted(seen)
+
+        env["YATT_MM_CACHE"] = str(tmp_path / "cache-2")  # another machine: the state comes from the bucket
+        again = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "prep", "images", image_list, "--out",
+                                "gs://prep/ds", *ARGS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "(resumed) -> gs://prep/ds" in again.stdout, again.stdout
+        after = objects()  # nothing prepared or uploaded twice; the index and the stats written anew
+        assert {k: v for k, v in after.items() if k.startswith("shard-")} == {
+            k: v for k, v in seen.items() if k.startswith("shard-")}
+        _assert_same_outputs(after, local_prep)
+
+        monkeypatch.setenv("YATT_MM_CACHE", str(tmp_path / "cache-3"))
+        from yatt_mm.cli import main
+
+        with pytest.raises(SystemExit) as e:
+            main(["prep", "images", image_list, "--out", "gs://no-such-bucket/ds", *ARGS])
+        assert "gs://no-such-bucket/ds" in str(e.value) and "the bucket does not exist" in str(e.value), str(e.value)
+        assert f"STORAGE_EMULATOR_HOST=http://127.0.0.1:{port}" in str(e.value), str(e.value)
+    finally:
+        server.stop()
 
 
 def test_prep_refuses_an_out_it_cannot_write_before_any_work(image_list, s3_store, tmp_path, monkeypatch):
