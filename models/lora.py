@@ -100,10 +100,6 @@ def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") 
         raise ValueError(f"{prefix}lora.target_modules: {family.name}'s adapters reach {', '.join(allowed)} only "
                          f"(not {', '.join(beyond)}: the experts have none yet): set {prefix}lora.target_modules="
                          f"[{', '.join(allowed)}]")
-    if trainer_cfg.expert_parallel > 1:
-        raise ValueError(f"{prefix}lora runs at tensor, pipeline and context parallelism only so far; "
-                         f"{prefix}trainer.expert_parallel={trainer_cfg.expert_parallel}: set it to 1, or "
-                         f"{prefix}lora.rank=0")
 
 
 # -- the adapters on the model -----------------------------------------------------------------

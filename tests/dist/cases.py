@@ -13,7 +13,8 @@ Cases:
 - recompute[:KIND]   tests/dist/recompute.py (activation recompute: gradients and saved bytes)
 - shared_media       tests/dist/shared_media.py at TP 2
 - distopt            tests/dist/distopt.py at DP 2
-- lora:TP:PP[:KIND]  tests/dist/lora.py (LoRA against transformers + peft; KIND a tiny model, default policy)
+- lora:TP:PP[:KIND[:EP]]  tests/dist/lora.py (LoRA against transformers + peft; KIND a tiny model, default
+  policy; EP its expert-parallel size, default 1)
 Rank 0 prints a line per case as it starts (a failure's traceback follows the last one) and, at
 the end, one JSON line: {case: its result}. A case that fails ends the launch (torchrun stops
 the other rank), so no rank waits on a collective the other will never join.
@@ -64,8 +65,8 @@ def run_case(case: str) -> dict:
     if name == "lora":
         from lora import run
 
-        tp, pp, *kind = args
-        return run(int(tp), int(pp), *kind)
+        tp, pp, *kind_ep = args
+        return run(int(tp), int(pp), *kind_ep[:1], *map(int, kind_ep[1:]))
     raise SystemExit(f"unknown case {case!r} (see this script's docstring)")
 
 

@@ -1,5 +1,5 @@
 """LoRA on the Megatron trainer against transformers + peft, under torchrun (gloo) at any TP x PP
-(`run()` returns its result: tests/dist/cases.py runs it beside other cases).
+(x EP for an MoE) (`run()` returns its result: tests/dist/cases.py runs it beside other cases).
 
 The trainer gets adapters on every language projection (rank 8), B set to seeded random values
 (B starts at zero: the model would equal the base), and its adapter is exported whole as a PEFT
@@ -82,7 +82,7 @@ def _grad_diffs(trainer, peft, processor, spec) -> dict[str, float]:
     return {"grad_b_max_diff": b / scale, "grad_a_max_diff": a / scale, "grads_compared": len(ours)}
 
 
-def run(tp: int = 1, pp: int = 1, kind: str = "policy") -> dict:
+def run(tp: int = 1, pp: int = 1, kind: str = "policy", ep: int = 1) -> dict:
     from transformers import AutoProcessor
 
     from models.hf_io import save_hf_dir
@@ -91,11 +91,12 @@ def run(tp: int = 1, pp: int = 1, kind: str = "policy") -> dict:
     from models.family import family_for_tiny_kind
     from models.lora import TARGETS
 
-    groups = init_parallel(tp, seed=0, pipeline_parallel=pp)
+    groups = init_parallel(tp, seed=0, pipeline_parallel=pp, expert_parallel=ep)
     path = str(tiny_model_dir(kind))
     # every projection the family's adapters reach (an MoE's: the attention's)
     lora = LoRAConfig(rank=8, alpha=16.0, target_modules=list(family_for_tiny_kind(kind).lora_targets or TARGETS))
-    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, lr=1e-2, seed=3), lora=lora)
+    trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, lr=1e-2,
+                                             seed=3), lora=lora)
     module, spec = trainer.module, trainer.spec
     _randomise_b(module, 11)
     adapter = trainer.export_adapter()
@@ -105,14 +106,14 @@ def run(tp: int = 1, pp: int = 1, kind: str = "policy") -> dict:
         merged_dir = save_hf_dir(merged, path, Path(tmp) / "merged")
         peft, merged_hf = _hf_models(path, adapter_dir, merged_dir)
         processor = AutoProcessor.from_pretrained(path)
-        out = {"tp": tp, "pp": pp, "kind": kind, "adapter_tensors": len(adapter),
+        out = {"tp": tp, "pp": pp, "ep": ep, "kind": kind, "adapter_tensors": len(adapter),
                "adapter_bytes": sum(t.numel() * t.element_size() for t in adapter.values()),
                "logits_max_diff": logit_diffs(module, peft, processor, spec, groups),
                "merged_vs_peft_max_diff": _hf_diff(merged_hf, peft, processor)}
         if pp == 1:
             out |= _grad_diffs(trainer, peft, processor, spec)
     out |= _frozen_base(trainer, processor)
-    if tp == 1 and pp == 1:
+    if (tp, pp, ep) == (1, 1, 1):
         out["freeze_vision"] = _frozen_vision(path, processor)
     if tp > 1:  # what every TP rank holds whole (a column layer's A, a row layer's B) stayed alike
         from vlm_train_steps import replicated_weights_diff

@@ -16,12 +16,13 @@ from test_rl import (ROOT, UNTRAINED_JUDGE, _assert_collectives_name_their_group
 
 
 @pytest.mark.slow  # one 2-rank launch of 2 steps (~25 s)
-def test_a_lora_run_on_qwen3vl_moe_syncs_the_merged_adapter_into_vllm(tmp_path):
-    """The tiny Qwen3-VL-MoE with rank-8 adapters on its attention (the experts have none yet) and
-    the merged sync (vLLM's CPU build serves no adapter on an MoE model): every step moves the
-    weights, the whole model reaches vLLM with the adapter merged in, after which vLLM's logprobs
-    equal the trainer's; the KL's reference is the base (adapters off), so step 1's KL is 0 and
-    step 2's is not; RUN_DIR/final is a PEFT adapter of the attention's projections."""
+def test_a_lora_run_on_qwen3vl_moe_at_ep_2_syncs_the_merged_adapter_into_vllm(tmp_path):
+    """The tiny Qwen3-VL-MoE with rank-8 adapters on its attention (the experts have none yet) at
+    expert parallelism 2 (each rank holds half of every layer's frozen experts), with the merged
+    sync (vLLM's CPU build serves no adapter on an MoE model): every step moves the weights, the
+    whole model (both ranks' experts, the adapter merged in) reaches vLLM, after which vLLM's
+    logprobs equal the trainer's; the KL's reference is the base (adapters off), so step 1's KL is
+    0 and step 2's is not; RUN_DIR/final is a PEFT adapter of the attention's projections."""
     from safetensors.torch import load_file
 
     from models.tiny import tiny_model_dir
@@ -31,9 +32,11 @@ def test_a_lora_run_on_qwen3vl_moe_syncs_the_merged_adapter_into_vllm(tmp_path):
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "reward.judges=[]",
                    "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01",
                    "policy.lora.rank=8", "policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj]",
-                   "policy.trainer.lr=5e-4", "run.save_final=true", policy="tiny:qwen3vlmoe")
+                   "policy.trainer.lr=5e-4", "policy.trainer.expert_parallel=2", "run.save_final=true",
+                   policy="tiny:qwen3vlmoe")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-8000:]
+    assert "expert_parallel: 2" in (run_dir / "config.yaml").read_text()
     model_bytes = sum(t.numel() * t.element_size() for t in load_file(tiny_model_dir("qwen3vlmoe") /
                                                                       "model.safetensors").values())
     steps = _steps(run_dir)
