@@ -94,7 +94,7 @@ def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") 
         return
     if getattr(family, "lora_to_hf", None) is None:
         raise ValueError(f"{prefix}lora: {family.name} has no LoRA yet (supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
-                         f"Qwen3-VL-MoE); set {prefix}lora.rank=0 to train every weight")
+                         f"Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE); set {prefix}lora.rank=0 to train every weight")
     allowed = family.lora_targets or tuple(TARGETS)
     if beyond := [name for name in cfg.target_modules if name not in allowed]:
         raise ValueError(f"{prefix}lora.target_modules: {family.name}'s adapters reach {', '.join(allowed)} only "

@@ -195,3 +195,22 @@ def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype 
     """The whole model's HF-named full tensors in buckets; under pipeline parallelism the stages
     take turns (models/convert.py's `pipeline_buckets`). A collective over TP and PP."""
     return pipeline_buckets(model, stage_buckets(model, tp_group, dtype, bucket_bytes))
+
+
+def lora_to_hf(spec: Qwen35Spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               text_prefix: str = "model.language_model.") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """LoRA pairs of the language model's Megatron linears (whole, whole-model names; see
+    models/lora.py) -> {HF module path: (A, B)}. The full-attention layers' gated linear_qkv B
+    splits as its weight does (q_proj: each head's query rows, then its gate rows); the rest
+    (o_proj, the MLP's) as Qwen2-VL's. The DeltaNet layers' projections have no adapters."""
+    from models.qwen2vl.convert import lora_to_hf as plain
+
+    out = {}
+    for name, (a, b) in pairs.items():
+        if not name.endswith(".self_attention.linear_qkv"):
+            out |= plain(spec, {name: (a, b)}, text_prefix)
+            continue
+        dst = f"{text_prefix}layers.{name.split('.')[3]}.self_attn."
+        q_gate, k, v = _gated_qkv_from_megatron(b, spec.num_heads, spec.num_kv_heads)
+        out |= {dst + "q_proj": (a, q_gate), dst + "k_proj": (a, k), dst + "v_proj": (a, v)}
+    return out

@@ -47,4 +47,6 @@ QWEN35 = register(ModelFamily(
     # the processor writes each temporal patch's timestamp (from the video's fps) into the prompt
     timed_video_types=("qwen3_5",),
     check_context_parallel=lazy("models.qwen35.config", "check_context_parallel"),
+    # the full-attention layers' projections and every layer's MLP; the DeltaNet's none yet
+    lora_to_hf=lazy("models.qwen35.convert", "lora_to_hf"),
 ))

@@ -24,4 +24,7 @@ QWEN35_MOE = register(ModelFamily(
     parity_module="models.qwen35_moe.parity",
     timed_video_types=("qwen3_5_moe",),
     check_context_parallel=lazy("models.qwen35.config", "check_context_parallel"),
+    # the full-attention layers' projections; the experts and the DeltaNet's have none yet
+    lora_to_hf=lazy("models.qwen35.convert", "lora_to_hf"),
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
 ))

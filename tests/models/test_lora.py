@@ -16,13 +16,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_families_without_lora_and_targets_beyond_a_familys_reach_are_refused_by_name():
+    import dataclasses
+
     lora = LoRAConfig(rank=8)
-    for model_type, name in (("qwen3_5", "Qwen3.5"), ("qwen3_5_moe", "Qwen3.5-MoE")):
-        with pytest.raises(ValueError, match=rf"policy.lora: {name} has no LoRA yet .*set policy.lora.rank=0"):
-            check_layout(lora, family_for_model_type(model_type), TrainerConfig())
+    # every family here has LoRA; one registered without it (lora_to_hf None) is refused by name
+    without = dataclasses.replace(family_for_model_type("qwen2_vl"), name="Custom-VL", lora_to_hf=None)
+    with pytest.raises(ValueError, match=r"policy.lora: Custom-VL has no LoRA yet .*set policy.lora.rank=0"):
+        check_layout(lora, without, TrainerConfig())
     # without LoRA nothing is refused, and the dense families have it, at TP, PP and CP
     check_layout(LoRAConfig(rank=0), family_for_model_type("qwen3_5_moe"), TrainerConfig(context_parallel=2))
-    for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"):
         check_layout(lora, family_for_model_type(model_type),
                      TrainerConfig(tensor_parallel=2, pipeline_parallel=2, context_parallel=2))
     # Qwen3-VL-MoE: the attention's projections only (tests/cli/test_prelaunch_checks.py names the refusal)
@@ -30,6 +33,9 @@ def test_families_without_lora_and_targets_beyond_a_familys_reach_are_refused_by
     check_layout(attention, family_for_model_type("qwen3_vl_moe"), TrainerConfig(tensor_parallel=2,
                                                                                   pipeline_parallel=2))
     check_layout(attention, family_for_model_type("qwen3_vl_moe"), TrainerConfig(expert_parallel=2))
+    check_layout(attention, family_for_model_type("qwen3_5_moe"), TrainerConfig(expert_parallel=2))
+    with pytest.raises(ValueError, match=r"Qwen3.5-MoE's adapters reach q_proj, k_proj, v_proj, o_proj only"):
+        check_layout(lora, family_for_model_type("qwen3_5_moe"), TrainerConfig())
     with pytest.raises(ValueError, match=r"Qwen3-VL-MoE's adapters reach q_proj, k_proj, v_proj, o_proj only"):
         check_layout(lora, family_for_model_type("qwen3_vl_moe"), TrainerConfig())
 

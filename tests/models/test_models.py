@@ -76,7 +76,7 @@ def test_rope_index_matches_transformers_and_follows_vllm_for_long_videos(tiny_p
 CASES = ["parity:policy:1:1", "parity:policy25:1:1", "parity:policy:2:1", "parity:policy25:2:1",
          "parity:policy:1:2", "train:1:fp32", "train:2:fp32", "train:1:bf16", "shared_media", "distopt",
          "packing:1", "packing:2", "recompute", "recompute:policy25", "lora:1:1", "lora:2:1", "lora:1:2",
-         "lora:2:1:qwen3vlmoe", "lora:1:1:qwen3vlmoe:2"]
+         "lora:2:1:qwen3vlmoe", "lora:1:1:qwen3vlmoe:2", "lora:2:1:qwen35", "lora:1:1:qwen35moe:2"]
 
 
 # and the slow tests' cases, in a launch of their own: the 3-layer model at PP 2 on uneven stages
@@ -460,16 +460,35 @@ def test_lora_equals_transformers_with_peft_and_trains_the_adapter_only(tp, pp, 
         assert f["grad_buffer_numel"] == f["optimizer_numel"] == f["language_numel"], f
 
 
-@pytest.mark.parametrize("case", ["lora:2:1:qwen3vlmoe", "lora:1:1:qwen3vlmoe:2"])
-def test_lora_on_qwen3vl_moe_reaches_the_attention_as_peft_does_at_tp_2_and_ep_2(case, cases):
-    """Qwen3-VL-MoE with adapters on the attention's projections (its experts have none yet), at
-    TP 2 (experts split over TP) and at EP 2 (each rank half of every layer's experts, the tokens
-    sent to them and back): the logits and the merged export equal transformers + peft's with the
-    same adapter, so do the adapter's gradients; only the adapter trains (at EP 2 the experts'
-    frozen weights get no gradient buffer)."""
+def test_lora_on_qwen35_reaches_its_gated_attention_and_mlps_as_peft_does_at_tp_2(cases):
+    """Qwen3.5 (dense): adapters on the gated full-attention layers' q/k/v/o (q_proj's gate rows
+    split out of Megatron's fused QKV as the weight's are) and on every layer's MLP; the DeltaNet
+    layers' projections have none. At TP 2 the logits and the merged export equal transformers +
+    peft's with the same adapter, so do the gradients; only the adapter trains."""
+    r = cases["lora:2:1:qwen35"]
+    print("LoRA on Qwen3.5 at TP 2 vs transformers + peft:", r)
+    assert r["adapter_tensors"] == 40 and r["grads_compared"] == 20, r  # (2 x 4 + 4 x 3) x (A, B)
+    # measured: logits 2.2e-5 (TP 1 and 2; the base's own parity level), merged 2.6e-5, gradients
+    # 8.5e-7 (B) and 1.2e-6 (A); with the query and gate rows of q_proj's B swapped: logits 12.1
+    assert all(d < 1e-4 for d in r["logits_max_diff"].values()) and r["merged_vs_peft_max_diff"] < 1e-4, r
+    assert r["grad_b_max_diff"] < 1e-5 and r["grad_a_max_diff"] < 1e-5, r
+    assert r["trainable"] and r["base_unchanged"] and r["adapters_all_moved"] and r["replicated_differ"] == {}, r
+    assert r["whole_form_roundtrip_bitwise"] and r["grad_buffer_numel"] == r["adapter_numel"], r
+    assert r["reference_vs_policy_max_diff"] > 1.0 and r["reference_after_step_max_diff"] == 0.0, r
+
+
+@pytest.mark.parametrize("case", ["lora:2:1:qwen3vlmoe", "lora:1:1:qwen3vlmoe:2", "lora:1:1:qwen35moe:2"])
+def test_lora_on_the_moe_families_reaches_the_attention_as_peft_does_at_tp_2_and_ep_2(case, cases):
+    """Qwen3-VL-MoE and Qwen3.5-MoE with adapters on the (full-)attention's projections (the
+    experts have none yet), at TP 2 (experts split over TP) and at EP 2 (each rank half of every
+    layer's experts, the tokens sent to them and back): the logits and the merged export equal
+    transformers + peft's with the same adapter, so do the adapter's gradients; only the adapter
+    trains (at EP 2 the experts' frozen weights get no gradient buffer)."""
     r = cases[case]
     print(f"LoRA on Qwen3-VL-MoE ({case}) vs transformers + peft:", r)
-    assert r["adapter_tensors"] == 32 and r["grads_compared"] == 16, r  # 4 layers x 4 projections x (A, B)
+    # attention layers x 4 projections x (A, B): Qwen3-VL-MoE's 4, Qwen3.5-MoE's 2 (the others DeltaNet)
+    layers = 2 if "qwen35" in case else 4
+    assert r["adapter_tensors"] == 8 * layers and r["grads_compared"] == 4 * layers, r
     # measured: logits 1.4e-5 to 1.6e-5 (TP 2), 1.1e-5 to 1.5e-5 (EP 2), merged 2.0e-5 / 2.3e-5,
     # gradients 1.0e-6 / 5.8e-7 (B) and 1.5e-6 / 1.1e-6 (A)
     assert all(d < 1e-4 for d in r["logits_max_diff"].values()) and r["merged_vs_peft_max_diff"] < 1e-4, r

@@ -177,16 +177,31 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
     """The LoRA adapter's parameters on one TP rank of pipeline `stage` (models/lora.py): per
     language layer, a pair (A [r, in], B [out, r]) on each adapted linear; a column-parallel
     linear's B split over TP (QKV, [gate; up]), a row-parallel linear's A (output projection,
-    down projection). 0 without LoRA (`lora.rank` 0)."""
-    from models.stages import stage_layers
-
+    down projection). A hybrid model's attention adapters sit on its full-attention layers only
+    (`adapted_layers`). 0 without LoRA (`lora.rank` 0)."""
     if not lora.rank:
         return 0
     h, r, inter = spec.hidden_size, lora.rank, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    per_linear = {"self_attention.linear_qkv": r * h + (q + 2 * kv) // tp * r,  # column: B split
+    gate = q if getattr(spec, "attention_output_gate", bool(getattr(spec, "layer_types", ()))) else 0
+    per_linear = {"self_attention.linear_qkv": r * h + (q + gate + 2 * kv) // tp * r,  # column: B split
                   "self_attention.linear_proj": r * (q // tp) + h * r,  # row: A split
                   "mlp.linear_fc1": r * h + 2 * inter // tp * r,
                   "mlp.linear_fc2": r * (inter // tp) + h * r}
-    per_layer = sum(per_linear[linear] for linear in lora.linears)
-    return stage_layers(spec.num_layers, pp, layers)[stage] * per_layer
+    held = adapted_layers(spec, pp, stage, layers)
+    return sum(held[linear] * per_linear[linear] for linear in lora.linears)
+
+
+def adapted_layers(spec, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> dict[str, int]:
+    """Per adaptable linear (models/lora.py TARGETS' Megatron names): how many of pipeline
+    `stage`'s language layers hold it: the MLP's every layer, the attention's the softmax-attention
+    layers (a gated DeltaNet layer has other projections, which have no adapters)."""
+    from models.stages import stage_layers
+
+    counts = stage_layers(spec.num_layers, pp, layers)
+    start = sum(counts[:stage])
+    attention = sum(not linear for linear in linear_layers(spec)[start:start + counts[stage]])
+    return {"self_attention.linear_qkv": attention, "self_attention.linear_proj": attention,
+            "mlp.linear_fc1": counts[stage], "mlp.linear_fc2": counts[stage]}
+
+

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from models.stages import stage_layers
 from yatt_mm.plan.activations import CUDA, Activations, Kernels, activation_bytes
 from yatt_mm.plan.batch import MicroBatchShape
-from yatt_mm.plan.params import Params, lora_params, param_counts
+from yatt_mm.plan.params import Params, adapted_layers, lora_params, param_counts
 
 
 
@@ -77,7 +77,7 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     if adapter:  # the base frozen: the adapter alone has gradients and Adam state
         trainable, optimizer = adapter, adapter * state_per_param // dense_shards
         activations = _with_adapter_activations(activations, spec, shape, lora, e, trainer.recompute, tp, cp,
-                                                stage_layers(spec.num_layers, pp, layers)[stage] * (pp - stage))
+                                                pp, stage, layers)
     else:
         dense = params.dense - (params.vision if freeze_vision else 0)
         trainable = dense + params.experts
@@ -88,7 +88,7 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
 
 
 def _with_adapter_activations(a: Activations, spec, shape: MicroBatchShape, lora, e: int, recompute: str, tp: int,
-                              cp: int, layers_held: int) -> Activations:
+                              cp: int, pp: int, stage: int, layers: tuple[int, ...]) -> Activations:
     """What LoRA adds to the activations: each adapted linear keeps its r-wide A x for B's
     gradient (its input is kept for the base weight's backward anyway), and with dropout the
     dropped-out input and its mask; for every layer of the micro-batches in flight on the stage
@@ -97,10 +97,14 @@ def _with_adapter_activations(a: Activations, spec, shape: MicroBatchShape, lora
     if recompute == "full":
         return a
     tokens = -(-shape.tokens // cp)
+    layers_held = stage_layers(spec.num_layers, pp, layers)[stage] * (pp - stage)
     # the adapted linears' inputs on this rank: whole for column-parallel ones, split for row-parallel
     widths = {"self_attention.linear_qkv": spec.hidden_size, "mlp.linear_fc1": spec.hidden_size,
               "self_attention.linear_proj": spec.num_heads * spec.head_dim // tp,
               "mlp.linear_fc2": spec.intermediate_size // tp}
-    per_layer = sum(lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0) for linear in lora.linears)
-    extra = tokens * per_layer * layers_held
+    # per layer of the stage, on average: a hybrid model's attention adapters are on its softmax layers only
+    held, n_layers = adapted_layers(spec, pp, stage, layers), stage_layers(spec.num_layers, pp, layers)[stage]
+    per_layer = sum(held[linear] / n_layers * (lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0))
+                    for linear in lora.linears)
+    extra = int(tokens * per_layer * layers_held)
     return replace(a, saved=a.saved + extra, peak=a.peak + extra)
