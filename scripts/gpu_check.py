@@ -19,6 +19,9 @@ the CUDA-only figures are skipped and say so), each stage in its own guard:
                allocator's slack and the memory outside torch's allocator after training
   offload      the trainer released to host memory and back, bit for bit; device memory freed;
                pinned host memory held, beside the plan's figure
+  lora         the trainer with rank-16 LoRA adapters: RL steps move the adapter alone, its
+               export (what sync.lora=adapter sends) against the full one, its memory per phase
+               beside the full-weight trainer's and the plan's
   qwen3vl      parity of a Qwen3-VL (Qwen3-VL-8B's widths, 2 layers; the tiny one under --cpu)
   qwen3vl_moe  parity of the tiny Qwen3-VL-MoE (4 experts, top-2)
   qwen35       parity of the tiny Qwen3.5 (gated DeltaNet and gated attention layers; Megatron's
@@ -62,6 +65,7 @@ import torch  # noqa: E402
 from gpu_stages.build import WIDTHS, build_model  # noqa: E402
 from gpu_stages.comm import comm_stage  # noqa: E402
 from gpu_stages.common import params_m  # noqa: E402
+from gpu_stages.lora import lora_stage  # noqa: E402
 from gpu_stages.memory import memory_stage  # noqa: E402
 from gpu_stages.offload import offload_stage  # noqa: E402
 from gpu_stages.parity import family_parity_stage, parity_stage  # noqa: E402
@@ -132,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                 return rl_stage(state["actor"], state["samples"], steps)
 
             report.run("rl", rl)
-            report.run("memory", lambda: memory_stage(state["actor"], state["samples"], device))
+            state["memory"] = report.run("memory", lambda: memory_stage(state["actor"], state["samples"], device))
             report.run("offload", lambda: offload_stage(state["actor"].trainer, device))
+            report.run("lora", lambda: lora_stage(state["hf_dir"], state["actor"], state["samples"], device, dtype, steps,
+                                                  state.get("memory")))
             for kind in TINY_KIND:
                 report.run(kind, lambda k=kind: family_parity_stage(k, cpu, device, Path(tmp)))
 

@@ -24,8 +24,8 @@ def memory_stage(actor, samples, device: torch.device) -> dict:
     measured = {}
     for phase, run in (("logprobs", lambda: actor.old_logprobs(minis)),
                        ("train", lambda: (actor.batch_advantages(minis), actor.update(minis)))):
-        measured[phase] = _phase_peak(run, device, resident)
-    shape = _plan_shape(max((mb for mini in minis for mb in mini), key=lambda mb: mb.inputs.input_ids.numel()),
+        measured[phase] = phase_peak(run, device, resident)
+    shape = plan_shape(max((mb for mini in minis for mb in mini), key=lambda mb: mb.inputs.input_ids.numel()),
                         trainer.spec)
     planned = plan.trainer_memory(trainer.spec, trainer.cfg, 1, shape, plan.CUDA if device.type == "cuda" else plan.CPU)
     out = {"micro_batch": {"rows": shape.rows, "seq": shape.seq, "scored": shape.scored,
@@ -47,7 +47,7 @@ def memory_stage(actor, samples, device: torch.device) -> dict:
     return out
 
 
-def _phase_peak(run, device: torch.device, resident: int) -> int:
+def phase_peak(run, device: torch.device, resident: int) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -60,7 +60,7 @@ def _phase_peak(run, device: torch.device, resident: int) -> int:
     return resident + step_peak_bytes(run)
 
 
-def _plan_shape(mb, spec):
+def plan_shape(mb, spec):
     """The plan's MicroBatchShape of a real micro-batch: rows, padded length, scored positions,
     media tokens and merged tokens per image."""
     from yatt_mm.plan import MicroBatchShape

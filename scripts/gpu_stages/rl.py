@@ -39,8 +39,9 @@ def rl_samples(processor, n_groups: int, n: int, response_tokens: int, seed: int
     return out
 
 
-def make_actor(hf_dir: str, dtype: str, micro_batch_tokens: int):
-    """The real Actor over a VLMTrainer, 2 PPO mini-batches a step (an old-logprob pass, then the
+def make_actor(hf_dir: str, dtype: str, micro_batch_tokens: int, lora=None):
+    """The real Actor over a VLMTrainer (with `lora`, a models.lora.LoRAConfig: adapters, the base
+    frozen), 2 PPO mini-batches a step (an old-logprob pass, then the
     clipped loss). No vLLM on the check machine: its logprobs are absent, so the sampler
     correction and the trainer/sampler gap guard are off here (the CPU tests cover both)."""
     from transformers import AutoProcessor
@@ -49,7 +50,7 @@ def make_actor(hf_dir: str, dtype: str, micro_batch_tokens: int):
     from yatt_mm.rl.actor import Actor
     from yatt_mm.rl.algorithms import AlgorithmConfig
 
-    trainer = VLMTrainer(hf_dir, TrainerConfig(dtype=dtype, lr=1e-5, offload="always"))
+    trainer = VLMTrainer(hf_dir, TrainerConfig(dtype=dtype, lr=1e-5, offload="always"), lora=lora)
     processor = AutoProcessor.from_pretrained(hf_dir)
     algorithm = AlgorithmConfig(mini_batches=2)
     algorithm.rollout_correction.level = "none"  # random tokens: no sampler to correct for

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["comm", "build", "parity", "rl", "memory", "offload", "qwen3vl", "qwen3vl_moe", "qwen35", "qwen35_moe",
-          "speed"]
+STAGES = ["comm", "build", "parity", "rl", "memory", "offload", "lora", "qwen3vl", "qwen3vl_moe", "qwen35",
+          "qwen35_moe", "speed"]
 BROKEN = "qwen3vl"  # the stage made to raise (scripts/gpu_check.py's fault injection for this test)
 
 
@@ -64,6 +64,15 @@ def test_gpu_check_runs_on_cpu_stage_by_stage(tmp_path):
     assert offload["bitwise"] and offload["host_gib"]["measured"] > 0.05
     assert abs(offload["host_gib"]["measured"] / offload["host_gib"]["plan"] - 1) < 0.01  # weights + Adam state
     assert report["plan_vs_measured"]["offload.host_gib"] == [offload["host_gib"]["plan"], offload["host_gib"]["measured"]]
+    # LoRA: the adapter alone moved and synced; the LoRA trainer's memory beside the plan's (CPU
+    # kernels) and below the full-weight trainer's on the same samples
+    lora = stages["lora"]
+    assert lora["checks"] == {"losses_finite": True, "adapter_moved": True, "base_unchanged": True,
+                              "adapter_sync_smaller": True}, lora
+    assert abs(lora["resident_gib"]["measured"] / lora["resident_gib"]["plan"] - 1) < 0.01, lora["resident_gib"]
+    for phase in ("logprobs_peak_gib", "train_peak_gib"):
+        assert abs(lora[phase]["measured"] / lora[phase]["plan"] - 1) < 0.25, (phase, lora[phase])
+    assert 0 < lora["train_peak_vs_full_weights"] < 1, lora
     speed = stages["speed"]
     assert speed["megatron"]["tokens_per_s"] > 0 and speed["transformers"]["tokens_per_s"] > 0
     assert speed["model_tflop_per_step"] > 0 and speed["megatron"]["mfu"] is None  # no peak FLOPs on a CPU
