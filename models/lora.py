@@ -44,6 +44,9 @@ TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.line
            "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
            "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
 _LAYER = re.compile(r"^language\.decoder\.layers\.\d+\.(.+)$")
+_VISION_BLOCK = re.compile(r"^vision\.decoder\.layers\.\d+\.(.+)$")
+# a vision block's Megatron linears, every one adapted with vision_tower
+VISION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 PEFT_PREFIX = "base_model.model."  # what peft puts before a module path in adapter_model.safetensors
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -56,6 +59,9 @@ class LoRAConfig:
     # the language model's projections that get an adapter, by their HF names; q/k/v_proj go
     # together (Megatron fuses them into one layer, with one adapter), and so do gate/up_proj
     target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
+    # adapters on the vision tower's blocks too (each block's attention QKV and output projection
+    # and its MLP); the patch mergers have none. vLLM serves them with its tower LoRA switched on
+    vision_tower: bool = False
 
     RANGES = {"rank": ">= 0", "alpha": "> 0", "dropout": "[0, 1)"}
 
@@ -145,9 +151,8 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         tracker.add(DROPOUT_RNG, seed + 104729)
     adapted = []
     for name, linear in list(module.named_modules()):
-        match = _LAYER.match(name)
-        kind = _kind(linear)
-        if not match or kind is None or match.group(1) not in cfg.linears:
+        kind, which = _kind(linear), _adapted(name, cfg)
+        if kind is None or which is None:
             continue
         whole = whole_model_name(name, module)
         out_features, in_features = (linear.weight.shape[0] * (tp if kind == "column" else 1),
@@ -166,7 +171,8 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         set_tensor_model_parallel_attributes(linear.lora_B, kind == "column", 0, 1)
         linear.lora_kind, linear.lora_scaling, linear.lora_on = kind, cfg.scaling, True
         linear.lora_dropout = cfg.dropout
-        linear.lora_gated = match.group(1) == "mlp.linear_fc1" and module.config.gated_linear_unit
+        # [gate; up] fused, gathered and cut half by half (the language model's or the tower's config)
+        linear.lora_gated = which == "mlp.linear_fc1" and linear.config.gated_linear_unit
         linear.register_forward_hook(_add_lora, with_kwargs=True)
         adapted.append(whole)
     if not adapted:
@@ -174,6 +180,16 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
     # the adapted weights by identity: `merged` swaps them for their merge, a sync unit at a time
     module.lora_by_weight = {id(linear.weight): linear for _, linear in lora_linears(module)}
     return adapted
+
+
+def _adapted(name: str, cfg: LoRAConfig) -> str | None:
+    """The linear's suffix within its layer when `cfg` gives it an adapter (a language layer's
+    targeted projection, or with vision_tower any linear of a vision block), else None."""
+    if (match := _LAYER.match(name)) and match.group(1) in cfg.linears:
+        return match.group(1)
+    if cfg.vision_tower and (match := _VISION_BLOCK.match(name)) and match.group(1) in VISION_LINEARS:
+        return match.group(1)
+    return None
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -255,13 +271,24 @@ def peft_config(cfg: LoRAConfig, base_model: str) -> dict:
     """adapter_config.json as peft (0.21) writes it for these settings."""
     return {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": str(base_model), "r": cfg.rank,
             "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
-            # the language model's projections only: a plain list would also catch a vision tower's
-            # of the same name (Qwen2.5-VL's gate/up/down_proj), which the adapter does not hold
-            "target_modules": rf".*language_model.*\.({'|'.join(sorted(cfg.target_modules))})$",
+            "target_modules": _peft_targets(cfg),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None,
             "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
             "revision": None}
+
+
+# the vision blocks' linears as the families' HF towers name them (Qwen2-VL: fc1/fc2; Qwen2.5-VL:
+# gate/up/down_proj; Qwen3-VL and Qwen3.5: linear_fc1/2): each tower has only its own
+VISION_HF = r"visual\.blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.(fc1|fc2|gate_proj|up_proj|down_proj|linear_fc1|linear_fc2))"
+
+
+def _peft_targets(cfg: LoRAConfig) -> str:
+    """peft's target_modules regex: the language model's targeted projections only (a plain list
+    would also catch a vision tower's of the same name, Qwen2.5-VL's gate/up/down_proj, which the
+    adapter would not hold), and with vision_tower the tower's blocks."""
+    language = rf".*language_model.*\.({'|'.join(sorted(cfg.target_modules))})"
+    return rf"({language}|.*{VISION_HF})$" if cfg.vision_tower else rf"{language}$"
 
 
 def save_adapter_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:

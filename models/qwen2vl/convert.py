@@ -235,18 +235,21 @@ def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype 
         lambda full: megatron_to_hf(full, spec)))
 
 
-_LORA_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.(.+)$")
+_LORA_LAYER = re.compile(r"^(language|vision)\.decoder\.layers\.(\d+)\.(.+)$")
 
 
 def lora_to_hf(spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
                text_prefix: str = "model.language_model.") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """LoRA pairs of the language model's Megatron linears (whole tensors, whole-model names; see
-    models/lora.py) -> {HF module path: (A, B)} as transformers 5 lays out Qwen2-VL, Qwen2.5-VL and
-    Qwen3-VL alike. A fused layer's B splits as its weight does (QKV by query group, [gate; up] in
-    halves), and its one A goes with each projection."""
+    """LoRA pairs of the Megatron linears (whole tensors, whole-model names; see models/lora.py)
+    -> {HF module path: (A, B)} as transformers 5 lays out Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike.
+    A fused layer's B splits as its weight does (QKV by query group, [gate; up] in halves), and
+    its one A goes with each projection. The vision tower's blocks (`vision_lora_to_hf`) too."""
     out = {}
     for name, (a, b) in pairs.items():
-        layer, linear = _LORA_LAYER.match(name).groups()
+        part, layer, linear = _LORA_LAYER.match(name).groups()
+        if part == "vision":
+            out |= vision_lora_to_hf(spec, layer, linear, a, b)
+            continue
         dst = f"{text_prefix}layers.{layer}."
         if linear == "self_attention.linear_qkv":
             q, k, v = _qkv_from_megatron(b, spec.num_kv_heads, spec.num_heads)
@@ -261,3 +264,22 @@ def lora_to_hf(spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
         else:
             raise KeyError(f"{name}: no HF projection for this adapted linear")
     return out
+
+
+def vision_lora_to_hf(spec, layer: str, linear: str, a: torch.Tensor, b: torch.Tensor,
+                      prefix: str = "model.visual.") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A vision block's adapted linear -> its HF module(s): the fused QKV back to [q; k; v] (one
+    query group a head), the MLP by each tower's names (Qwen2-VL fc1/fc2; Qwen2.5-VL's gated
+    gate_proj/up_proj/down_proj; Qwen3-VL's and Qwen3.5's linear_fc1/linear_fc2)."""
+    dst = f"{prefix}blocks.{layer}."
+    if linear == "self_attention.linear_qkv":
+        return {dst + "attn.qkv": (a, torch.cat(_qkv_from_megatron(b, spec.vision_heads, spec.vision_heads)))}
+    if linear == "self_attention.linear_proj":
+        return {dst + "attn.proj": (a, b)}
+    if getattr(spec, "is_qwen25", False):
+        if linear == "mlp.linear_fc1":
+            gate, up = b.chunk(2)
+            return {dst + "mlp.gate_proj": (a, gate), dst + "mlp.up_proj": (a, up)}
+        return {dst + "mlp.down_proj": (a, b)}
+    fc1, fc2 = ("fc1", "fc2") if spec.model_type == "qwen2_vl" else ("linear_fc1", "linear_fc2")
+    return {dst + f"mlp.{fc1 if linear == 'mlp.linear_fc1' else fc2}": (a, b)}

@@ -202,12 +202,13 @@ def lora_to_hf(spec: Qwen35Spec, pairs: dict[str, tuple[torch.Tensor, torch.Tens
     """LoRA pairs of the language model's Megatron linears (whole, whole-model names; see
     models/lora.py) -> {HF module path: (A, B)}. The full-attention layers' gated linear_qkv B
     splits as its weight does (q_proj: each head's query rows, then its gate rows); the rest
-    (o_proj, the MLP's) as Qwen2-VL's. The DeltaNet layers' projections have no adapters."""
+    (o_proj, the MLPs, the vision tower's blocks) as Qwen2-VL's. The DeltaNet layers' projections
+    have no adapters."""
     from models.qwen2vl.convert import lora_to_hf as plain
 
     out = {}
     for name, (a, b) in pairs.items():
-        if not name.endswith(".self_attention.linear_qkv"):
+        if not (name.startswith("language.") and name.endswith(".self_attention.linear_qkv")):
             out |= plain(spec, {name: (a, b)}, text_prefix)
             continue
         dst = f"{text_prefix}layers.{name.split('.')[3]}.self_attn."

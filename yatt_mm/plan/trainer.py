@@ -73,7 +73,8 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     adapter = lora_params(spec, lora, tp, pp, stage, layers) if lora is not None else 0
     activations = activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage, layers, cp,
                                    getattr(trainer, "context_parallel_comm", "all_gather"),
-                                   vision_trained=not (adapter or freeze_vision))
+                                   # a frozen tower keeps nothing; one with adapters what a trained one does
+                                   vision_trained=not freeze_vision and (not adapter or lora.vision_tower))
     if adapter:  # the base frozen: the adapter alone has gradients and Adam state
         trainable, optimizer = adapter, adapter * state_per_param // dense_shards
         activations = _with_adapter_activations(activations, spec, shape, lora, e, trainer.recompute, tp, cp,

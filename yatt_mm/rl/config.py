@@ -71,7 +71,8 @@ class PolicyConfig:
     model: str = "tiny:policy"  # an HF Qwen2-VL directory, or tiny:KIND / warmstart:KIND (built by the launcher)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # Megatron trainer settings
     # LoRA (models/lora.py): with rank > 0 the base is frozen and low-rank adapters on the language
-    # model's projections are trained; the KL's reference is the base with the adapters off
+    # model's projections (and with vision_tower the tower's blocks) are trained; the KL's
+    # reference is the base with the adapters off
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     # the vision tower and its merger frozen: no gradients, no optimizer state (with LoRA the whole base is)
     freeze_vision: bool = False
@@ -242,6 +243,13 @@ class RLConfig:
     def _check_lora(self) -> None:
         from yatt_mm.engines.adapters import VLLM_MAX_LORA_RANKS
 
+        lora = self.policy.lora
+        if lora.vision_tower and not lora.rank:
+            raise ValueError("policy.lora.vision_tower=true puts adapters on the vision tower, but policy.lora.rank is "
+                             "0 (no LoRA): set policy.lora.rank")
+        if lora.vision_tower and self.policy.freeze_vision:
+            raise ValueError("policy.freeze_vision=true freezes the vision tower, and policy.lora.vision_tower=true "
+                             "trains adapters on it: choose one")
         if self.sync.lora != "adapter":
             return
         rank = self.policy.lora.rank
@@ -251,6 +259,7 @@ class RLConfig:
         if rank > VLLM_MAX_LORA_RANKS[-1]:
             raise ValueError(f"sync.lora=adapter: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}, "
                              f"policy.lora.rank is {rank}: lower it, or sync.lora=merged")
+
     def _check_distill(self) -> None:
         """On-policy distillation's settings that only the whole config can judge."""
         distill = self.algorithm.distill

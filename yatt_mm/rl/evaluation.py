@@ -109,6 +109,7 @@ def evaluate_policy(cfg: RLConfig, out_dir: Path, dp_size: int = 1) -> dict[str,
     adapter = read_adapter_dir(cfg.policy.model)  # a LoRA run's final: its base, with the adapter on top
     cfg.rollout.engine.model = adapter["base_model_name_or_path"] if adapter else cfg.policy.model
     cfg.rollout.engine.lora_rank = adapter["r"] if adapter else 0
+    cfg.rollout.engine.lora_vision_tower = bool(adapter) and "visual" in str(adapter.get("target_modules", ""))
     engine = RolloutEngine(cfg.rollout.engine)
     if adapter:
         engine.adapter.serve(engine.llm, cfg.policy.model)

@@ -88,6 +88,7 @@ class Run:
         self.trainer.release()
         cfg.rollout.engine.model = self.policy_dir
         cfg.rollout.engine.lora_rank = cfg.policy.lora.rank if cfg.sync.lora == "adapter" else 0
+        cfg.rollout.engine.lora_vision_tower = cfg.policy.lora.vision_tower and cfg.sync.lora == "adapter"
         cfg.rollout.engine.seed += ranks.dp_rank  # one sampling stream per DP group, shared by its TP ranks
         self.worker = None
         distill = cfg.algorithm.distill
