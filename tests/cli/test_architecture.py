@@ -269,6 +269,10 @@ def test_help_config_lists_every_setting_with_its_doc():
     ("policy.lora.target_modules=[qkv]", "policy.lora: target_modules: \\['qkv'\\] are not projections of the language"),
     ("sync.lora=adapter", "sync.lora=adapter sends the LoRA adapter alone, but policy.lora.rank is 0"),
     (("policy.lora.rank=1024", "sync.lora=adapter"), "vLLM serves adapters of rank <= 512"),
+    ("policy.lora.vision_tower=true", "policy.lora.vision_tower=true puts adapters on the vision tower, but "
+                                      "policy.lora.rank is 0"),
+    (("policy.lora.rank=8", "policy.lora.vision_tower=true", "policy.freeze_vision=true"),
+     "policy.freeze_vision=true freezes the vision tower, and policy.lora.vision_tower=true trains adapters on it"),
 ])
 def test_bad_values_fail_at_load_naming_the_setting(override, message):
     with pytest.raises(ConfigError, match=message):
