@@ -172,7 +172,9 @@ def whole_pairs(module: torch.nn.Module, tp_group, grads: bool = False) -> dict[
 
 def _split_dim(linear: torch.nn.Module, which: str) -> int | None:
     """The dimension an adapter tensor is split on over TP (models/lora.py): a column layer's B on
-    its rows, a row layer's A on its columns; None: whole on every TP rank."""
+    its rows, a row layer's A on its columns; None: whole on every TP rank (a plain Linear's both)."""
+    if linear.lora_kind == "plain":
+        return None
     if linear.lora_kind == "column":
         return 0 if which == "lora_B" else None
     return 1 if which == "lora_A" else None

@@ -45,6 +45,8 @@ TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.line
            "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
 _LAYER = re.compile(r"^language\.decoder\.layers\.\d+\.(.+)$")
 _VISION_BLOCK = re.compile(r"^vision\.decoder\.layers\.\d+\.(.+)$")
+# the tower's patch mergers (DeepStack's too): plain linears, whole on every TP rank
+_VISION_MERGER = re.compile(r"^vision\.(merger|deepstack_merger_list\.\d+)\.(fc1|fc2|linear_fc1|linear_fc2)$")
 # a vision block's Megatron linears, every one adapted with vision_tower
 VISION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 PEFT_PREFIX = "base_model.model."  # what peft puts before a module path in adapter_model.safetensors
@@ -59,8 +61,8 @@ class LoRAConfig:
     # the language model's projections that get an adapter, by their HF names; q/k/v_proj go
     # together (Megatron fuses them into one layer, with one adapter), and so do gate/up_proj
     target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
-    # adapters on the vision tower's blocks too (each block's attention QKV and output projection
-    # and its MLP); the patch mergers have none. vLLM serves them with its tower LoRA switched on
+    # adapters on the vision tower too: each block's attention QKV and output projection and its
+    # MLP, and the patch mergers' linears. vLLM serves them with its tower LoRA switched on
     vision_tower: bool = False
 
     RANGES = {"rank": ">= 0", "alpha": "> 0", "dropout": "[0, 1)"}
@@ -110,10 +112,15 @@ def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") 
 
 # -- the adapters on the model -----------------------------------------------------------------
 def _kind(linear: torch.nn.Module) -> str | None:
+    """column / row (Megatron's tensor-parallel linears), plain (a torch Linear, whole on every TP
+    rank: the vision tower's patch mergers), or None: not a linear."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    return "column" if isinstance(linear, ColumnParallelLinear) else "row" if isinstance(linear, RowParallelLinear) \
-        else None
+    if isinstance(linear, ColumnParallelLinear):
+        return "column"
+    if isinstance(linear, RowParallelLinear):
+        return "row"
+    return "plain" if isinstance(linear, torch.nn.Linear) else None
 
 
 def lora_linears(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -155,14 +162,18 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         if kind is None or which is None:
             continue
         whole = whole_model_name(name, module)
-        out_features, in_features = (linear.weight.shape[0] * (tp if kind == "column" else 1),
-                                     linear.weight.shape[1] * (tp if kind == "row" else 1))
+        if kind == "plain":  # whole on every TP rank: A and B too
+            tp_here = 1
+        else:
+            tp_here = tp
+        out_features, in_features = (linear.weight.shape[0] * (tp_here if kind == "column" else 1),
+                                     linear.weight.shape[1] * (tp_here if kind == "row" else 1))
         gen = torch.Generator().manual_seed(_name_seed(seed, whole))
         a = torch.empty(cfg.rank, in_features)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
         if kind == "row":
             a = a.chunk(tp, dim=1)[tp_rank]
-        b = torch.zeros(out_features // tp if kind == "column" else out_features, cfg.rank)
+        b = torch.zeros(out_features // tp_here if kind == "column" else out_features, cfg.rank)
         device, dtype = linear.weight.device, linear.weight.dtype
         linear.lora_A = torch.nn.Parameter(a.to(device, dtype).contiguous())
         linear.lora_B = torch.nn.Parameter(b.to(device, dtype))
@@ -173,7 +184,7 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         linear.lora_dropout = cfg.dropout
         # [gate; up] fused, gathered and cut half by half (the language model's or the tower's config)
         linear.lora_gated = which == "mlp.linear_fc1" and linear.config.gated_linear_unit
-        linear.register_forward_hook(_add_lora, with_kwargs=True)
+        linear.register_forward_hook(_add_plain_lora if kind == "plain" else _add_lora, with_kwargs=True)
         adapted.append(whole)
     if not adapted:
         raise ValueError(f"LoRA: no language linear matches target_modules={cfg.target_modules}")
@@ -184,11 +195,14 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
 
 def _adapted(name: str, cfg: LoRAConfig) -> str | None:
     """The linear's suffix within its layer when `cfg` gives it an adapter (a language layer's
-    targeted projection, or with vision_tower any linear of a vision block), else None."""
+    targeted projection, or with vision_tower any linear of a vision block or a patch merger),
+    else None."""
     if (match := _LAYER.match(name)) and match.group(1) in cfg.linears:
         return match.group(1)
     if cfg.vision_tower and (match := _VISION_BLOCK.match(name)) and match.group(1) in VISION_LINEARS:
         return match.group(1)
+    if cfg.vision_tower and (match := _VISION_MERGER.match(name)):
+        return f"merger.{match.group(2)}"
     return None
 
 
@@ -216,6 +230,20 @@ def _add_lora(linear, args, kwargs, output):
     else:
         h = reduce_from_tensor_model_parallel_region(h)  # the partial products summed over TP
     return out + torch.nn.functional.linear(h, linear.lora_B) * linear.lora_scaling, bias
+
+
+def _add_plain_lora(linear, args, kwargs, output):
+    """The forward hook of an adapted torch Linear (a patch merger's, whole on every TP rank)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    if not linear.lora_on:
+        return output
+    x = args[0] if args else kwargs["input"]
+    if linear.lora_dropout and linear.training:
+        with get_cuda_rng_tracker().fork(DROPOUT_RNG):  # the same mask on every TP rank
+            x = torch.nn.functional.dropout(x, linear.lora_dropout, training=True)
+    return output + torch.nn.functional.linear(torch.nn.functional.linear(x, linear.lora_A), linear.lora_B) \
+        * linear.lora_scaling
 
 
 @contextmanager
@@ -280,7 +308,9 @@ def peft_config(cfg: LoRAConfig, base_model: str) -> dict:
 
 # the vision blocks' linears as the families' HF towers name them (Qwen2-VL: fc1/fc2; Qwen2.5-VL:
 # gate/up/down_proj; Qwen3-VL and Qwen3.5: linear_fc1/2): each tower has only its own
-VISION_HF = r"visual\.blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.(fc1|fc2|gate_proj|up_proj|down_proj|linear_fc1|linear_fc2))"
+VISION_HF = (r"visual\.(blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.(fc1|fc2|gate_proj|up_proj|down_proj|linear_fc1|linear_fc2))"
+             # the patch mergers: Qwen2-VL's mlp.0 / mlp.2 (mlp.1 is its GELU), Qwen3-VL's and DeepStack's
+             r"|(merger|deepstack_merger_list\.\d+)\.(mlp\.0|mlp\.2|linear_fc1|linear_fc2))")
 
 
 def _peft_targets(cfg: LoRAConfig) -> str:

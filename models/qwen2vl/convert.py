@@ -246,6 +246,9 @@ def lora_to_hf(spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
     its one A goes with each projection. The vision tower's blocks (`vision_lora_to_hf`) too."""
     out = {}
     for name, (a, b) in pairs.items():
+        if name.startswith("vision.") and ".decoder.layers." not in name:  # a patch merger's linear
+            out[vision_merger_to_hf(name)] = (a, b)
+            continue
         part, layer, linear = _LORA_LAYER.match(name).groups()
         if part == "vision":
             out |= vision_lora_to_hf(spec, layer, linear, a, b)
@@ -264,6 +267,14 @@ def lora_to_hf(spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
         else:
             raise KeyError(f"{name}: no HF projection for this adapted linear")
     return out
+
+
+def vision_merger_to_hf(name: str, prefix: str = "model.visual.") -> str:
+    """A patch merger's adapted linear (vision.merger.fc1, vision.deepstack_merger_list.0.linear_fc2,
+    ...) -> its HF module: Qwen2-VL's fc1 / fc2 are merger.mlp.0 / mlp.2; Qwen3-VL's keep their names."""
+    module, linear = name.removeprefix("vision.").rsplit(".", 1)
+    hf_name = {b: a for a, b in _MERGER.items()}  # Megatron's fc1 -> HF's mlp.0
+    return f"{prefix}{module}.{hf_name.get(linear, linear) if module == 'merger' else linear}"
 
 
 def vision_lora_to_hf(spec, layer: str, linear: str, a: torch.Tensor, b: torch.Tensor,

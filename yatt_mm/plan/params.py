@@ -178,8 +178,8 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
     language layer, a pair (A [r, in], B [out, r]) on each adapted linear; a column-parallel
     linear's B split over TP (QKV, [gate; up]), a row-parallel linear's A (output projection,
     down projection). A hybrid model's attention adapters sit on its full-attention layers only
-    (`adapted_layers`); with `lora.vision_tower`, every vision block's four linears on the first
-    stage. 0 without LoRA (`lora.rank` 0)."""
+    (`adapted_layers`); with `lora.vision_tower`, every vision block's four linears and the patch
+    mergers' linears on the first stage. 0 without LoRA (`lora.rank` 0)."""
     if not lora.rank:
         return 0
     h, r, inter = spec.hidden_size, lora.rank, spec.intermediate_size
@@ -196,7 +196,9 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
     hv, ffn = spec.vision_embed_dim, spec.vision_ffn  # the tower's blocks, on the first stage
     fc1 = 2 * ffn if spec.vision_gated else ffn
     block = (r * hv + 3 * hv // tp * r) + (r * (hv // tp) + hv * r) + (r * hv + fc1 // tp * r) + (r * (ffn // tp) + hv * r)
-    return language + spec.vision_depth * block
+    merged = hv * spec.spatial_merge_size**2  # each patch merger's two plain linears, whole on every rank
+    mergers = (1 + getattr(spec, "num_deepstack", 0)) * (2 * r * merged + r * merged + spec.hidden_size * r)
+    return language + spec.vision_depth * block + mergers
 
 
 def adapted_layers(spec, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> dict[str, int]:
