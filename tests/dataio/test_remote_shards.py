@@ -240,8 +240,8 @@ def test_http_shards_read_by_range_as_local_ones(s3_dataset):
 def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_dataset, monkeypatch):
     """gs:// shards through gcsfs from a GCS-protocol server on 127.0.0.1 (gcp-storage-emulator,
     found through STORAGE_EMULATOR_HOST as gcsfs finds any such server), behind the counting proxy:
-    the same samples as from disk, each in one ranged GET; a missing shard and a missing bucket
-    refused by name."""
+    the same samples as from disk, each in one ranged GET; 503s, resets mid-body and a stall each
+    retried and counted once; a missing shard and a missing bucket refused by name."""
     import fsspec
     from gcp_storage_emulator.server import create_server
 
@@ -258,12 +258,16 @@ def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_d
         got = _read(reader)
         assert got == _read(DataReader(_cfg([local], workers=2))) and len(got) == 24
         assert len(proxy.ranged_gets()) == len(proxy.requests) == 24, proxy.requests
-        # 503s and resets mid-body through gcsfs: each retried once and counted (gcsfs's own retries,
-        # up to 6 a request, are off as s3fs's are), every sample decoded
-        faulty = DataReader(_cfg(["gs://shards/ds/"], workers=2))
-        proxy.rules = [Fault("503", 2), Fault("reset", 2)]
+        # 503s, resets mid-body and a stalled answer through gcsfs: each retried once and counted
+        # (gcsfs's own retries, up to 6 a request, are off as s3fs's are), every sample decoded. The
+        # timeout is 3 s, not 1: this GCS-protocol server answers one request at a time (a
+        # single-threaded HTTPServer), so with 1 s reads queued behind the read-ahead window time
+        # out with no fault at all (9 of 24 did)
+        faulty = DataReader(_cfg(["gs://shards/ds/"], workers=2, read_timeout_s=3.0))
+        proxy.rules = [Fault("503", 2), Fault("reset", 2), Fault("stall", 1)]
+        proxy.stall_s = 5.0
         assert _read(faulty) == got
-        assert len(proxy.injected) == 4 and faulty.remote_retries == 4 and not faulty.skips, proxy.injected
+        assert len(proxy.injected) == 5 and faulty.remote_retries == 5 and not faulty.skips, proxy.injected
         with pytest.raises(FileNotFoundError, match="data.shards: gs://shards/ds/nothing.tar does not exist"):
             check_shard_specs(["gs://shards/ds/nothing.tar"], "data.shards")
         with pytest.raises(FileNotFoundError, match="gs://elsewhere/.*the bucket does not exist.*STORAGE_EMULATOR_HOST="):
