@@ -139,9 +139,10 @@ def pipeline_buckets(model: torch.nn.Module,
 
 
 # -- LoRA adapters (models/lora.py), exported beside the weights ------------------------------
-def _gather_adapter(t: torch.Tensor, dim: int, gated: bool, group) -> torch.Tensor:
-    """The whole tensor from every TP rank's part, split on `dim`; `gated`: each part is
-    [its gate part; its up part] (linear_fc1's layout), reassembled as [gate; up]."""
+def _gather_adapter(t: torch.Tensor, dim: int, sections: list[int] | None, group) -> torch.Tensor:
+    """The whole tensor from every TP rank's part, split on `dim`; `sections` (whole sizes): each
+    part is its share of every section in turn ([gate; up], a DeltaNet's in_proj), reassembled
+    section by section."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -149,9 +150,9 @@ def _gather_adapter(t: torch.Tensor, dim: int, gated: bool, group) -> torch.Tens
         return t.detach()
     parts = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
-    if gated:
-        halves = [p.chunk(2, dim) for p in parts]
-        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    if sections:
+        pieces = [p.split([s // size for s in sections], dim) for p in parts]
+        return torch.cat([piece[i] for i in range(len(sections)) for piece in pieces], dim)
     return torch.cat(parts, dim)
 
 
@@ -188,9 +189,9 @@ def whole_adapter_tensors(module: torch.nn.Module, values: dict[str, torch.Tenso
     for name, linear in lora_linears(module):
         for which in ("lora_A", "lora_B"):
             t, dim = values[f"{name}.{which}"], _split_dim(linear, which)
-            gated = linear.lora_gated and which == "lora_B"  # linear_fc1's [gate; up]
+            sections = linear.lora_sections if which == "lora_B" else None  # [gate; up], in_proj's
             out[whole_model_name(f"{name}.{which}", module)] = t.detach() if dim is None \
-                else _gather_adapter(t, dim, gated, tp_group)
+                else _gather_adapter(t, dim, sections, tp_group)
     return out
 
 
@@ -205,8 +206,8 @@ def split_adapter_tensors(module: torch.nn.Module, whole: dict[str, torch.Tensor
     for name, linear in lora_linears(module):
         for which in ("lora_A", "lora_B"):
             t, dim = whole[whole_model_name(f"{name}.{which}", module)], _split_dim(linear, which)
-            if dim is not None and linear.lora_gated and which == "lora_B":  # [gate; up]: each half split
-                t = torch.cat([half.chunk(tp, dim)[rank] for half in t.chunk(2, dim)], dim)
+            if dim is not None and linear.lora_sections and which == "lora_B":  # each section split
+                t = torch.cat([part.chunk(tp, dim)[rank] for part in t.split(linear.lora_sections, dim)], dim)
             elif dim is not None:
                 t = t.chunk(tp, dim)[rank]
             out[f"{name}.{which}"] = t.contiguous()

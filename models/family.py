@@ -69,7 +69,7 @@ class ModelFamily:
     # path as transformers 5 lays the model out, e.g. model.language_model.layers.0.self_attn.q_proj:
     # (A, B)}: models/lora.py's adapters as PEFT and vLLM name them (None: no LoRA for the family yet)
     lora_to_hf: Callable[..., dict] | None = None
-    # the HF projections its adapters can target (models/lora.py TARGETS' names; empty: all of them)
+    # the HF projections its adapters can target (models/lora.py TARGETS' names; empty: DEFAULT_TARGETS')
     lora_targets: tuple[str, ...] = ()
 
 

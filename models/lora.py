@@ -39,10 +39,16 @@ import torch
 from models.hf_io import dir_in_place
 from models.stages import whole_model_name
 
-# HF projection -> the Megatron linear of a language layer that holds it
-TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
-           "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
-           "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
+# HF projection -> the Megatron linear of a language layer that holds it: the attention's and the
+# MLP's of every family (the default targets), then a gated DeltaNet's (Qwen3.5's linear-attention
+# layers: in_proj_qkv/z/b/a fused into one in_proj)
+DEFAULT_TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+                   "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+                   "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}
+DELTANET_TARGETS = {"in_proj_qkv": "self_attention.in_proj", "in_proj_z": "self_attention.in_proj",
+                    "in_proj_b": "self_attention.in_proj", "in_proj_a": "self_attention.in_proj",
+                    "out_proj": "self_attention.out_proj"}
+TARGETS = DEFAULT_TARGETS | DELTANET_TARGETS
 _LAYER = re.compile(r"^language\.decoder\.layers\.\d+\.(.+)$")
 _VISION_BLOCK = re.compile(r"^vision\.decoder\.layers\.\d+\.(.+)$")
 # the tower's patch mergers (DeepStack's too): plain linears, whole on every TP rank
@@ -60,7 +66,8 @@ class LoRAConfig:
     dropout: float = 0.0  # dropout on the adapter's input while training (peft's lora_dropout)
     # the language model's projections that get an adapter, by their HF names; q/k/v_proj go
     # together (Megatron fuses them into one layer, with one adapter), and so do gate/up_proj
-    target_modules: list[str] = field(default_factory=lambda: list(TARGETS))
+    # (and a gated DeltaNet's in_proj_qkv/z/b/a the same way; out_proj)
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     # adapters on the vision tower too: each block's attention QKV and output projection and its
     # MLP, and the patch mergers' linears. vLLM serves them with its tower LoRA switched on
     vision_tower: bool = False
@@ -103,11 +110,12 @@ def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") 
     if getattr(family, "lora_to_hf", None) is None:
         raise ValueError(f"{prefix}lora: {family.name} has no LoRA yet (supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
                          f"Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE); set {prefix}lora.rank=0 to train every weight")
-    allowed = family.lora_targets or tuple(TARGETS)
+    allowed = family.lora_targets or tuple(DEFAULT_TARGETS)
     if beyond := [name for name in cfg.target_modules if name not in allowed]:
+        why = "the experts have none yet" if any(n in DEFAULT_TARGETS for n in beyond) else "it has no such projections"
         raise ValueError(f"{prefix}lora.target_modules: {family.name}'s adapters reach {', '.join(allowed)} only "
-                         f"(not {', '.join(beyond)}: the experts have none yet): set {prefix}lora.target_modules="
-                         f"[{', '.join(allowed)}]")
+                         f"(not {', '.join(beyond)}: {why}): set {prefix}lora.target_modules="
+                         f"[{', '.join(n for n in cfg.target_modules if n in allowed) or ', '.join(allowed)}]")
 
 
 # -- the adapters on the model -----------------------------------------------------------------
@@ -183,7 +191,7 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         linear.lora_kind, linear.lora_scaling, linear.lora_on = kind, cfg.scaling, True
         linear.lora_dropout = cfg.dropout
         # [gate; up] fused, gathered and cut half by half (the language model's or the tower's config)
-        linear.lora_gated = which == "mlp.linear_fc1" and linear.config.gated_linear_unit
+        linear.lora_sections = _b_sections(which, linear, out_features)
         linear.register_forward_hook(_add_plain_lora if kind == "plain" else _add_lora, with_kwargs=True)
         adapted.append(whole)
     if not adapted:
@@ -191,6 +199,21 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
     # the adapted weights by identity: `merged` swaps them for their merge, a sync unit at a time
     module.lora_by_weight = {id(linear.weight): linear for _, linear in lora_linears(module)}
     return adapted
+
+
+def _b_sections(which: str, linear: torch.nn.Module, out_features: int) -> list[int] | None:
+    """The row sections of a column layer's fused output, whole, each split over TP on its own
+    (so B's rows gather and cut section by section): linear_fc1's [gate; up] when gated, a gated
+    DeltaNet's in_proj [q, k, v, z, b, a]; None: one section, split as a whole."""
+    config = getattr(linear, "config", None)
+    if which == "mlp.linear_fc1" and config.gated_linear_unit:
+        return [out_features // 2] * 2
+    if which == "self_attention.in_proj":
+        qk = config.linear_key_head_dim * config.linear_num_key_heads
+        v = config.linear_value_head_dim * config.linear_num_value_heads
+        heads = config.linear_num_value_heads
+        return [qk, qk, v, v, heads, heads]
+    return None
 
 
 def _adapted(name: str, cfg: LoRAConfig) -> str | None:

@@ -202,16 +202,23 @@ def lora_to_hf(spec: Qwen35Spec, pairs: dict[str, tuple[torch.Tensor, torch.Tens
     """LoRA pairs of the language model's Megatron linears (whole, whole-model names; see
     models/lora.py) -> {HF module path: (A, B)}. The full-attention layers' gated linear_qkv B
     splits as its weight does (q_proj: each head's query rows, then its gate rows); the rest
-    (o_proj, the MLPs, the vision tower's blocks) as Qwen2-VL's. The DeltaNet layers' projections
-    have no adapters."""
+    (o_proj, the MLPs, the vision tower's) as Qwen2-VL's. A gated DeltaNet layer's in_proj B splits
+    into in_proj_qkv, _z, _b and _a (one A shared), its out_proj as it is."""
     from models.qwen2vl.convert import lora_to_hf as plain
 
     out = {}
     for name, (a, b) in pairs.items():
-        if not (name.startswith("language.") and name.endswith(".self_attention.linear_qkv")):
+        layer = f"{text_prefix}layers.{name.split('.')[3]}." if name.startswith("language.") else None
+        if layer and name.endswith(".self_attention.linear_qkv"):
+            q_gate, k, v = _gated_qkv_from_megatron(b, spec.num_heads, spec.num_kv_heads)
+            out |= {layer + "self_attn.q_proj": (a, q_gate), layer + "self_attn.k_proj": (a, k),
+                    layer + "self_attn.v_proj": (a, v)}
+        elif layer and name.endswith(".self_attention.in_proj"):  # [q, k, v, z, b, a]: in_proj_qkv is q, k, v
+            q, k, v, z, beta, alpha = _in_proj_sections(spec)
+            parts = b.split([q + k + v, z, beta, alpha])
+            out |= {f"{layer}linear_attn.{p}": (a, part) for p, part in zip(_IN_PROJ, parts)}
+        elif layer and name.endswith(".self_attention.out_proj"):
+            out[f"{layer}linear_attn.out_proj"] = (a, b)
+        else:
             out |= plain(spec, {name: (a, b)}, text_prefix)
-            continue
-        dst = f"{text_prefix}layers.{name.split('.')[3]}.self_attn."
-        q_gate, k, v = _gated_qkv_from_megatron(b, spec.num_heads, spec.num_kv_heads)
-        out |= {dst + "q_proj": (a, q_gate), dst + "k_proj": (a, k), dst + "v_proj": (a, v)}
     return out

@@ -47,6 +47,8 @@ QWEN35 = register(ModelFamily(
     # the processor writes each temporal patch's timestamp (from the video's fps) into the prompt
     timed_video_types=("qwen3_5",),
     check_context_parallel=lazy("models.qwen35.config", "check_context_parallel"),
-    # the full-attention layers' projections and every layer's MLP; the DeltaNet's none yet
+    # the full-attention layers' projections, the gated DeltaNet layers' and every layer's MLP
     lora_to_hf=lazy("models.qwen35.convert", "lora_to_hf"),
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
 ))

@@ -24,7 +24,8 @@ QWEN35_MOE = register(ModelFamily(
     parity_module="models.qwen35_moe.parity",
     timed_video_types=("qwen3_5_moe",),
     check_context_parallel=lazy("models.qwen35.config", "check_context_parallel"),
-    # the full-attention layers' projections; the experts and the DeltaNet's have none yet
+    # the full-attention and gated DeltaNet layers' projections; the experts have none yet
     lora_to_hf=lazy("models.qwen35.convert", "lora_to_hf"),
-    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                  "out_proj"),
 ))

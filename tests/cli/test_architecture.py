@@ -267,6 +267,8 @@ def test_help_config_lists_every_setting_with_its_doc():
     (("policy.lora.rank=8", "policy.lora.target_modules=[q_proj,o_proj]"),
      "policy.lora: target_modules has \\['q_proj'\\] without \\['k_proj', 'v_proj'\\]: Megatron fuses"),
     ("policy.lora.target_modules=[qkv]", "policy.lora: target_modules: \\['qkv'\\] are not projections of the language"),
+    (("policy.lora.rank=8", "policy.lora.target_modules=[in_proj_qkv,out_proj]"),
+     "policy.lora: target_modules has \\['in_proj_qkv'\\] without \\['in_proj_a', 'in_proj_b', 'in_proj_z'\\]"),
     ("sync.lora=adapter", "sync.lora=adapter sends the LoRA adapter alone, but policy.lora.rank is 0"),
     (("policy.lora.rank=1024", "sync.lora=adapter"), "vLLM serves adapters of rank <= 512"),
     ("policy.lora.vision_tower=true", "policy.lora.vision_tower=true puts adapters on the vision tower, but "

@@ -248,11 +248,11 @@ WORKER = r"""
 import json, sys
 import models, torch
 from models.comm import init_parallel
-from models.family import read_spec
+from models.family import family_of, read_spec
 from models.inputs import VLMInputs
 from models.tiny import tiny_model_dir
 from models.logprobs import next_token_labels, token_logprobs
-from models.lora import LoRAConfig, add_adapters, is_adapter
+from models.lora import DEFAULT_TARGETS, LoRAConfig, add_adapters, is_adapter
 from models.trainer import TrainerConfig, build_module
 
 init_parallel(1)
@@ -296,7 +296,9 @@ for kind in sys.argv[3:]:
         out[kind]["lora_params"] = sum(p.numel() for n, p in module.named_parameters() if is_adapter(n))
         out[kind]["lora_saved_bytes"] = saved_bytes(module, spec)
         module = build_module(path, spec, TrainerConfig(recompute="none"))
-        add_adapters(module, LoRAConfig(rank=4, vision_tower=True), seed=0)  # and on the vision tower's blocks
+        # every projection the family's adapters reach (Qwen3.5's DeltaNet's too) and the vision tower's
+        targets = list(family_of(spec).lora_targets or DEFAULT_TARGETS)
+        add_adapters(module, LoRAConfig(rank=4, vision_tower=True, target_modules=targets), seed=0)
         out[kind]["lora_params_vision"] = sum(p.numel() for n, p in module.named_parameters() if is_adapter(n))
 print(json.dumps(out))
 """
@@ -344,17 +346,22 @@ def test_lora_adapter_params_and_activations_match_the_megatron_model(tiny_measu
     bytes, close to them (adapters with dropout, no recompute): the base model's activations but
     the frozen vision tower's (no gradient reaches it: it keeps nothing), plus the adapters' (A x
     for B's gradient, dropout's input and mask). Measured: planned / kept 1.16 (Qwen2-VL,
-    Qwen2.5-VL), 1.20 (Qwen3-VL), 1.66 (Qwen3.5); the rest is what a frozen linear need not keep for its weight's
-    gradient. With the tower's activations counted, 1.99, 2.20 and 1.69."""
+    Qwen2.5-VL), 1.20 (Qwen3-VL), 1.66 (Qwen3.5); the rest is what a frozen linear need not keep
+    for its weight's gradient. With the tower's activations counted, 1.99, 2.20 and 1.69. The
+    parameters with every projection the family reaches (Qwen3.5's DeltaNet's) and the vision
+    tower's adapters too."""
     from yatt_mm.plan import CPU
     from yatt_mm.plan.params import lora_params
 
-    from models.lora import LoRAConfig
+    from models.family import family_of
+    from models.lora import DEFAULT_TARGETS, LoRAConfig
     from models.trainer import TrainerConfig
 
     spec, lora = load_spec(f"tiny:{kind}"), LoRAConfig(rank=4, dropout=0.1)
     assert lora_params(spec, lora) == tiny_measured[kind]["lora_params"]
-    assert lora_params(spec, LoRAConfig(rank=4, vision_tower=True)) == tiny_measured[kind]["lora_params_vision"]
+    targets = list(family_of(spec).lora_targets or DEFAULT_TARGETS)
+    assert lora_params(spec, LoRAConfig(rank=4, vision_tower=True, target_modules=targets)) == \
+        tiny_measured[kind]["lora_params_vision"]
     assert tiny_measured[kind]["lora_params_vision"] > tiny_measured[kind]["lora_params"]
     shape = MicroBatchShape(rows=2, seq=160, scored=64, media_tokens=128, frame_tokens=64)
     base = activation_bytes(spec, shape, tp=1, e=4, recompute="none", kernels=CPU, vision_trained=False)

@@ -89,12 +89,13 @@ def run(tp: int = 1, pp: int = 1, kind: str = "policy", ep: int = 1) -> dict:
     from models.qwen2vl.parity import logit_diffs
 
     from models.family import family_for_tiny_kind
-    from models.lora import TARGETS
+    from models.lora import DEFAULT_TARGETS
 
     groups = init_parallel(tp, seed=0, pipeline_parallel=pp, expert_parallel=ep)
     path = str(tiny_model_dir(kind))
     # every projection the family's adapters reach (an MoE's: the attention's), and the vision tower's blocks
-    lora = LoRAConfig(rank=8, alpha=16.0, target_modules=list(family_for_tiny_kind(kind).lora_targets or TARGETS),
+    targets = family_for_tiny_kind(kind).lora_targets or DEFAULT_TARGETS
+    lora = LoRAConfig(rank=8, alpha=16.0, target_modules=list(targets),
                       vision_tower=True)
     trainer = VLMTrainer(path, TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, lr=1e-2,
                                              seed=3), lora=lora)

@@ -33,9 +33,10 @@ def run(path: str) -> dict:
     from vlm_vs_vllm import build, diffs, prompt_diff
 
     from models.family import family_for_dir
-    from models.lora import TARGETS
+    from models.lora import DEFAULT_TARGETS
 
-    targets = list(family_for_dir(path).lora_targets or TARGETS)  # an MoE's: the attention's
+    # every projection the family's adapters reach (an MoE's: no MLP; Qwen3.5's: its DeltaNet's too)
+    targets = list(family_for_dir(path).lora_targets or DEFAULT_TARGETS)
     # the vision tower's blocks too: vLLM serves them with its tower LoRA on
     trainer = VLMTrainer(path, TrainerConfig(lr=1e-2), lora=LoRAConfig(rank=8, alpha=16.0, target_modules=targets,
                                                                        vision_tower=True))

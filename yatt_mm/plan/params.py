@@ -189,6 +189,11 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
                   "self_attention.linear_proj": r * (q // tp) + h * r,  # row: A split
                   "mlp.linear_fc1": r * h + 2 * inter // tp * r,
                   "mlp.linear_fc2": r * (inter // tp) + h * r}
+    if any(linear_layers(spec)):  # a gated DeltaNet's in_proj [q, k, v, z, b, a] and out_proj
+        qk = spec.linear_key_head_dim * spec.linear_num_key_heads
+        v = spec.linear_value_head_dim * spec.linear_num_value_heads
+        per_linear["self_attention.in_proj"] = r * h + (2 * qk + 2 * v + 2 * spec.linear_num_value_heads) // tp * r
+        per_linear["self_attention.out_proj"] = r * (v // tp) + h * r
     held = adapted_layers(spec, pp, stage, layers)
     language = sum(held[linear] * per_linear[linear] for linear in lora.linears)
     if not (lora.vision_tower and stage == 0):
@@ -204,13 +209,15 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
 def adapted_layers(spec, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> dict[str, int]:
     """Per adaptable linear (models/lora.py TARGETS' Megatron names): how many of pipeline
     `stage`'s language layers hold it: the MLP's every layer, the attention's the softmax-attention
-    layers (a gated DeltaNet layer has other projections, which have no adapters)."""
+    layers, a gated DeltaNet's in_proj and out_proj the linear-attention layers."""
     from models.stages import stage_layers
 
     counts = stage_layers(spec.num_layers, pp, layers)
     start = sum(counts[:stage])
-    attention = sum(not linear for linear in linear_layers(spec)[start:start + counts[stage]])
+    kinds = linear_layers(spec)[start:start + counts[stage]]
+    attention, deltanet = sum(not linear for linear in kinds), sum(kinds)
     return {"self_attention.linear_qkv": attention, "self_attention.linear_proj": attention,
+            "self_attention.in_proj": deltanet, "self_attention.out_proj": deltanet,
             "mlp.linear_fc1": counts[stage], "mlp.linear_fc2": counts[stage]}
 
 

@@ -102,7 +102,9 @@ def _with_adapter_activations(a: Activations, spec, shape: MicroBatchShape, lora
     # the adapted linears' inputs on this rank: whole for column-parallel ones, split for row-parallel
     widths = {"self_attention.linear_qkv": spec.hidden_size, "mlp.linear_fc1": spec.hidden_size,
               "self_attention.linear_proj": spec.num_heads * spec.head_dim // tp,
-              "mlp.linear_fc2": spec.intermediate_size // tp}
+              "mlp.linear_fc2": spec.intermediate_size // tp, "self_attention.in_proj": spec.hidden_size,
+              "self_attention.out_proj": getattr(spec, "linear_value_head_dim", 0)
+              * getattr(spec, "linear_num_value_heads", 0) // tp}
     # per layer of the stage, on average: a hybrid model's attention adapters are on its softmax layers only
     held, n_layers = adapted_layers(spec, pp, stage, layers), stage_layers(spec.num_layers, pp, layers)[stage]
     per_layer = sum(held[linear] / n_layers * (lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0))
