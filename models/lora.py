@@ -148,7 +148,7 @@ DROPOUT_RNG = "lora-dropout-rng"  # the RNG tracker's state for the column layer
 
 def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[str]:
     """Freeze every weight of `module` (one rank's TP shard of a pipeline stage), then give the
-    targeted language linears an adapter. A is drawn as peft draws it (Kaiming-uniform, a=sqrt(5))
+    targeted language linears (and with vision_tower the tower's) an adapter. A is drawn as peft draws it (Kaiming-uniform, a=sqrt(5))
     from a generator seeded by `seed` and the layer's whole-model name, whole, then split: the
     same adapter at every TP and PP layout. B starts at zero, so the model starts as the base.
     Returns the adapted linears' whole-model names."""
@@ -170,18 +170,16 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         if kind is None or which is None:
             continue
         whole = whole_model_name(name, module)
-        if kind == "plain":  # whole on every TP rank: A and B too
-            tp_here = 1
-        else:
-            tp_here = tp
-        out_features, in_features = (linear.weight.shape[0] * (tp_here if kind == "column" else 1),
-                                     linear.weight.shape[1] * (tp_here if kind == "row" else 1))
+        # the weight's whole shape: a column layer's rows and a row layer's columns are split over
+        # TP; a plain Linear (a patch merger) is whole on every rank, and so are its A and B
+        out_features, in_features = (linear.weight.shape[0] * (tp if kind == "column" else 1),
+                                     linear.weight.shape[1] * (tp if kind == "row" else 1))
         gen = torch.Generator().manual_seed(_name_seed(seed, whole))
         a = torch.empty(cfg.rank, in_features)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
         if kind == "row":
             a = a.chunk(tp, dim=1)[tp_rank]
-        b = torch.zeros(out_features // tp_here if kind == "column" else out_features, cfg.rank)
+        b = torch.zeros(out_features // tp if kind == "column" else out_features, cfg.rank)
         device, dtype = linear.weight.device, linear.weight.dtype
         linear.lora_A = torch.nn.Parameter(a.to(device, dtype).contiguous())
         linear.lora_B = torch.nn.Parameter(b.to(device, dtype))
@@ -190,8 +188,7 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         set_tensor_model_parallel_attributes(linear.lora_B, kind == "column", 0, 1)
         linear.lora_kind, linear.lora_scaling, linear.lora_on = kind, cfg.scaling, True
         linear.lora_dropout = cfg.dropout
-        # [gate; up] fused, gathered and cut half by half (the language model's or the tower's config)
-        linear.lora_sections = _b_sections(which, linear, out_features)
+        linear.lora_sections = _b_sections(which, linear, out_features)  # fused outputs: cut section by section
         linear.register_forward_hook(_add_plain_lora if kind == "plain" else _add_lora, with_kwargs=True)
         adapted.append(whole)
     if not adapted:
