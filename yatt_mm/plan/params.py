@@ -173,37 +173,46 @@ def active_params(spec) -> int:
     return full.total - (full.experts - full.experts // experts * spec.num_experts_per_tok if experts else 0)
 
 
-def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> int:
-    """The LoRA adapter's parameters on one TP rank of pipeline `stage` (models/lora.py): per
-    language layer, a pair (A [r, in], B [out, r]) on each adapted linear; a column-parallel
-    linear's B split over TP (QKV, [gate; up]), a row-parallel linear's A (output projection,
-    down projection). A hybrid model's attention adapters sit on its full-attention layers only
-    (`adapted_layers`); with `lora.vision_tower`, every vision block's four linears and the patch
-    mergers' linears on the first stage. 0 without LoRA (`lora.rank` 0)."""
-    if not lora.rank:
-        return 0
-    h, r, inter = spec.hidden_size, lora.rank, spec.intermediate_size
+def adaptable_linears(spec) -> dict[str, tuple[int, int, str]]:
+    """Each language linear an adapter can sit on (models/lora.py TARGETS' Megatron names): its
+    whole (in, out) widths and how Megatron splits it over TP (column: out; row: in). The
+    attention's QKV is wider by the output gate's queries where gated (Qwen3.5)."""
+    h, inter = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     gate = q if getattr(spec, "attention_output_gate", bool(getattr(spec, "layer_types", ()))) else 0
-    per_linear = {"self_attention.linear_qkv": r * h + (q + gate + 2 * kv) // tp * r,  # column: B split
-                  "self_attention.linear_proj": r * (q // tp) + h * r,  # row: A split
-                  "mlp.linear_fc1": r * h + 2 * inter // tp * r,
-                  "mlp.linear_fc2": r * (inter // tp) + h * r}
+    out = {"self_attention.linear_qkv": (h, q + gate + 2 * kv, "column"), "self_attention.linear_proj": (q, h, "row"),
+           "mlp.linear_fc1": (h, 2 * inter, "column"), "mlp.linear_fc2": (inter, h, "row")}
     if any(linear_layers(spec)):  # a gated DeltaNet's in_proj [q, k, v, z, b, a] and out_proj
-        qk = spec.linear_key_head_dim * spec.linear_num_key_heads
-        v = spec.linear_value_head_dim * spec.linear_num_value_heads
-        per_linear["self_attention.in_proj"] = r * h + (2 * qk + 2 * v + 2 * spec.linear_num_value_heads) // tp * r
-        per_linear["self_attention.out_proj"] = r * (v // tp) + h * r
-    held = adapted_layers(spec, pp, stage, layers)
-    language = sum(held[linear] * per_linear[linear] for linear in lora.linears)
+        nv = spec.linear_num_value_heads
+        qk, v = spec.linear_key_head_dim * spec.linear_num_key_heads, spec.linear_value_head_dim * nv
+        out |= {"self_attention.in_proj": (h, 2 * qk + 2 * v + 2 * nv, "column"), "self_attention.out_proj": (v, h, "row")}
+    return out
+
+
+def _adapter(n_in: int, n_out: int, kind: str, r: int, tp: int) -> int:
+    """One adapter's parameters on a TP rank: A [r, in] split with a row layer's input, B [out, r]
+    with a column layer's output; a plain linear's (a patch merger's) whole on every rank."""
+    return r * (n_in // tp if kind == "row" else n_in) + r * (n_out // tp if kind == "column" else n_out)
+
+
+def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> int:
+    """The LoRA adapter's parameters on one TP rank of pipeline `stage` (models/lora.py): a pair
+    (A, B) on each adapted linear of the stage's language layers (`adaptable_linears`, on the
+    layers that hold each: `adapted_layers`); with `lora.vision_tower`, every vision block's four
+    linears and the patch mergers' linears on the first stage. 0 without LoRA (`lora.rank` 0)."""
+    if not lora.rank:
+        return 0
+    r, linears, held = lora.rank, adaptable_linears(spec), adapted_layers(spec, pp, stage, layers)
+    language = sum(held[linear] * _adapter(*linears[linear], r, tp) for linear in lora.linears)
     if not (lora.vision_tower and stage == 0):
         return language
     hv, ffn = spec.vision_embed_dim, spec.vision_ffn  # the tower's blocks, on the first stage
-    fc1 = 2 * ffn if spec.vision_gated else ffn
-    block = (r * hv + 3 * hv // tp * r) + (r * (hv // tp) + hv * r) + (r * hv + fc1 // tp * r) + (r * (ffn // tp) + hv * r)
+    block = [(hv, 3 * hv, "column"), (hv, hv, "row"), (hv, 2 * ffn if spec.vision_gated else ffn, "column"),
+             (ffn, hv, "row")]
     merged = hv * spec.spatial_merge_size**2  # each patch merger's two plain linears, whole on every rank
-    mergers = (1 + getattr(spec, "num_deepstack", 0)) * (2 * r * merged + r * merged + spec.hidden_size * r)
-    return language + spec.vision_depth * block + mergers
+    merger = [(merged, merged, "plain"), (merged, spec.hidden_size, "plain")]
+    return (language + spec.vision_depth * sum(_adapter(*shape, r, tp) for shape in block)
+            + (1 + getattr(spec, "num_deepstack", 0)) * sum(_adapter(*shape, r, tp) for shape in merger))
 
 
 def adapted_layers(spec, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> dict[str, int]:

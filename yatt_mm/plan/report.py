@@ -35,8 +35,8 @@ def format_plan(plan: Plan) -> str:
            f"trainer per GPU (GiB): weights {gib(t.weights)}, gradients {gib(t.grads)}, optimizer "
            f"{gib(t.optimizer)}, activations {gib(t.activations.peak)} at the peak ({gib(t.activations.saved)} saved)"]
     if t.adapter:
-        targets = ", ".join(cfg.policy.lora.target_modules) + (", the vision tower's blocks" if cfg.policy.lora.vision_tower
-                                                               else "")
+        targets = ", ".join(cfg.policy.lora.target_modules) + (
+            ", the vision tower's blocks and mergers" if cfg.policy.lora.vision_tower else "")
         out.append(f"LoRA rank {cfg.policy.lora.rank} ({targets}): "
                    f"{t.adapter / 1e6:.1f} M adapter parameters per GPU beside the frozen base, the only ones with "
                    f"gradients and optimizer state; the KL's reference is the base (no second copy); weight sync: "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from models.stages import stage_layers
 from yatt_mm.plan.activations import CUDA, Activations, Kernels, activation_bytes
 from yatt_mm.plan.batch import MicroBatchShape
-from yatt_mm.plan.params import Params, adapted_layers, lora_params, param_counts
+from yatt_mm.plan.params import Params, adaptable_linears, adapted_layers, lora_params, param_counts
 
 
 
@@ -100,11 +100,7 @@ def _with_adapter_activations(a: Activations, spec, shape: MicroBatchShape, lora
     tokens = -(-shape.tokens // cp)
     layers_held = stage_layers(spec.num_layers, pp, layers)[stage] * (pp - stage)
     # the adapted linears' inputs on this rank: whole for column-parallel ones, split for row-parallel
-    widths = {"self_attention.linear_qkv": spec.hidden_size, "mlp.linear_fc1": spec.hidden_size,
-              "self_attention.linear_proj": spec.num_heads * spec.head_dim // tp,
-              "mlp.linear_fc2": spec.intermediate_size // tp, "self_attention.in_proj": spec.hidden_size,
-              "self_attention.out_proj": getattr(spec, "linear_value_head_dim", 0)
-              * getattr(spec, "linear_num_value_heads", 0) // tp}
+    widths = {linear: n_in // tp if kind == "row" else n_in for linear, (n_in, _, kind) in adaptable_linears(spec).items()}
     # per layer of the stage, on average: a hybrid model's attention adapters are on its softmax layers only
     held, n_layers = adapted_layers(spec, pp, stage, layers), stage_layers(spec.num_layers, pp, layers)[stage]
     per_layer = sum(held[linear] / n_layers * (lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0))
