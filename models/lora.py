@@ -148,9 +148,9 @@ DROPOUT_RNG = "lora-dropout-rng"  # the RNG tracker's state for the column layer
 
 def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[str]:
     """Freeze every weight of `module` (one rank's TP shard of a pipeline stage), then give the
-    targeted language linears (and with vision_tower the tower's) an adapter. A is drawn as peft draws it (Kaiming-uniform, a=sqrt(5))
-    from a generator seeded by `seed` and the layer's whole-model name, whole, then split: the
-    same adapter at every TP and PP layout. B starts at zero, so the model starts as the base.
+    targeted language linears (and with vision_tower the tower's) an adapter. A is drawn as peft
+    draws it (Kaiming-uniform, a=sqrt(5)) from a generator seeded by `seed` and the layer's
+    whole-model name, whole, then split: the same adapter at every TP and PP layout. B starts at zero, so the model starts as the base.
     Returns the adapted linears' whole-model names."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -336,7 +336,7 @@ VISION_HF = (r"visual\.(blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.(fc1|fc2|gate_pr
 def _peft_targets(cfg: LoRAConfig) -> str:
     """peft's target_modules regex: the language model's targeted projections only (a plain list
     would also catch a vision tower's of the same name, Qwen2.5-VL's gate/up/down_proj, which the
-    adapter would not hold), and with vision_tower the tower's blocks."""
+    adapter would not hold), and with vision_tower the tower's blocks and patch mergers."""
     language = rf".*language_model.*\.({'|'.join(sorted(cfg.target_modules))})"
     return rf"({language}|.*{VISION_HF})$" if cfg.vision_tower else rf"{language}$"
 

@@ -10,7 +10,7 @@ import math
 import torch
 
 from gpu_stages.common import GIB
-from gpu_stages.memory import phase_peak, plan_shape
+from gpu_stages.memory import phase_peak, plan_shape, trainer_figures
 from gpu_stages.rl import make_actor
 
 RANK = 16
@@ -40,22 +40,19 @@ def lora_stage(hf_dir: str, full_actor, samples, device: torch.device, dtype: st
                 run()
     adapter = trainer.export_adapter()
     full_bytes = sum(t.numel() * t.element_size() for t in trainer.export_hf().values())
-    shape = plan_shape(max((mb for mini in minis for mb in mini), key=lambda mb: mb.inputs.input_ids.numel()),
-                       trainer.spec)
-    planned = plan.trainer_memory(trainer.spec, trainer.cfg, 1, shape,
+    planned = plan.trainer_memory(trainer.spec, trainer.cfg, 1, plan_shape(minis, trainer.spec),
                                   plan.CUDA if device.type == "cuda" else plan.CPU, lora)
     moved = [not torch.equal(v, adapter_state(trainer.module)[k]) for k, v in adapter_before.items()]
     base_same = all(torch.equal(v, frozen_state(trainer.module)[k]) for k, v in base_before.items())
     loss = [m["train/loss"] for m in losses]
     out = {"rank": RANK, "losses": loss, "adapter_params_m": sum(v.numel() for v in adapter_before.values()) / 1e6,
            "sync_bytes": {"adapter": adapter_bytes(adapter), "full": full_bytes},
-           "resident_gib": {"plan": planned.persistent / GIB, "measured": resident / GIB},
-           "logprobs_peak_gib": {"plan": (planned.persistent + planned.activations.forward_only) / GIB,
-                                 "measured": peaks["logprobs"] / GIB},
-           "train_peak_gib": {"plan": planned.peak / GIB, "measured": peaks["train"] / GIB}}
+           **trainer_figures(planned, resident, peaks)}
     if full_memory:  # the full-weight trainer's measured peak on the same model and samples
         out["train_peak_vs_full_weights"] = peaks["train"] / (full_memory["train_peak_gib"]["measured"] * GIB)
     trainer.release("none")
-    out["checks"] = {"losses_finite": all(map(math.isfinite, loss)), "adapter_moved": all(moved),
-                     "base_unchanged": base_same, "adapter_sync_smaller": adapter_bytes(adapter) < full_bytes / 10}
+    # a trainer without adapters would hold no adapter and no frozen base: both must be there
+    out["checks"] = {"losses_finite": all(map(math.isfinite, loss)), "adapter_moved": bool(moved) and all(moved),
+                     "base_unchanged": bool(base_before) and base_same,
+                     "adapter_sync_smaller": 0 < adapter_bytes(adapter) < full_bytes / 10}
     return out

@@ -25,15 +25,11 @@ def memory_stage(actor, samples, device: torch.device) -> dict:
     for phase, run in (("logprobs", lambda: actor.old_logprobs(minis)),
                        ("train", lambda: (actor.batch_advantages(minis), actor.update(minis)))):
         measured[phase] = phase_peak(run, device, resident)
-    shape = plan_shape(max((mb for mini in minis for mb in mini), key=lambda mb: mb.inputs.input_ids.numel()),
-                        trainer.spec)
+    shape = plan_shape(minis, trainer.spec)
     planned = plan.trainer_memory(trainer.spec, trainer.cfg, 1, shape, plan.CUDA if device.type == "cuda" else plan.CPU)
     out = {"micro_batch": {"rows": shape.rows, "seq": shape.seq, "scored": shape.scored,
                            "media_tokens": shape.media_tokens, "frame_tokens": shape.frame_tokens},
-           "resident_gib": {"plan": planned.persistent / GIB, "measured": resident / GIB},
-           "logprobs_peak_gib": {"plan": (planned.persistent + planned.activations.forward_only) / GIB,
-                                 "measured": measured["logprobs"] / GIB},
-           "train_peak_gib": {"plan": planned.peak / GIB, "measured": measured["train"] / GIB}}
+           **trainer_figures(planned, resident, measured)}
     if device.type == "cuda":
         reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
@@ -60,10 +56,21 @@ def phase_peak(run, device: torch.device, resident: int) -> int:
     return resident + step_peak_bytes(run)
 
 
-def plan_shape(mb, spec):
-    """The plan's MicroBatchShape of a real micro-batch: rows, padded length, scored positions,
-    media tokens and merged tokens per image."""
+def trainer_figures(planned, resident: int, peaks: dict[str, int]) -> dict:
+    """The trainer's resident bytes and its phases' peaks beside the plan's (yatt_mm.plan's
+    TrainerMemory for the same model, settings and micro-batch), in GiB."""
+    return {"resident_gib": {"plan": planned.persistent / GIB, "measured": resident / GIB},
+            "logprobs_peak_gib": {"plan": (planned.persistent + planned.activations.forward_only) / GIB,
+                                  "measured": peaks["logprobs"] / GIB},
+            "train_peak_gib": {"plan": planned.peak / GIB, "measured": peaks["train"] / GIB}}
+
+
+def plan_shape(minis, spec):
+    """The plan's MicroBatchShape of the largest micro-batch of a step's mini-batches: rows, padded
+    length, scored positions, media tokens and merged tokens per image."""
     from yatt_mm.plan import MicroBatchShape
+
+    mb = max((mb for mini in minis for mb in mini), key=lambda mb: mb.inputs.input_ids.numel())
 
     rows, seq = mb.inputs.input_ids.shape
     scored = int(mb.score_mask.sum()) if mb.score_mask is not None else rows * seq
