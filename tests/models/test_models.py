@@ -299,10 +299,10 @@ def test_an_adapter_sync_gives_vllm_the_trainers_logprobs(vlm_vs_vllm):
     r = vlm_vs_vllm["lora"]
     print("adapter sync, trainer vs vLLM logprob |diff|:", r)
     # as the full sync's figures (float32 both sides): measured 1.9e-6 at the start (B = 0),
-    # 8.6e-6 sampled and over every prompt token after the update, merged 1.1e-5 and 1.5e-5
+    # 8.3e-6 sampled and 7.6e-6 over every prompt token after the update, merged 9.9e-6 and 9.5e-6
     assert r["start_max"] < 5e-5 and r["after_max"] < 5e-5 and r["after_mean"] < 1e-5, r
     assert r["after_prompt_max"] < 1e-4 and r["merged_max"] < 5e-5 and r["merged_prompt_max"] < 1e-4, r
-    assert r["stale_prompt_max"] > 1.0, r  # the update was one vLLM had to take (measured 15.7)
+    assert r["stale_prompt_max"] > 1.0, r  # the update was one vLLM had to take (measured 19.2)
     # (2 layers x 7 projections + 2 vision blocks x 4 + the merger's 2 linears) x (A, B), against
     # the full sync's 3.0 MB of the tiny model
     assert r["adapter_tensors"] == 48 and r["sync_bytes"] == r["first_sync_bytes"] == r["adapter_bytes"], r
