@@ -20,7 +20,7 @@ from itertools import groupby
 import torch
 
 from models.lora import PEFT_PREFIX, is_adapter, lora_linears, merged
-from models.stages import whole_model_name
+from models.stages import EXPERT, global_name, whole_model_name
 
 _LAYER_PREFIX = re.compile(r"^(language|vision)\.decoder\.layers\.\d+\.")
 TIED_OUTPUT = "language.output_layer.weight"
@@ -158,17 +158,17 @@ def _gather_adapter(t: torch.Tensor, dim: int, sections: list[int] | None, group
 
 def whole_pairs(module: torch.nn.Module, tp_group, grads: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{whole-model name of an adapted linear: (A, B)} of this pipeline stage, whole (gathered
-    over TP: a collective); with `grads`, their gradients instead (Megatron's main_grad, else grad)."""
+    over TP, and a routed expert's over EP: a collective); with `grads`, their gradients instead (Megatron's main_grad, else grad)."""
     def value(p):
         if not grads:
             return p
         return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
-    linears = list(lora_linears(module))
-    whole = whole_adapter_tensors(module, {f"{name}.{which}": value(getattr(linear, which)) for name, linear in linears
-                                           for which in ("lora_A", "lora_B")}, tp_group)
-    return {whole_model_name(name, module): (whole[whole_model_name(f"{name}.lora_A", module)],
-                                             whole[whole_model_name(f"{name}.lora_B", module)]) for name, _ in linears}
+    whole = whole_adapter_tensors(module, {f"{name}.{which}": value(getattr(linear, which))
+                                           for name, linear in lora_linears(module) for which in ("lora_A", "lora_B")},
+                                  tp_group)
+    return {name.removesuffix(".lora_A"): (a, whole[name.removesuffix("_A") + "_B"]) for name, a in whole.items()
+            if name.endswith(".lora_A")}
 
 
 def _split_dim(linear: torch.nn.Module, which: str) -> int | None:
@@ -183,16 +183,34 @@ def _split_dim(linear: torch.nn.Module, which: str) -> int | None:
 
 def whole_adapter_tensors(module: torch.nn.Module, values: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
     """`values` ({this stage's adapter parameter name: a tensor of its shape}: the adapter itself,
-    its gradients or its optimizer state) whole over TP, by whole-model name: the same at every TP
-    and PP layout. A collective over TP."""
+    its gradients or its optimizer state) whole over TP, by whole-model name (a routed expert's
+    by its global number, every expert-parallel rank's experts on each): the same at every TP, PP
+    and EP layout. A collective over TP (and EP)."""
     out = {}
     for name, linear in lora_linears(module):
         for which in ("lora_A", "lora_B"):
             t, dim = values[f"{name}.{which}"], _split_dim(linear, which)
             sections = linear.lora_sections if which == "lora_B" else None  # [gate; up], in_proj's
-            out[whole_model_name(f"{name}.{which}", module)] = t.detach() if dim is None \
-                else _gather_adapter(t, dim, sections, tp_group)
+            group = linear.tp_group if EXPERT.match(name) else tp_group  # an expert's: the expert-TP group
+            t = t.detach() if dim is None else _gather_adapter(t, dim, sections, group)
+            out |= _over_experts(module, f"{name}.{which}", t)
     return out
+
+
+def _over_experts(module: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{whole-model name: tensor} of a stage's tensor `name`; a routed expert's from every
+    expert-parallel rank (rank r's local expert j is global expert r * local_experts + j)."""
+    import torch.distributed as dist
+
+    expert = EXPERT.match(name)
+    if expert is None or getattr(module, "ep", 1) == 1:
+        return {global_name(name, module): t}
+    from models.comm import comm
+
+    parts = [torch.empty_like(t) for _ in range(module.ep)]
+    dist.all_gather(parts, t.contiguous(), group=comm().ep)
+    local, head, tail = int(expert.group(2)), whole_model_name(expert.group(1), module), expert.group(3)
+    return {f"{head}{r * module.local_experts + local}{tail}": part for r, part in enumerate(parts)}
 
 
 def split_adapter_tensors(module: torch.nn.Module, whole: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:
@@ -205,7 +223,7 @@ def split_adapter_tensors(module: torch.nn.Module, whole: dict[str, torch.Tensor
     out = {}
     for name, linear in lora_linears(module):
         for which in ("lora_A", "lora_B"):
-            t, dim = whole[whole_model_name(f"{name}.{which}", module)], _split_dim(linear, which)
+            t, dim = whole[global_name(f"{name}.{which}", module)], _split_dim(linear, which)
             if dim is not None and linear.lora_sections and which == "lora_B":  # each section split
                 t = torch.cat([part.chunk(tp, dim)[rank] for part in t.split(linear.lora_sections, dim)], dim)
             elif dim is not None:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from models.hf_io import dir_in_place
-from models.stages import whole_model_name
+from models.stages import global_name
 
 # HF projection -> the Megatron linear of a language layer that holds it: the attention's and the
 # MLP's of every family (the default targets), then a gated DeltaNet's (Qwen3.5's linear-attention
@@ -48,8 +48,14 @@ DEFAULT_TARGETS = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attent
 DELTANET_TARGETS = {"in_proj_qkv": "self_attention.in_proj", "in_proj_z": "self_attention.in_proj",
                     "in_proj_b": "self_attention.in_proj", "in_proj_a": "self_attention.in_proj",
                     "out_proj": "self_attention.out_proj"}
-TARGETS = DEFAULT_TARGETS | DELTANET_TARGETS
+# a mixture of experts' routed experts, named apart (PEFT adapts them as parameters, peft's
+# target_parameters; each expert its own pair): every expert's fc1 [gate; up] and fc2
+EXPERT_TARGETS = {"experts": "mlp.experts"}
+# peft's target_parameters for them, in this order: peft names the first experts.base_layer
+PEFT_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TARGETS = DEFAULT_TARGETS | DELTANET_TARGETS | EXPERT_TARGETS
 _LAYER = re.compile(r"^language\.decoder\.layers\.\d+\.(.+)$")
+_ROUTED = re.compile(r"^mlp\.experts\.local_experts\.\d+\.(linear_fc1|linear_fc2)$")
 _VISION_BLOCK = re.compile(r"^vision\.decoder\.layers\.\d+\.(.+)$")
 # the tower's patch mergers (DeepStack's too): plain linears, whole on every TP rank
 _VISION_MERGER = re.compile(r"^vision\.(merger|deepstack_merger_list\.\d+)\.(fc1|fc2|linear_fc1|linear_fc2)$")
@@ -66,7 +72,8 @@ class LoRAConfig:
     dropout: float = 0.0  # dropout on the adapter's input while training (peft's lora_dropout)
     # the language model's projections that get an adapter, by their HF names; q/k/v_proj go
     # together (Megatron fuses them into one layer, with one adapter), and so do gate/up_proj
-    # (and a gated DeltaNet's in_proj_qkv/z/b/a the same way; out_proj)
+    # (and a gated DeltaNet's in_proj_qkv/z/b/a the same way; out_proj). A mixture of experts:
+    # gate/up/down_proj are its shared expert's (Qwen3.5-MoE), `experts` every routed expert
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     # adapters on the vision tower too: each block's attention QKV and output projection and its
     # MLP, and the patch mergers' linears. vLLM serves them with its tower LoRA switched on
@@ -87,6 +94,9 @@ class LoRAConfig:
         if unknown:
             raise ValueError(f"target_modules: {unknown} are not projections of the language model; choose from "
                              f"{', '.join(TARGETS)}")
+        if self.enabled and self.dropout and "experts" in self.target_modules:
+            raise ValueError(f"dropout={self.dropout} with target_modules naming experts: an expert's adapter has no "
+                             "dropout (peft adapts the experts' weights, not their inputs): set dropout=0")
         if self.enabled and not self.target_modules:
             raise ValueError(f"rank={self.rank} but target_modules is empty: name the projections to adapt")
         for linear in set(TARGETS.values()):
@@ -112,10 +122,12 @@ def check_layout(cfg: LoRAConfig, family, trainer_cfg, prefix: str = "policy.") 
                          f"Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE); set {prefix}lora.rank=0 to train every weight")
     allowed = family.lora_targets or tuple(DEFAULT_TARGETS)
     if beyond := [name for name in cfg.target_modules if name not in allowed]:
-        why = "the experts have none yet" if any(n in DEFAULT_TARGETS for n in beyond) else "it has no such projections"
+        kept = [n for n in cfg.target_modules if n in allowed]
+        mlp = "experts" in allowed and any(n in DEFAULT_TARGETS for n in beyond)  # an MoE without a dense MLP
+        why = "its MLPs are the experts: name them experts" if mlp else "it has no such projections"
+        fix = kept + ["experts"] if mlp and "experts" not in kept else kept or list(allowed)
         raise ValueError(f"{prefix}lora.target_modules: {family.name}'s adapters reach {', '.join(allowed)} only "
-                         f"(not {', '.join(beyond)}: {why}): set {prefix}lora.target_modules="
-                         f"[{', '.join(n for n in cfg.target_modules if n in allowed) or ', '.join(allowed)}]")
+                         f"(not {', '.join(beyond)}: {why}): set {prefix}lora.target_modules=[{', '.join(fix)}]")
 
 
 # -- the adapters on the model -----------------------------------------------------------------
@@ -169,7 +181,7 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         kind, which = _kind(linear), _adapted(name, cfg)
         if kind is None or which is None:
             continue
-        whole = whole_model_name(name, module)
+        whole = global_name(name, module)  # a routed expert by its global number: the same A at any EP
         # the weight's whole shape: a column layer's rows and a row layer's columns are split over
         # TP; a plain Linear (a patch merger) is whole on every rank, and so are its A and B
         out_features, in_features = (linear.weight.shape[0] * (tp if kind == "column" else 1),
@@ -186,6 +198,8 @@ def add_adapters(module: torch.nn.Module, cfg: LoRAConfig, seed: int) -> list[st
         # Megatron's attributes: which parameters are split over TP (gradient-norm counting, gathers)
         set_tensor_model_parallel_attributes(linear.lora_A, kind == "row", 1, 1)
         set_tensor_model_parallel_attributes(linear.lora_B, kind == "column", 0, 1)
+        for p in (linear.lora_A, linear.lora_B):  # an expert's under EP: reduced over the expert-DP group
+            p.allreduce = getattr(linear.weight, "allreduce", True)
         linear.lora_kind, linear.lora_scaling, linear.lora_on = kind, cfg.scaling, True
         linear.lora_dropout = cfg.dropout
         linear.lora_sections = _b_sections(which, linear, out_features)  # fused outputs: cut section by section
@@ -217,8 +231,12 @@ def _adapted(name: str, cfg: LoRAConfig) -> str | None:
     """The linear's suffix within its layer when `cfg` gives it an adapter (a language layer's
     targeted projection, or with vision_tower any linear of a vision block or a patch merger),
     else None."""
-    if (match := _LAYER.match(name)) and match.group(1) in cfg.linears:
-        return match.group(1)
+    if match := _LAYER.match(name):
+        suffix = match.group(1)
+        if routed := _ROUTED.match(suffix):  # each routed expert's fc1 / fc2
+            return f"mlp.{routed.group(1)}" if EXPERT_TARGETS["experts"] in cfg.linears else None
+        suffix = suffix.replace("mlp.shared_experts.", "mlp.", 1)  # a shared expert: HF's gate/up/down_proj
+        return suffix if suffix in cfg.linears else None
     if cfg.vision_tower and (match := _VISION_BLOCK.match(name)) and match.group(1) in VISION_LINEARS:
         return match.group(1)
     if cfg.vision_tower and (match := _VISION_MERGER.match(name)):
@@ -244,12 +262,22 @@ def _add_lora(linear, args, kwargs, output):
         # column: the whole input, the same mask on every TP rank; row: this rank's columns
         with get_cuda_rng_tracker().fork(DROPOUT_RNG if linear.lora_kind == "column" else "model-parallel-rng"):
             x = torch.nn.functional.dropout(x, linear.lora_dropout, training=True)
-    h = torch.nn.functional.linear(x, linear.lora_A)  # [s, b, r]: whole (column) or partial (row)
+    a, b, group = linear.lora_A, linear.lora_B, linear.tp_group  # an expert's group: the expert-TP one
+    if getattr(linear, "explicit_expert_comm", False):
+        # an expert's linear under TP or EP: the token dispatcher gathers its input over TP and sums
+        # its output over TP, so the adapter's terms stay partial like W's; only the pair's
+        # replicated half (a column layer's A, a row layer's B) sees partial gradients, summed
+        if linear.lora_kind == "column":
+            a = copy_to_tensor_model_parallel_region(a, group)
+        else:
+            b = copy_to_tensor_model_parallel_region(b, group)
+        return out + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * linear.lora_scaling, bias
+    h = torch.nn.functional.linear(x, a)  # [s, b, r]: whole (column) or partial (row)
     if linear.lora_kind == "column":
-        h = copy_to_tensor_model_parallel_region(h)  # backward: the r-wide gradient summed over TP
+        h = copy_to_tensor_model_parallel_region(h, group)  # backward: the r-wide gradient summed over TP
     else:
-        h = reduce_from_tensor_model_parallel_region(h)  # the partial products summed over TP
-    return out + torch.nn.functional.linear(h, linear.lora_B) * linear.lora_scaling, bias
+        h = reduce_from_tensor_model_parallel_region(h, group)  # the partial products summed over TP
+    return out + torch.nn.functional.linear(h, b) * linear.lora_scaling, bias
 
 
 def _add_plain_lora(linear, args, kwargs, output):
@@ -320,6 +348,8 @@ def peft_config(cfg: LoRAConfig, base_model: str) -> dict:
     return {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": str(base_model), "r": cfg.rank,
             "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
             "target_modules": _peft_targets(cfg),
+            # the routed experts' stacked weights, adapted as parameters
+            "target_parameters": PEFT_EXPERT_PARAMETERS if "experts" in cfg.target_modules else None,
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "modules_to_save": None, "init_lora_weights": True, "layers_to_transform": None,
             "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
@@ -333,12 +363,17 @@ VISION_HF = (r"visual\.(blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.(fc1|fc2|gate_pr
              r"|(merger|deepstack_merger_list\.\d+)\.(mlp\.0|mlp\.2|linear_fc1|linear_fc2))")
 
 
-def _peft_targets(cfg: LoRAConfig) -> str:
+def _peft_targets(cfg: LoRAConfig) -> str | None:
     """peft's target_modules regex: the language model's targeted projections only (a plain list
     would also catch a vision tower's of the same name, Qwen2.5-VL's gate/up/down_proj, which the
-    adapter would not hold), and with vision_tower the tower's blocks and patch mergers."""
-    language = rf".*language_model.*\.({'|'.join(sorted(cfg.target_modules))})"
-    return rf"({language}|.*{VISION_HF})$" if cfg.vision_tower else rf"{language}$"
+    adapter would not hold), and with vision_tower the tower's blocks and patch mergers. The
+    routed experts are parameters, not modules (target_parameters); None: nothing but them."""
+    modules = sorted(set(cfg.target_modules) - set(EXPERT_TARGETS))
+    parts = ([rf".*language_model.*\.({'|'.join(modules)})"] if modules else []) \
+        + ([rf".*{VISION_HF}"] if cfg.vision_tower else [])
+    if not parts:
+        return None
+    return rf"{parts[0]}$" if len(parts) == 1 else rf"({'|'.join(parts)})$"
 
 
 def save_adapter_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
@@ -393,12 +428,33 @@ def merge_adapter_dir(adapter_dir: str | Path, out_dir: str | Path, base_dir: st
             continue
         module = key[len(PEFT_PREFIX):-len(suffix)]
         # transformers 5 names the text model model.language_model.*; checkpoints saved by 4.x, model.*
-        names = [f"{module}.weight", f"{module.replace('model.language_model.', 'model.', 1)}.weight"]
+        weight = _peft_weight(module)
+        names = [weight, weight.replace("model.language_model.", "model.", 1)]
         name = next((n for n in names if n in weights), None)
         if name is None:
             raise KeyError(f"{adapter_dir}: the adapted projection {module} has no weight in {base} (tried "
                            f"{', '.join(names)}): is it the adapter's base?")
         b = adapter[key[:-len(suffix)] + ".lora_B.weight"]
         w = weights[name]
-        weights[name] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+        weights[name] = (w.float() + scaling * _delta(a.float(), b.float(), w)).to(w.dtype)
     return save_hf_dir(weights, base, out_dir)
+
+
+def _peft_weight(module: str) -> str:
+    """The weight a peft module path adapts: its .weight; the stacked experts' gate_up_proj
+    (peft's experts.base_layer, wrapped first) or down_proj (experts)."""
+    if module.endswith(".experts.base_layer"):
+        return module.removesuffix(".base_layer") + ".gate_up_proj"
+    return f"{module}.down_proj" if module.endswith(".experts") else f"{module}.weight"
+
+
+def _delta(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """B A in `weight`'s layout: a linear's [out, in]; stacked experts' (peft's A [E * r, in], B
+    [out, r * E]) per expert, [E, out, in] or, as the released checkpoints keep them, [E, in, out]
+    (told apart by shape; a square one read as released, as the loaders read it)."""
+    if weight.dim() == 2:
+        return b @ a
+    experts = weight.shape[0]
+    delta = torch.einsum("ore,eri->eoi", b.reshape(b.shape[0], -1, experts), a.reshape(experts, -1, a.shape[1]))
+    return delta if weight.shape[1:] == delta.shape[1:] and delta.shape[1] != delta.shape[2] \
+        else delta.transpose(1, 2)

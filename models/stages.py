@@ -13,6 +13,8 @@ import re
 from collections.abc import Sequence
 
 _LANGUAGE_LAYER = re.compile(r"^language\.decoder\.layers\.(\d+)\.")
+# a routed expert's parameter: `local_experts.j` on an expert-parallel rank is global expert offset + j
+EXPERT = re.compile(r"^(language\.decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 def check_stage_layers(num_layers: int, pp: int, layers: Sequence[int] = (), prefix: str = "") -> None:
@@ -67,3 +69,11 @@ def whole_model_name(name: str, model) -> str:
     offset = getattr(model, "layer_offset", 0)
     return _LANGUAGE_LAYER.sub(lambda m: f"language.decoder.layers.{int(m.group(1)) + offset}.", name) \
         if offset else name
+
+
+def global_name(name: str, model) -> str:
+    """A parameter's name in the whole model of a mixture of experts too: the stage's layer
+    offset (`whole_model_name`) and this expert-parallel rank's `expert_offset`."""
+    name = whole_model_name(name, model)
+    offset = getattr(model, "expert_offset", 0)
+    return EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", name) if offset else name

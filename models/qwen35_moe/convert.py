@@ -22,6 +22,7 @@ as Qwen3.5's (models/qwen35/convert.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, t
     a) Megatron Qwen35MoeModel."""
     from models.convert import copy_into
     from models.qwen2vl.convert import load_hf_state
-    from models.qwen3vl_moe.convert import global_name
+    from models.stages import global_name
 
     spec = model.spec
     copy_into(model, hf_to_megatron(load_hf_state(hf_dir), spec),
@@ -159,3 +160,26 @@ def export_hf_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype 
     from models.convert import pipeline_buckets
 
     return pipeline_buckets(model, stage_buckets(model, tp_group, dtype, bucket_bytes))
+
+
+_SHARED_LORA = re.compile(r"^language\.decoder\.layers\.(\d+)\.mlp\.shared_experts\.(linear_fc1|linear_fc2)$")
+
+
+def lora_to_hf(spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+               text_prefix: str = "model.language_model.") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """LoRA pairs (whole, whole-model names; models/lora.py) -> {HF module path: (A, B)}: the
+    attention, DeltaNet and vision tower as Qwen3.5's, the shared expert's fc1 as gate_proj and
+    up_proj (B in halves, one A) and fc2 as down_proj, the routed experts as peft stacks them."""
+    from models.qwen35.convert import lora_to_hf as dense_lora_to_hf
+    from models.qwen3vl_moe.convert import experts_lora_to_hf
+
+    out, rest = experts_lora_to_hf(pairs, spec.num_experts, text_prefix)
+    for name in [n for n in rest if _SHARED_LORA.match(n)]:
+        layer, linear = _SHARED_LORA.match(name).groups()
+        (a, b), dst = rest.pop(name), f"{text_prefix}layers.{layer}.mlp.shared_expert."
+        if linear == "linear_fc1":
+            gate, up = b.chunk(2)
+            out |= {f"{dst}gate_proj": (a, gate), f"{dst}up_proj": (a, up)}
+        else:
+            out[f"{dst}down_proj"] = (a, b)
+    return dense_lora_to_hf(spec, rest) | out

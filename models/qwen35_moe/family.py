@@ -24,8 +24,9 @@ QWEN35_MOE = register(ModelFamily(
     parity_module="models.qwen35_moe.parity",
     timed_video_types=("qwen3_5_moe",),
     check_context_parallel=lazy("models.qwen35.config", "check_context_parallel"),
-    # the full-attention and gated DeltaNet layers' projections; the experts have none yet
-    lora_to_hf=lazy("models.qwen35.convert", "lora_to_hf"),
+    # the full-attention and gated DeltaNet layers' projections, the shared expert's (gate/up/down_proj)
+    # and the routed experts
+    lora_to_hf=lazy("models.qwen35_moe.convert", "lora_to_hf"),
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                  "out_proj"),
+                  "out_proj", "gate_proj", "up_proj", "down_proj", "experts"),
 ))

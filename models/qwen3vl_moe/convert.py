@@ -24,16 +24,21 @@ from pathlib import Path
 
 import torch
 
-from models.convert import copy_into, pipeline_buckets, whole_model_name
+from models.convert import copy_into, pipeline_buckets
 from models.convert import stage_buckets as _stage_buckets
 from models.qwen2vl.convert import gather, hf_prefixes, load_hf_state, shard
 from models.qwen3vl import convert as dense
 from models.qwen3vl_moe.config import Qwen3VLMoeSpec
+from models.stages import EXPERT as _EXPERT
+from models.stages import global_name
 
-_EXPERT = re.compile(r"^(language\.decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 # an expert's fc1, [gate; up] (a shared expert's too: Qwen3.5-MoE, models/qwen35_moe/convert.py)
 _EXPERT_FC1 = re.compile(r"^language\.decoder\.layers\.\d+\.mlp\.(experts\.local_experts\.\d+|shared_experts)"
                          r"\.linear_fc1\.weight$")
+# a routed expert's adapted linear; peft's module for each: it adapts the stacked experts as
+# parameters (target_parameters), gate_up_proj wrapped first as experts.base_layer
+_EXPERT_LORA = re.compile(r"^language\.decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
+_PEFT_EXPERTS = {"linear_fc1": "mlp.experts.base_layer", "linear_fc2": "mlp.experts"}
 _DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 _MOE_HF = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -95,14 +100,36 @@ def megatron_to_hf(full: dict[str, torch.Tensor], spec: Qwen3VLMoeSpec,
     return out
 
 
-def global_name(name: str, model: torch.nn.Module) -> str:
-    """A parameter's name in the whole model: the pipeline stage's layer offset (as Qwen3-VL)
-    and this expert-parallel rank's expert offset."""
-    name = whole_model_name(name, model)
-    offset = getattr(model, "expert_offset", 0)
-    if offset:
-        name = _EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", name)
-    return name
+def experts_lora_to_hf(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], num_experts: int,
+                       text_prefix: str = "model.language_model.") -> tuple[dict, dict]:
+    """The routed experts' LoRA pairs (whole, one per global expert) as peft's target_parameters
+    adapter holds a layer's stacked experts, and the other pairs as they are. peft keeps one A
+    [E * r, in] with the expert slowest and one B [out, r * E] with the expert fastest (peft 0.21,
+    ParamWrapper); fc1's B rows stay [gate; up], as gate_up_proj's are."""
+    experts: dict[tuple[str, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    rest = {}
+    for name, pair in pairs.items():
+        if match := _EXPERT_LORA.match(name):
+            experts.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = pair
+        else:
+            rest[name] = pair
+    out = {}
+    for (layer, linear), by_expert in experts.items():
+        if sorted(by_expert) != list(range(num_experts)):
+            raise KeyError(f"layer {layer}'s {linear} adapters: experts {sorted(by_expert)}, not all {num_experts}")
+        a = torch.cat([by_expert[e][0] for e in range(num_experts)])
+        b = torch.stack([by_expert[e][1] for e in range(num_experts)], dim=-1).flatten(1)
+        out[f"{text_prefix}layers.{layer}.{_PEFT_EXPERTS[linear]}"] = (a, b)
+    return out, rest
+
+
+def lora_to_hf(spec, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """LoRA pairs (whole, whole-model names; models/lora.py) -> {HF module path: (A, B)}: the
+    attention and the vision tower as Qwen3-VL's, the routed experts as peft stacks them."""
+    from models.qwen2vl.convert import lora_to_hf as dense_lora_to_hf
+
+    experts, rest = experts_lora_to_hf(pairs, spec.num_experts)
+    return dense_lora_to_hf(spec, rest) | experts
 
 
 def _shard(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ QWEN3VL_MOE = register(ModelFamily(
     make_tiny=lazy("models.qwen3vl_moe.tiny", "make_tiny"),
     parity_module="models.qwen3vl_moe.parity",
     timed_video_types=("qwen3_vl_moe",),
-    # the attention's projections, as Qwen3-VL lays them out; the experts have no adapters yet
-    lora_to_hf=lazy("models.qwen2vl.convert", "lora_to_hf"),
-    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+    # the attention's projections, as Qwen3-VL lays them out, and the routed experts
+    lora_to_hf=lazy("models.qwen3vl_moe.convert", "lora_to_hf"),
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "experts"),
 ))

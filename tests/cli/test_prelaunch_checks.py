@@ -189,21 +189,24 @@ def test_the_limits_themselves_are_accepted():
                           "dynamic_sampling.max_wave_groups=3"])
 
 
-def test_lora_on_a_mixture_of_experts_reaches_the_attention_and_its_adapter_needs_a_gpu_engine(capsys, tmp_path,
-                                                                                                shards):
-    """Qwen3-VL-MoE's adapters reach the attention's projections (the experts have none yet); on
-    a CPU-only machine vLLM cannot serve an adapter on an MoE model, so its LoRA runs sync the
-    merged weights. Each refusal names the setting that fixes it."""
+def test_lora_on_a_mixture_of_experts_reaches_attention_and_experts_and_its_adapter_needs_a_gpu_engine(
+        capsys, tmp_path, shards):
+    """Qwen3-VL-MoE's adapters reach the attention's projections and the experts (it has no dense
+    MLP); on a CPU-only machine vLLM cannot serve an adapter on an MoE model, so its LoRA runs
+    sync the merged weights. Each refusal names the setting that fixes it."""
     from models.tiny import tiny_model_dir
 
     tiny_model_dir("qwen3vlmoe")
     capsys.readouterr()  # the build's progress is not the refusal's stderr
     moe = ["policy.model=tiny:qwen3vlmoe", "policy.lora.rank=8"]
     assert _refused(capsys, tmp_path, _rl(shards, *moe)) == (
-        "yatt-mm rl: policy.lora.target_modules: Qwen3-VL-MoE's adapters reach q_proj, k_proj, v_proj, o_proj only "
-        "(not gate_proj, up_proj, down_proj: the experts have none yet): set policy.lora.target_modules=[q_proj, "
-        "k_proj, v_proj, o_proj]")
-    attention = [*moe, "policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj]"]
+        "yatt-mm rl: policy.lora.target_modules: Qwen3-VL-MoE's adapters reach q_proj, k_proj, v_proj, o_proj, "
+        "experts only (not gate_proj, up_proj, down_proj: its MLPs are the experts: name them experts): set "
+        "policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, experts]")
+    assert _refused(capsys, tmp_path, _rl(shards, *moe, "policy.lora.dropout=0.1",
+                                          "policy.lora.target_modules=[experts]")).startswith(
+        "yatt-mm rl: config error: policy.lora: dropout=0.1 with target_modules naming experts")
+    attention = [*moe, "policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, experts]"]
     assert _refused(capsys, tmp_path, _rl(shards, *attention, "sync.lora=adapter")) == (
         "yatt-mm rl: sync.lora=adapter: vLLM's CPU build cannot serve a LoRA adapter on a mixture-of-experts model "
         "(its experts' LoRA path needs Triton's GPU kernels): set sync.lora=merged (the adapter merged into its "

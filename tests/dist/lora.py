@@ -34,12 +34,18 @@ from vlm_train_steps import sft_batch
 
 
 def _randomise_b(module, seed: int) -> None:
-    """Every B to seeded random values: a row-parallel layer's B, whole on every TP rank, the same
-    on each; a column-parallel layer's, split over TP, this rank's part (the export gathers them)."""
+    """Every B to seeded random values, by its linear's whole-model name (a routed expert's by its
+    global number): a row-parallel layer's B, whole on every TP rank, the same on each; a
+    column-parallel layer's, split over TP, this TP rank's part (the export gathers them). Every
+    DP replica alike."""
+    from models.lora import _name_seed
+    from models.stages import global_name
+
     with torch.no_grad():
         for name, linear in lora_linears(module):
             split = linear.lora_B.tensor_model_parallel
-            gen = torch.Generator().manual_seed(seed + (dist.get_rank() if split else 0) + len(name))
+            tp_rank = dist.get_rank(linear.tp_group) if split else 0
+            gen = torch.Generator().manual_seed(_name_seed(seed, global_name(name, module)) + tp_rank)
             linear.lora_B.copy_(0.05 * torch.randn(linear.lora_B.shape, generator=gen))
 
 
@@ -68,7 +74,11 @@ def _grad_diffs(trainer, peft, processor, spec) -> dict[str, float]:
     (ref_logits * weights).sum().backward()
     trainer.model.zero_grad_buffer()
     logits = gather_vocab(trainer.module(VLMInputs.from_processor(spec, dict(batch))))
-    (logits.float() * weights).sum().backward()
+    # under EP an expert-parallel rank's experts compute every rank's tokens: the other ranks'
+    # copies of the probe carry no gradient, so the experts' gradients are the probe's once
+    from megatron.core import parallel_state as ps
+
+    (logits.float() * weights * float(ps.get_data_parallel_rank() == 0)).sum().backward()
     ours = family_of(spec).lora_to_hf(spec, whole_pairs(trainer.module, trainer.tp_group, grads=True))
     theirs = {n.replace(".default", "").removeprefix("base_model.model."): p.grad
               for n, p in peft.named_parameters() if p.grad is not None}
@@ -183,7 +193,12 @@ def _frozen_base(trainer, processor) -> dict:
         "adapter_numel": sum(p.numel() for p in adapters.values()),
         "grad_buffer_numel": buffers,
         "base_unchanged": all(torch.equal(base_before[k], v) for k, v in base.items()),
-        "adapters_all_moved": all(not torch.equal(adapters_before[k], v) for k, v in adapters.items()),
+        # a routed expert that no token of the step reached gets no gradient, and stays
+        "adapters_all_moved": all(not torch.equal(adapters_before[k], v) for k, v in adapters.items()
+                                  if ".local_experts." not in k),
+        "expert_adapters_moved": sum(not torch.equal(adapters_before[k], v) for k, v in adapters.items()
+                                     if ".local_experts." in k),
+        "expert_adapters": sum(".local_experts." in k for k in adapters),
         # the reference (adapters off) scores as the base, not as the adapted policy
         "reference_vs_policy_max_diff": float((ref_before - with_adapter).abs().max()),
         "reference_after_step_max_diff": float((reference.logprobs([batch])[0] - ref_before).abs().max()),

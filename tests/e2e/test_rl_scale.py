@@ -15,25 +15,30 @@ from test_rl import (ROOT, UNTRAINED_JUDGE, _assert_collectives_name_their_group
                      _consumed, _kill_rank_and_wait, _metrics, _steps, _tiny_rl, _wait_for)
 
 
-@pytest.mark.slow  # one 2-rank launch of 2 steps (~25 s)
-def test_a_lora_run_on_qwen3vl_moe_at_ep_2_syncs_the_merged_adapter_into_vllm(tmp_path):
-    """The tiny Qwen3-VL-MoE with rank-8 adapters on its attention (the experts have none yet) at
-    expert parallelism 2 (each rank holds half of every layer's frozen experts), with the merged
-    sync (vLLM's CPU build serves no adapter on an MoE model): every step moves the weights, the
-    whole model (both ranks' experts, the adapter merged in) reaches vLLM, after which vLLM's
-    logprobs equal the trainer's; the KL's reference is the base (adapters off), so step 1's KL is
-    0 and step 2's is not; RUN_DIR/final is a PEFT adapter of the attention's projections."""
+@pytest.mark.slow  # two 2-rank launches of 2 steps (~1 min)
+def test_a_lora_run_on_qwen3vl_moe_at_ep_2_with_expert_adapters_syncs_merged_and_resumes_at_ep_1(tmp_path):
+    """The tiny Qwen3-VL-MoE with rank-8 adapters on its attention and on every routed expert at
+    expert parallelism 2 (each rank holds half of every layer's frozen experts and their
+    adapters), with the merged sync (vLLM's CPU build serves no adapter on an MoE model): every
+    step moves the weights, the whole model (both ranks' experts, their adapters merged in)
+    reaches vLLM, after which vLLM's logprobs equal the trainer's; the KL's reference is the base
+    (adapters off), so step 1's KL is 0 and step 2's is not; RUN_DIR/final is a PEFT adapter of
+    the attention's projections and the stacked experts (target_parameters). Its step-1
+    checkpoint resumed at EP 1 (every expert's adapter and Adam state on each rank) trains step 2
+    as the EP 2 run did."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from models.tiny import tiny_model_dir
 
     write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=3, tasks=["colour"])
     run_dir = tmp_path / "run"
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "reward.judges=[]",
-                   "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01",
-                   "policy.lora.rank=8", "policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj]",
-                   "policy.trainer.lr=5e-4", "policy.trainer.expert_parallel=2", "run.save_final=true",
-                   policy="tiny:qwen3vlmoe")
+    same = ["run.steps=2", "eval.every=0", "reward.judges=[]", "dynamic_sampling.enabled=false",
+            "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01", "policy.lora.rank=8",
+            "policy.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, experts]", "policy.trainer.lr=5e-4",
+            "run.save_final=true", "run.checkpoint_every=1", "run.keep_checkpoints=2", "rollout.sampling.seed=3"]
+    cmd = _tiny_rl(run_dir, tmp_path / "train", *same, "policy.trainer.expert_parallel=2", policy="tiny:qwen3vlmoe")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-8000:]
     assert "expert_parallel: 2" in (run_dir / "config.yaml").read_text()
@@ -50,8 +55,35 @@ def test_a_lora_run_on_qwen3vl_moe_at_ep_2_syncs_the_merged_adapter_into_vllm(tm
     assert steps[0]["train/kl"] == 0 and steps[1]["train/kl"] > 0, steps
     final = run_dir / "final"
     adapter = load_file(final / "adapter_model.safetensors")
-    assert len(adapter) == 32 and all(".self_attn." in k for k in adapter), sorted(adapter)  # 4 layers x 4 x (A, B)
-    assert json.loads((final / "adapter_config.json").read_text())["target_modules"].endswith("(k_proj|o_proj|q_proj|v_proj)$")
+    # 4 layers x (4 attention projections + 2 stacked expert modules) x (A, B); each stacked A holds
+    # 4 experts' rank-8 rows, each B their columns
+    assert len(adapter) == 48 and sum(".mlp.experts." in k for k in adapter) == 16, sorted(adapter)
+    assert all(t.shape[0 if k.endswith("lora_A.weight") else 1] == 32 for k, t in adapter.items() if ".experts." in k)
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["target_modules"].endswith("(k_proj|o_proj|q_proj|v_proj)$")
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+    # its step-1 checkpoint resumed at EP 1 on the same 2 ranks: the adapter and its Adam state
+    # converted (the experts' gathered over EP by global number); step 2 draws the same responses
+    # and trains as the EP 2 run did within float32 rounding
+    ep1_dir = tmp_path / "ep1"
+    shutil.copytree(run_dir, ep1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "final"))
+    ep1 = subprocess.run(_tiny_rl(ep1_dir, tmp_path / "train", *same, policy="tiny:qwen3vlmoe"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
+    assert ep1.returncode == 0, ep1.stdout[-8000:]
+    assert "state converted from DP 2 x TP 1 x PP 1 x CP 1 x EP 2" in ep1.stdout, ep1.stdout[-3000:]
+    ep2_step, ep1_step = steps[1], _steps(ep1_dir)[-1]
+    compared = ("train/loss", "train/entropy", "train/grad_norm")
+    print("LoRA EP 2 vs EP 1 after the conversion, step 2:", [[r[k] for k in compared] for r in (ep2_step, ep1_step)])
+    assert ep1_step["step"] == 2 and ep1_step["rollout/response_length"] == ep2_step["rollout/response_length"]
+    for k in compared:
+        assert abs(ep2_step[k] - ep1_step[k]) <= 1e-4 * max(abs(ep2_step[k]), 1e-2), (k, ep2_step[k], ep1_step[k])
+    again = load_file(ep1_dir / "final" / "adapter_model.safetensors")
+    assert again.keys() == adapter.keys()
+    scale = max(float(t.abs().max()) for t in adapter.values())
+    off = max(float((again[k] - adapter[k]).abs().max()) for k in adapter)
+    print(f"final adapters: EP 1 off EP 2's by at most {off:.3g} of {scale:.3g}")
+    assert off <= 1e-4 * scale, (off, scale)
 
 
 @pytest.mark.slow  # ~3 min: two 2-rank launches

@@ -28,24 +28,29 @@ def test_families_without_lora_and_targets_beyond_a_familys_reach_are_refused_by
     for model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"):
         check_layout(lora, family_for_model_type(model_type),
                      TrainerConfig(tensor_parallel=2, pipeline_parallel=2, context_parallel=2))
-    # Qwen3-VL-MoE: the attention's projections only (tests/cli/test_prelaunch_checks.py names the refusal)
-    attention = LoRAConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    check_layout(attention, family_for_model_type("qwen3_vl_moe"), TrainerConfig(tensor_parallel=2,
-                                                                                  pipeline_parallel=2))
-    check_layout(attention, family_for_model_type("qwen3_vl_moe"), TrainerConfig(expert_parallel=2))
-    check_layout(attention, family_for_model_type("qwen3_5_moe"), TrainerConfig(expert_parallel=2))
-    with pytest.raises(ValueError, match=r"Qwen3.5-MoE's adapters reach q_proj, k_proj, v_proj, o_proj, in_proj_qkv, "
-                                         r"in_proj_z, in_proj_b, in_proj_a, out_proj only \(not gate_proj, up_proj, "
-                                         r"down_proj: the experts have none yet\)"):
-        check_layout(lora, family_for_model_type("qwen3_5_moe"), TrainerConfig())
+    # Qwen3-VL-MoE: the attention's projections and the routed experts (tests/cli/test_prelaunch_checks.py
+    # names the refusal); Qwen3.5-MoE also its shared expert (gate/up/down_proj) and its DeltaNet's
+    moe = LoRAConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
+    check_layout(moe, family_for_model_type("qwen3_vl_moe"), TrainerConfig(tensor_parallel=2, pipeline_parallel=2))
+    check_layout(moe, family_for_model_type("qwen3_vl_moe"), TrainerConfig(expert_parallel=2))
+    check_layout(moe, family_for_model_type("qwen3_5_moe"), TrainerConfig(expert_parallel=2))
+    check_layout(lora, family_for_model_type("qwen3_5_moe"), TrainerConfig(expert_parallel=2))
+    with pytest.raises(ValueError, match=r"Qwen3-VL-MoE's adapters reach q_proj, k_proj, v_proj, o_proj, experts only "
+                                         r"\(not gate_proj, up_proj, down_proj: its MLPs are the experts: name them "
+                                         r"experts\)"):
+        check_layout(lora, family_for_model_type("qwen3_vl_moe"), TrainerConfig())
+    with pytest.raises(ValueError, match=r"Qwen3-VL's adapters reach .* only \(not experts: it has no such projections\)"):
+        check_layout(LoRAConfig(rank=8, target_modules=["experts"]), family_for_model_type("qwen3_vl"), TrainerConfig())
+    # peft adapts the experts' stacked weights, not their inputs: no dropout there
+    with pytest.raises(ValueError, match=r"dropout=0.1 with target_modules naming experts: .* set dropout=0"):
+        LoRAConfig(rank=8, dropout=0.1, target_modules=["experts"]).validate()
+    LoRAConfig(rank=8, dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj"]).validate()
     # a gated DeltaNet's projections: Qwen3.5's, not the other families'
     deltanet = LoRAConfig(rank=8, target_modules=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"])
     check_layout(deltanet, family_for_model_type("qwen3_5"), TrainerConfig(tensor_parallel=2))
     with pytest.raises(ValueError, match=r"Qwen2-VL / Qwen2.5-VL's adapters reach .* only \(not in_proj_qkv, in_proj_z, in_proj_b, "
                                          r"in_proj_a, out_proj: it has no such projections\)"):
         check_layout(deltanet, family_for_model_type("qwen2_vl"), TrainerConfig())
-    with pytest.raises(ValueError, match=r"Qwen3-VL-MoE's adapters reach q_proj, k_proj, v_proj, o_proj only"):
-        check_layout(lora, family_for_model_type("qwen3_vl_moe"), TrainerConfig())
 
 
 def test_the_peft_config_targets_the_language_model_only():
@@ -57,6 +62,13 @@ def test_the_peft_config_targets_the_language_model_only():
     assert re.fullmatch(pattern, "model.language_model.layers.3.mlp.down_proj")
     assert not re.fullmatch(pattern, "model.visual.blocks.0.mlp.down_proj")
     assert not re.fullmatch(pattern, "model.language_model.layers.3.self_attn.q_proj")  # not targeted
+    assert config["target_parameters"] is None
+    # the routed experts: parameters (peft's target_parameters), never a module of the regex
+    config = peft_config(LoRAConfig(rank=8, target_modules=["q_proj", "k_proj", "v_proj", "experts"]), "/base")
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert re.fullmatch(config["target_modules"], "model.language_model.layers.3.self_attn.k_proj")
+    assert not re.fullmatch(config["target_modules"], "model.language_model.layers.3.mlp.experts")
+    assert peft_config(LoRAConfig(rank=8, target_modules=["experts"]), "/base")["target_modules"] is None
 
 
 def test_the_engine_serves_adapters_at_the_rank_vllm_accepts():
@@ -130,3 +142,40 @@ def test_the_engines_adapter_folder_goes_with_a_process_that_crashes(tmp_path):
     assert proc.returncode == 1 and "the step failed" in proc.stderr, proc.stderr[-2000:]
     root = proc.stdout.strip()
     assert root.startswith(str(tmp_path)) and not list(tmp_path.glob("yatt-mm-adapter-*")), (root, proc.stderr)
+
+
+def test_export_merge_of_expert_adapters_writes_the_model_peft_gives(tmp_path):
+    """The routed experts' adapters (peft's target_parameters: a layer's stacked gate_up_proj as
+    experts.base_layer, down_proj as experts) merged by `yatt-mm export --merge` into the tiny
+    Qwen3-VL-MoE: transformers' model of the merged directory gives peft's logits, each expert
+    its own pair."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from models.lora import PEFT_PREFIX, save_adapter_dir
+    from models.tiny import tiny_model_dir
+    from yatt_mm.cli import main
+
+    path = tiny_model_dir("qwen3vlmoe")
+    config = peft_config(LoRAConfig(rank=4, alpha=8, target_modules=["experts"]), str(path))
+    base = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    text = base.config.text_config
+    experts, hidden, inter = text.num_experts, text.hidden_size, text.moe_intermediate_size
+    gen = torch.Generator().manual_seed(3)
+    adapter = {}
+    for layer in range(text.num_hidden_layers):
+        for module, (n_in, n_out) in (("experts.base_layer", (hidden, 2 * inter)), ("experts", (inter, hidden))):
+            key = f"{PEFT_PREFIX}model.language_model.layers.{layer}.mlp.{module}"
+            adapter[f"{key}.lora_A.weight"] = torch.randn(4 * experts, n_in, generator=gen) * 0.1
+            adapter[f"{key}.lora_B.weight"] = torch.randn(n_out, 4 * experts, generator=gen) * 0.1
+    final = save_adapter_dir(adapter, config, tmp_path / "final")
+    assert main(["export", str(final), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    ids = torch.tensor([[5, 17, 42, 99, 3, 64, 7, 12]])
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+        got = merged(input_ids=ids).logits
+        want = PeftModel.from_pretrained(base, str(final)).eval()(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-2  # the experts' adapters change the logits ...
+    assert (got - want).abs().max() < 1e-4, (got - want).abs().max()  # ... as peft's merge does
