@@ -295,6 +295,7 @@ for kind in sys.argv[3:]:
         add_adapters(module, LoRAConfig(rank=4, dropout=0.1), seed=0)
         out[kind]["lora_params"] = sum(p.numel() for n, p in module.named_parameters() if is_adapter(n))
         out[kind]["lora_saved_bytes"] = saved_bytes(module, spec)
+    if kind not in COUNT_ONLY:
         module = build_module(path, spec, TrainerConfig(recompute="none"))
         # every projection the family's adapters reach (Qwen3.5's DeltaNet's too) and the vision tower's
         targets = list(family_of(spec).lora_targets or DEFAULT_TARGETS)
@@ -337,6 +338,25 @@ def test_saved_activations_match_autograd(tiny_measured, kind, recompute):
     # layers, autograd kept 2.1x the plan
     tolerance = {"qwen3vlmoe": 1e-3, "qwen35": 5e-3, "qwen35moe": 5e-3}.get(kind, 5e-4) if recompute == "none" else 1e-2
     assert abs(planned - measured) <= tolerance * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("kind", ["qwen3vlmoe", "qwen35moe"])
+def test_lora_adapter_params_of_the_moe_families_match_the_megatron_model(tiny_measured, kind):
+    """The MoE families' adapters in the plan: attention (and DeltaNet), the vision tower, every
+    routed expert (and Qwen3.5-MoE's shared expert), exactly as models/lora.py puts them on the
+    model; under EP each rank holds its experts' share."""
+    from yatt_mm.plan.params import lora_params
+
+    from models.family import family_of
+    from models.lora import LoRAConfig
+
+    spec = load_spec(f"tiny:{kind}")
+    lora = LoRAConfig(rank=4, vision_tower=True, target_modules=list(family_of(spec).lora_targets))
+    assert lora_params(spec, lora) == tiny_measured[kind]["lora_params_vision"]
+    without = LoRAConfig(rank=4, vision_tower=True,
+                         target_modules=[t for t in family_of(spec).lora_targets if t != "experts"])
+    experts = lora_params(spec, lora) - lora_params(spec, without)
+    assert experts > 0 and lora_params(spec, lora, ep=2) == lora_params(spec, without) + experts // 2
 
 
 @pytest.mark.parametrize("kind", LORA_KINDS)
@@ -399,7 +419,8 @@ def test_lora_is_planned_without_base_gradients_optimizer_or_reference_and_recom
 
 def test_lora_advice_for_a_mixture_of_experts_names_the_attention_targets(capsys):
     """The 16-GPU Qwen3-VL-30B-A3B recipe on 8: LoRA is named with the attention's projections
-    (its experts have no adapters yet), a change the config check accepts."""
+    (it has no dense MLP; the experts' adapters, one pair per expert, are opt-in), a change the
+    config check accepts."""
     recipe = str(ROOT / "configs" / "qwen3vl_30b_a3b_16gpu.yaml")
     assert main(["plan", "--config", recipe, "--nodes", "1", "--gpus-per-node", "8"]) == 1
     out = capsys.readouterr().out

@@ -50,8 +50,10 @@ def candidate_changes(cfg, cluster: Cluster) -> list[list[str]]:
 
 
 def _lora_targets(cfg) -> list[str]:
-    """The target_modules override a family whose adapters reach fewer projections needs (an
-    MoE's: the attention's); none when they reach all, or the model cannot be read."""
+    """The target_modules override a family whose adapters reach other projections needs (an
+    MoE's: the attention's, and Qwen3.5-MoE's DeltaNet and shared expert; the routed experts'
+    adapters are opt-in: one pair per expert, E times a dense MLP's); none when they reach the
+    default ones, or the model cannot be read."""
     from models.family import family_of
     from yatt_mm.plan.architectures import load_spec
 
@@ -59,6 +61,7 @@ def _lora_targets(cfg) -> list[str]:
         targets = family_of(load_spec(cfg.policy.model)).lora_targets
     except ValueError:  # the plan names what it cannot read
         return []
+    targets = [t for t in targets if t != "experts"]
     return [f"policy.lora.target_modules=[{', '.join(targets)}]"] if targets else []
 
 

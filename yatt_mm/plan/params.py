@@ -176,12 +176,18 @@ def active_params(spec) -> int:
 def adaptable_linears(spec) -> dict[str, tuple[int, int, str]]:
     """Each language linear an adapter can sit on (models/lora.py TARGETS' Megatron names): its
     whole (in, out) widths and how Megatron splits it over TP (column: out; row: in). The
-    attention's QKV is wider by the output gate's queries where gated (Qwen3.5)."""
+    attention's QKV is wider by the output gate's queries where gated (Qwen3.5). A mixture of
+    experts: each routed expert's fc1 and fc2, and the shared expert's as the MLP's (Qwen3.5-MoE)."""
     h, inter = spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     gate = q if getattr(spec, "attention_output_gate", bool(getattr(spec, "layer_types", ()))) else 0
-    out = {"self_attention.linear_qkv": (h, q + gate + 2 * kv, "column"), "self_attention.linear_proj": (q, h, "row"),
-           "mlp.linear_fc1": (h, 2 * inter, "column"), "mlp.linear_fc2": (inter, h, "row")}
+    out = {"self_attention.linear_qkv": (h, q + gate + 2 * kv, "column"), "self_attention.linear_proj": (q, h, "row")}
+    if getattr(spec, "num_experts", 0):  # a MoE layer: one routed expert's linears; the shared expert's
+        moe, shared = spec.moe_intermediate_size, getattr(spec, "shared_expert_intermediate_size", 0)
+        out |= {"mlp.experts.linear_fc1": (h, 2 * moe, "column"), "mlp.experts.linear_fc2": (moe, h, "row")}
+        inter = shared
+    if inter:
+        out |= {"mlp.linear_fc1": (h, 2 * inter, "column"), "mlp.linear_fc2": (inter, h, "row")}
     if any(linear_layers(spec)):  # a gated DeltaNet's in_proj [q, k, v, z, b, a] and out_proj
         nv = spec.linear_num_value_heads
         qk, v = spec.linear_key_head_dim * spec.linear_num_key_heads, spec.linear_value_head_dim * nv
@@ -195,15 +201,19 @@ def _adapter(n_in: int, n_out: int, kind: str, r: int, tp: int) -> int:
     return r * (n_in // tp if kind == "row" else n_in) + r * (n_out // tp if kind == "column" else n_out)
 
 
-def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = ()) -> int:
+def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = (),
+                ep: int = 1) -> int:
     """The LoRA adapter's parameters on one TP rank of pipeline `stage` (models/lora.py): a pair
     (A, B) on each adapted linear of the stage's language layers (`adaptable_linears`, on the
-    layers that hold each: `adapted_layers`); with `lora.vision_tower`, every vision block's four
+    layers that hold each: `adapted_layers`; a routed expert's on each of the rank's experts,
+    num_experts / `ep`); with `lora.vision_tower`, every vision block's four
     linears and the patch mergers' linears on the first stage. 0 without LoRA (`lora.rank` 0)."""
     if not lora.rank:
         return 0
     r, linears, held = lora.rank, adaptable_linears(spec), adapted_layers(spec, pp, stage, layers)
-    language = sum(held[linear] * _adapter(*linears[linear], r, tp) for linear in lora.linears)
+    language = sum(held[linear] * _adapter(*linears[linear], r, tp) for linear in lora_linears(lora))
+    language += (getattr(spec, "num_experts", 0) // ep - 1) * sum(  # each rank's experts, one counted above
+        held[linear] * _adapter(*linears[linear], r, tp) for linear in lora_linears(lora) if linear in EXPERT_LINEARS)
     if not (lora.vision_tower and stage == 0):
         return language
     hv, ffn = spec.vision_embed_dim, spec.vision_ffn  # the tower's blocks, on the first stage
@@ -227,6 +237,17 @@ def adapted_layers(spec, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = 
     attention, deltanet = sum(not linear for linear in kinds), sum(kinds)
     return {"self_attention.linear_qkv": attention, "self_attention.linear_proj": attention,
             "self_attention.in_proj": deltanet, "self_attention.out_proj": deltanet,
-            "mlp.linear_fc1": counts[stage], "mlp.linear_fc2": counts[stage]}
+            "mlp.linear_fc1": counts[stage], "mlp.linear_fc2": counts[stage],
+            "mlp.experts.linear_fc1": counts[stage], "mlp.experts.linear_fc2": counts[stage]}
+
+
+# the Megatron linears of one routed expert (models/lora.py's target `experts`, key mlp.experts)
+EXPERT_LINEARS = ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
+
+
+def lora_linears(lora) -> list[str]:
+    """The adaptable linears (`adaptable_linears`' keys) `lora` gives an adapter: its Megatron
+    linears, the routed experts' as one expert's fc1 and fc2."""
+    return sorted(set(lora.linears) - {"mlp.experts"}) + (list(EXPERT_LINEARS) if "mlp.experts" in lora.linears else [])
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from models.stages import stage_layers
 from yatt_mm.plan.activations import CUDA, Activations, Kernels, activation_bytes
 from yatt_mm.plan.batch import MicroBatchShape
-from yatt_mm.plan.params import Params, adaptable_linears, adapted_layers, lora_params, param_counts
+from yatt_mm.plan.params import (EXPERT_LINEARS, Params, adaptable_linears, adapted_layers, lora_linears, lora_params,
+                                 param_counts)
 
 
 
@@ -70,13 +71,17 @@ def stage_memory(spec, trainer, dp: int, shape: MicroBatchShape, kernels: Kernel
     # ZeRO-1: dense parameters' state sharded over the DP (x CP) group; a MoE layer's experts,
     # which only the dp / ep ranks of their expert-data-parallel group share, over that group
     dense_shards, expert_shards = (dp, max(1, dp // ep)) if trainer.distributed_optimizer else (1, 1)
-    adapter = lora_params(spec, lora, tp, pp, stage, layers) if lora is not None else 0
+    adapter = lora_params(spec, lora, tp, pp, stage, layers, ep) if lora is not None else 0
     activations = activation_bytes(spec, shape, tp, e, trainer.recompute, kernels, pp, stage, layers, cp,
                                    getattr(trainer, "context_parallel_comm", "all_gather"),
                                    # a frozen tower keeps nothing; one with adapters what a trained one does
                                    vision_trained=not freeze_vision and (not adapter or lora.vision_tower))
     if adapter:  # the base frozen: the adapter alone has gradients and Adam state
-        trainable, optimizer = adapter, adapter * state_per_param // dense_shards
+        # the routed experts' adapters: their state sharded over the expert-data-parallel group
+        experts = adapter - lora_params(spec, replace(lora, target_modules=[t for t in lora.target_modules
+                                                                            if t != "experts"]), tp, pp, stage, layers, ep)
+        trainable = adapter
+        optimizer = (adapter - experts) * state_per_param // dense_shards + experts * state_per_param // expert_shards
         activations = _with_adapter_activations(activations, spec, shape, lora, e, trainer.recompute, tp, cp,
                                                 pp, stage, layers)
     else:
@@ -103,7 +108,9 @@ def _with_adapter_activations(a: Activations, spec, shape: MicroBatchShape, lora
     widths = {linear: n_in // tp if kind == "row" else n_in for linear, (n_in, _, kind) in adaptable_linears(spec).items()}
     # per layer of the stage, on average: a hybrid model's attention adapters are on its softmax layers only
     held, n_layers = adapted_layers(spec, pp, stage, layers), stage_layers(spec.num_layers, pp, layers)[stage]
-    per_layer = sum(held[linear] / n_layers * (lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0))
-                    for linear in lora.linears)
+    # a token passes through num_experts_per_tok routed experts of a MoE layer
+    passes = {linear: getattr(spec, "num_experts_per_tok", 1) if linear in EXPERT_LINEARS else 1 for linear in widths}
+    per_layer = sum(held[linear] / n_layers * passes[linear]
+                    * (lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0)) for linear in lora_linears(lora))
     extra = int(tokens * per_layer * layers_held)
     return replace(a, saved=a.saved + extra, peak=a.peak + extra)
