@@ -311,42 +311,41 @@ def test_which_files_a_rank_reads_at_another_layout_and_which_changes_are_refuse
     old DP rank's there (their optimizer shards). Each controller reads every old group's
     position and takes the buffers of old groups d with d % new DP == its own."""
     at = lambda **kw: Layout(**({"dp": 2} | kw))  # noqa: E731
-    same = resume_plan(tmp_path, at(), at(), rank=1)
+    same = resume_plan(at(), at(), rank=1)
     assert (same.trainers, same.positions, same.buffers, same.resharded) == ([1], [1], [1], False)
-    shrink = resume_plan(tmp_path, at(), at(dp=1), rank=0)
+    shrink = resume_plan(at(), at(dp=1), rank=0)
     assert (shrink.trainers, shrink.positions, shrink.buffers, shrink.resharded) == ([0], [0, 1], [0, 1], True)
-    grow = resume_plan(tmp_path, at(dp=1), at(dp=3), rank=2)
+    grow = resume_plan(at(dp=1), at(dp=3), rank=2)
     assert (grow.trainers, grow.positions, grow.buffers) == ([0], [0], [])
-    sharded = resume_plan(tmp_path, at(distributed_optimizer=True), at(dp=1, distributed_optimizer=True), rank=0)
+    sharded = resume_plan(at(distributed_optimizer=True), at(dp=1, distributed_optimizer=True), rank=0)
     assert sharded.trainers == [0, 1]
-    tp2 = resume_plan(tmp_path, at(tp=2, pp=2), at(tp=2, pp=2, dp=1), rank=3)  # TP rank 1 of stage 1
+    tp2 = resume_plan(at(tp=2, pp=2), at(tp=2, pp=2, dp=1), rank=3)  # TP rank 1 of stage 1
     assert tp2.trainers == [2 * 2 * 1 + 1]  # the old TP rank 1 of stage 1, DP 0: rank 5
-    moe = resume_plan(tmp_path, at(dp=4, ep=2), at(dp=2, ep=2), rank=1)
+    moe = resume_plan(at(dp=4, ep=2), at(dp=2, ep=2), rank=1)
     assert moe.trainers == [1] and moe.buffers == [1, 3]
     # TP, PP, CP, EP and the distributed optimizer's setting may change: through HF names
     # (yatt_mm/rl/relayout.py), with or without the distributed optimizer
-    plain_tp = resume_plan(tmp_path, at(), at(dp=1, tp=2), rank=0)
+    plain_tp = resume_plan(at(), at(dp=1, tp=2), rank=0)
     assert plain_tp.convert and plain_tp.resharded and plain_tp.positions == [0, 1]
     sharded_at = lambda **kw: at(distributed_optimizer=True, **kw)  # noqa: E731
-    switch = resume_plan(tmp_path, at(), sharded_at(), rank=1)
+    switch = resume_plan(at(), sharded_at(), rank=1)
     assert (switch.convert, switch.resharded, switch.positions, switch.buffers) == (True, False, [1], [1])
-    assert resume_plan(tmp_path, sharded_at(), at(), rank=0).convert
-    tp_change = resume_plan(tmp_path, sharded_at(tp=2, dp=1), sharded_at(dp=1, pp=2), rank=1)
+    assert resume_plan(sharded_at(), at(), rank=0).convert
+    tp_change = resume_plan(sharded_at(tp=2, dp=1), sharded_at(dp=1, pp=2), rank=1)
     assert (tp_change.convert, tp_change.resharded, tp_change.trainers, tp_change.positions) == (True, False, [], [0])
-    both = resume_plan(tmp_path, sharded_at(tp=2, dp=2), sharded_at(tp=1, dp=1), rank=0)
+    both = resume_plan(sharded_at(tp=2, dp=2), sharded_at(tp=1, dp=1), rank=0)
     assert both.convert and both.resharded and both.positions == [0, 1] and both.buffers == [0, 1]
     # EP too, from a checkpoint written at DP = EP (its ranks are the conversion's); a DP change
     # under EP converts as well (the experts' optimizer shards lie over other groups)
-    ep_change = resume_plan(tmp_path, sharded_at(ep=2), sharded_at(ep=1), rank=1)
+    ep_change = resume_plan(sharded_at(ep=2), sharded_at(ep=1), rank=1)
     assert (ep_change.convert, ep_change.resharded, ep_change.positions) == (True, False, [1])
-    ep_dp = resume_plan(tmp_path, sharded_at(ep=2), sharded_at(dp=4, ep=2), rank=3)
+    ep_dp = resume_plan(sharded_at(ep=2), sharded_at(dp=4, ep=2), rank=3)
     assert ep_dp.convert and ep_dp.resharded and ep_dp.positions == [0, 1] and ep_dp.buffers == []
-    with pytest.raises(RuntimeError, match=r"written at DP 4 x TP 1 x PP 1 x CP 1 x EP 2, distributed_optimizer=true; "
-                                           r"this run has DP 2 x .* EP 2, .*only from DP = EP"):
-        resume_plan(tmp_path, sharded_at(dp=4, ep=2), sharded_at(ep=2), 0)
-    with pytest.raises(RuntimeError, match=r"only from DP = EP"):
-        resume_plan(tmp_path, sharded_at(dp=4, ep=2), sharded_at(dp=4, ep=1), 0)
-    assert resume_plan(tmp_path, at(dp=4, ep=2), at(ep=1), rank=0).convert  # plain: each DP rank holds its shard whole
+    # written at DP > EP with the distributed optimizer: converted too, by the ranks of the layout
+    # that wrote it (the experts' optimizer shards lie over their expert-data-parallel ranks)
+    assert resume_plan(sharded_at(dp=4, ep=2), sharded_at(ep=2), 0).convert
+    assert resume_plan(sharded_at(dp=4, ep=2), sharded_at(dp=4, ep=1), 0).convert
+    assert resume_plan(at(dp=4, ep=2), at(ep=1), rank=0).convert  # plain: each DP rank holds its shard whole
     # the export's weights alone come from any such checkpoint: each export rank (one per expert
     # shard and TP place) reads the file of DP group 0's rank at its place
     from yatt_mm.rl.export import export_layout
@@ -354,6 +353,9 @@ def test_which_files_a_rank_reads_at_another_layout_and_which_changes_are_refuse
     wide = sharded_at(dp=4, ep=2, tp=2)
     assert [weights_plan(wide, export_layout(wide), r).trainers for r in range(4)] == [[0], [1], [2], [3]]
     assert weights_plan(wide, export_layout(wide), 3).saved == wide
+    assert export_layout(wide, with_optimizer=True) == wide  # the conversion: every rank its own file
+    assert export_layout(sharded_at(ep=2), with_optimizer=True) == sharded_at(ep=2)  # DP = EP already
+    assert export_layout(at(dp=4, ep=2), with_optimizer=True).dp == 2  # plain: each DP rank holds it whole
 
 
 def test_a_controller_resumed_at_another_dp_size_reads_the_rest_of_the_epoch_and_takes_the_buffers(tmp_path):
@@ -380,7 +382,7 @@ def test_a_controller_resumed_at_another_dp_size_reads_the_rest_of_the_epoch_and
         ckpt.save(1, _trainer(0), c, dp_rank=d)
         ckpt.wait()
     new = controller(0, 1)
-    plan = resume_plan(tmp_path, Layout(dp=2), Layout(dp=1), rank=0)
+    plan = resume_plan(Layout(dp=2), Layout(dp=1), rank=0)
     load_controller(tmp_path / "ckpt" / "step_1", new, 0, plan, dp_size=1)
     rest = [s.key for s in new.source.reader.iter_epoch()]
     assert sorted(taken + rest) == sorted(new.source.reader.index.sample_key) and len(rest) == 11 - 8

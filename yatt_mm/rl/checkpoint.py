@@ -280,7 +280,7 @@ class Checkpointer:
                 raise RuntimeError(f"{ckpt} was written by a run of {markers[0]['world']} ranks; this run has "
                                    f"{self.world}: resume with the world size the run was started with")
             return ResumePlan([self.rank], [self.layout.place(self.rank)[2]], [self.layout.place(self.rank)[2]])
-        return resume_plan(ckpt, Layout(**saved), self.layout, self.rank)
+        return resume_plan(Layout(**saved), self.layout, self.rank)
 
     def wait(self) -> None:
         """Block until the write in flight is on disk; re-raise its failure here, in the loop."""

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from yatt_mm.rl.checkpoint import check_base, complete_markers
-from yatt_mm.rl.layout import Layout, convertible, resume_plan, weights_plan
+from yatt_mm.rl.layout import Layout, resume_plan, weights_plan
 
 
 def checkpoint_layout(ckpt: Path) -> Layout:
@@ -31,8 +31,13 @@ def checkpoint_layout(ckpt: Path) -> Layout:
     return Layout(**saved)
 
 
-def export_layout(saved: Layout) -> Layout:
-    """The smallest layout that holds the whole model: DP 1, or one DP rank per expert shard."""
+def export_layout(saved: Layout, with_optimizer: bool = False) -> Layout:
+    """The smallest layout that holds the whole model: DP 1, or one DP rank per expert shard. With
+    the optimizer (a resume's conversion) of a distributed optimizer under expert parallelism at
+    DP > EP, the layout that wrote it: the experts' optimizer shards lie over their
+    expert-data-parallel ranks, each in a file of its own, and each rank reads its own file."""
+    if with_optimizer and saved.distributed_optimizer and saved.dp > saved.ep > 1:
+        return saved
     return Layout(saved.tp, saved.cp, saved.pp, saved.ep, saved.ep, saved.distributed_optimizer)
 
 
@@ -46,14 +51,6 @@ def run_config(ckpt: Path):
     return load(RLConfig, str(path), [])
 
 
-def check_relayout(ckpt: Path, saved: Layout) -> None:
-    """What a resume at another layout (yatt_mm/rl/relayout.py) can carry over, else why not."""
-    if not convertible(saved):
-        raise ValueError(f"{ckpt} was written at DP {saved.dp} x EP {saved.ep}: under expert parallelism a "
-                         "checkpoint of the distributed optimizer is converted only from DP = EP; resume it at the "
-                         "layout that wrote it")
-
-
 def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, with_optimizer: bool = False) -> int:
     """The launcher: check, then run the export here (one rank) or as ranks under torchrun."""
     from yatt_mm.launch import relaunch, under_torchrun
@@ -63,9 +60,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, wi
     cfg = run_config(ckpt)
     if merge and not cfg.policy.lora.enabled:
         raise ValueError(f"{ckpt} holds every weight (its run had no policy.lora): --merge is for LoRA checkpoints")
-    if with_optimizer:
-        check_relayout(ckpt, saved)
-    live = export_layout(saved)
+    live = export_layout(saved, with_optimizer)
     args = [str(ckpt), "--out", str(out)] + (["--merge"] if merge else []) + (["--with-optimizer"] if with_optimizer
                                                                                else [])
     if live.world == 1 or under_torchrun():
@@ -87,7 +82,7 @@ def export_rank(ckpt: Path, out: Path, merge: bool, with_optimizer: bool = False
     saved, cfg = checkpoint_layout(ckpt), run_config(ckpt)
     ranks = init_parallel(saved.tp, cfg.run.seed, saved.pp, saved.ep, saved.cp)
     # the weights only: the file of the DP rank that holds this rank's place (and expert shard)
-    plan = resume_plan(ckpt, saved, export_layout(saved), ranks.rank) if with_optimizer \
+    plan = resume_plan(saved, export_layout(saved, True), ranks.rank) if with_optimizer \
         else weights_plan(saved, export_layout(saved), ranks.rank)
     source = plan.trainers[0]
     states, reason = verify_files(ckpt, plan, controller=False)

@@ -6,14 +6,12 @@ same rank's at the same layout; at another number of DP groups the files of its 
 old DP rank's there with the distributed optimizer, whose shards models/reshard.py puts together)
 and every old group's data position (re-split by dataio/resplit.py); at another TP, PP, CP or EP
 size, with the distributed optimizer switched, and at any DP change under expert parallelism with
-it, a conversion through HF names (yatt_mm/rl/relayout.py). What cannot change is refused, naming
-both layouts.
+it, a conversion through HF names (yatt_mm/rl/relayout.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -69,19 +67,10 @@ def weights_plan(saved: Layout, live: Layout, rank: int) -> ResumePlan:
     return ResumePlan([saved.rank(t, c, d % saved.ep, p)], saved=saved)
 
 
-def convertible(saved: Layout) -> bool:
-    """Whether a checkpoint written at `saved` can be carried through HF names
-    (yatt_mm/rl/relayout.py): under expert parallelism with the distributed optimizer only where
-    every DP rank holds an expert shard of its own (DP = EP), so that the conversion's ranks are
-    the ones that wrote it."""
-    return not saved.distributed_optimizer or saved.ep == 1 or saved.dp == saved.ep
-
-
-def resume_plan(ckpt: Path, saved: Layout, live: Layout, rank: int) -> ResumePlan:
+def resume_plan(saved: Layout, live: Layout, rank: int) -> ResumePlan:
     """How rank `rank` of a run at `live` resumes from a checkpoint written at `saved`. The number
     of DP groups may change as it is; TP, PP, CP, EP and the distributed optimizer's setting
-    through a conversion of the checkpoint (one written with the distributed optimizer under
-    expert parallelism: at DP = EP). Otherwise an error names both layouts."""
+    through a conversion of the checkpoint."""
     t, c, d, p = live.place(rank)
     if saved == live:
         return ResumePlan([rank], [d], [d], saved)
@@ -92,12 +81,8 @@ def resume_plan(ckpt: Path, saved: Layout, live: Layout, rank: int) -> ResumePla
     # under expert parallelism the experts' optimizer shards lie over other groups than the rest's:
     # a DP change there goes through the conversion too
     expert_dp = live.ep > 1 and saved.dp != live.dp and live.distributed_optimizer
-    if (changed or expert_dp) and convertible(saved):
-        return ResumePlan([], *data, saved, resharded=saved.dp != live.dp, convert=True)
     if changed or expert_dp:
-        raise RuntimeError(f"{ckpt} was written at {saved.describe()}; this run has {live.describe()}: a checkpoint "
-                           "written with the distributed optimizer under expert parallelism changes its layout only "
-                           "from DP = EP (docs/checkpoints.md): resume it at the layout that wrote it")
+        return ResumePlan([], *data, saved, resharded=saved.dp != live.dp, convert=True)
     if live.distributed_optimizer:  # every old DP rank's optimizer shards, the weights from the first
         trainers = [saved.rank(t, c, dd, p) for dd in range(saved.dp)]
     else:  # every DP rank held the whole state: the one at this rank's expert shard (d % EP) has it

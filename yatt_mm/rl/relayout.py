@@ -23,9 +23,10 @@ models/reshard.py's whole form). A LoRA run's adapter and its optimizer state go
 model's own whole names instead (`write_adapter_state`, `load_adapter_state`): each tensor whole
 over TP as the adapter sync gathers it (models/convert.py), one safetensors file per pipeline
 stage and key, cut again for the new layout; the base is checked by the export, at the layout
-that wrote the checkpoint. Under expert parallelism the export runs at the layout that wrote the checkpoint (with
-the distributed optimizer at DP = EP: yatt_mm/rl/layout.py's `convertible`), each rank puts
-together the state its optimizers shard over their DP groups, and the experts are gathered over EP
+that wrote the checkpoint. Under expert parallelism the export runs with one DP rank per expert
+shard, or at the very layout that wrote the checkpoint where a distributed optimizer sharded the
+experts' state over expert-data-parallel ranks too (DP > EP: yatt_mm/rl/export.py's
+`export_layout`); each rank puts together the state its optimizers shard over their DP groups, and the experts are gathered over EP
 as the weight sync gathers them. Megatron gives the experts an optimizer of their own only under
 EP, so a conversion to another EP, or from the plain optimizer, takes this run's hyperparameters
 with the saved step.
