@@ -16,6 +16,12 @@ Megatron fuses HF's q/k/v projections into linear_qkv and gate/up into linear_fc
 adapter: those HF names are targeted together (one A shared by the fused projections; the PEFT
 adapter written for vLLM and peft repeats it for each).
 
+A mixture of experts' routed experts (target `experts`) get a pair per expert on its fc1 and fc2,
+which peft holds stacked per layer (target_parameters). The token dispatcher gathers an expert's
+input over TP and sums its output over TP itself, so an expert's adapter terms stay partial as
+its weight's do; only the replicated half's gradient is summed over the expert-TP group. Under EP
+the adapters live and are reduced where their experts are, named by global expert number.
+
 The merge W + (alpha / r) B A is local to each rank (`merged`), and the adapter is
 gathered whole over TP and PP for vLLM or a PEFT directory (models/convert.py's
 `adapter_buckets`, beside the weights' export); a family turns
