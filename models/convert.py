@@ -193,24 +193,28 @@ def whole_adapter_tensors(module: torch.nn.Module, values: dict[str, torch.Tenso
             sections = linear.lora_sections if which == "lora_B" else None  # [gate; up], in_proj's
             group = linear.tp_group if EXPERT.match(name) else tp_group  # an expert's: the expert-TP group
             t = t.detach() if dim is None else _gather_adapter(t, dim, sections, group)
-            out |= _over_experts(module, f"{name}.{which}", t)
+            out |= over_experts(module, whole_model_name(f"{name}.{which}", module), t)
     return out
 
 
-def _over_experts(module: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{whole-model name: tensor} of a stage's tensor `name`; a routed expert's from every
-    expert-parallel rank (rank r's local expert j is global expert r * local_experts + j)."""
+def over_experts(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{whole-model name: tensor} of a tensor of `model` named by its whole-model name (`name`, a
+    routed expert's with this rank's local number): a routed expert's from every expert-parallel
+    rank, by global number (rank r's local expert j is global expert r * local_experts + j); any
+    other as it is. A collective over EP for an expert's."""
     import torch.distributed as dist
 
-    expert = EXPERT.match(name)
-    if expert is None or getattr(module, "ep", 1) == 1:
-        return {global_name(name, module): t}
-    from models.comm import comm
+    expert, ep = EXPERT.match(name), getattr(model, "ep", 1)
+    if expert is None:
+        return {name: tensor}
+    parts = [tensor]
+    if ep > 1:
+        from models.comm import comm
 
-    parts = [torch.empty_like(t) for _ in range(module.ep)]
-    dist.all_gather(parts, t.contiguous(), group=comm().ep)
-    local, head, tail = int(expert.group(2)), whole_model_name(expert.group(1), module), expert.group(3)
-    return {f"{head}{r * module.local_experts + local}{tail}": part for r, part in enumerate(parts)}
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.contiguous(), group=comm().ep)
+    local = int(expert.group(2))
+    return {f"{expert.group(1)}{r * model.local_experts + local}{expert.group(3)}": part for r, part in enumerate(parts)}
 
 
 def split_adapter_tensors(module: torch.nn.Module, whole: dict[str, torch.Tensor], tp_group) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from models.convert import copy_into, pipeline_buckets
+from models.convert import copy_into, over_experts, pipeline_buckets
 from models.convert import stage_buckets as _stage_buckets
 from models.qwen2vl.convert import gather, hf_prefixes, load_hf_state, shard
 from models.qwen3vl import convert as dense
@@ -160,15 +160,6 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | Path, tp_rank: int = 0, t
     copy_into(model, hf_to_megatron(load_hf_state(hf_dir), model.spec), _shard, tp_rank, tp_size, global_name)
 
 
-def _ep_group(model):
-    """The expert-parallel group (models/comm.py's, Megatron's own) when experts are spread."""
-    if getattr(model, "ep", 1) == 1:
-        return None
-    from models.comm import comm
-
-    return comm().ep
-
-
 def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | None = None,
                   bucket_bytes: int | None = None, gather=None, to_hf=None) -> Iterator[dict[str, torch.Tensor]]:
     """This pipeline stage's HF-named full tensors, gathered over TP and (the experts) over EP,
@@ -176,30 +167,12 @@ def stage_buckets(model: torch.nn.Module, tp_group=None, dtype: torch.dtype | No
     `bucket_bytes` (None: one bucket). A collective over TP and EP: every rank iterates to the end.
     Another MoE family gives its own `gather` (name, param, tp_group) -> full tensor over TP and
     `to_hf` (full Megatron tensors) -> HF tensors (models/qwen35_moe/convert.py)."""
-    import torch.distributed as dist
-
     gather = gather or _gather
     to_hf = to_hf or (lambda full: megatron_to_hf(full, model.spec))
+    ep = getattr(model, "ep", 1)
 
-    ep_group = _ep_group(model)
-    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
-
-    def gather_unit(params):
-        full = {}
-        for name, p in params:
-            tensor = gather(name, p, tp_group)
-            expert = _EXPERT.match(name)
-            if expert is None:
-                full[name] = tensor
-                continue
-            local = int(expert.group(2))
-            parts = [tensor]
-            if ep > 1:  # every EP rank's local expert j: global expert r * local_experts + j
-                parts = [torch.empty_like(tensor) for _ in range(ep)]
-                dist.all_gather(parts, tensor.contiguous(), group=ep_group)
-            for r, part in enumerate(parts):
-                full[f"{expert.group(1)}{r * model.local_experts + local}{expert.group(3)}"] = part
-        return full
+    def gather_unit(params):  # every EP rank's experts, by global number
+        return {k: t for name, p in params for k, t in over_experts(model, name, gather(name, p, tp_group)).items()}
 
     yield from _stage_buckets(model, tp_group, dtype, bucket_bytes, gather_unit, to_hf,
                               lambda name: ep if _EXPERT.match(name) else 1)

@@ -211,9 +211,8 @@ def lora_params(spec, lora, tp: int = 1, pp: int = 1, stage: int = 0, layers: tu
     if not lora.rank:
         return 0
     r, linears, held = lora.rank, adaptable_linears(spec), adapted_layers(spec, pp, stage, layers)
-    language = sum(held[linear] * _adapter(*linears[linear], r, tp) for linear in lora_linears(lora))
-    language += (getattr(spec, "num_experts", 0) // ep - 1) * sum(  # each rank's experts, one counted above
-        held[linear] * _adapter(*linears[linear], r, tp) for linear in lora_linears(lora) if linear in EXPERT_LINEARS)
+    copies = {linear: spec.num_experts // ep if linear in EXPERT_LINEARS else 1 for linear in targeted_linears(lora)}
+    language = sum(held[linear] * copies[linear] * _adapter(*linears[linear], r, tp) for linear in copies)
     if not (lora.vision_tower and stage == 0):
         return language
     hv, ffn = spec.vision_embed_dim, spec.vision_ffn  # the tower's blocks, on the first stage
@@ -245,7 +244,7 @@ def adapted_layers(spec, pp: int = 1, stage: int = 0, layers: tuple[int, ...] = 
 EXPERT_LINEARS = ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
 
 
-def lora_linears(lora) -> list[str]:
+def targeted_linears(lora) -> list[str]:
     """The adaptable linears (`adaptable_linears`' keys) `lora` gives an adapter: its Megatron
     linears, the routed experts' as one expert's fc1 and fc2."""
     return sorted(set(lora.linears) - {"mlp.experts"}) + (list(EXPERT_LINEARS) if "mlp.experts" in lora.linears else [])

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from models.stages import stage_layers
 from yatt_mm.plan.activations import CUDA, Activations, Kernels, activation_bytes
 from yatt_mm.plan.batch import MicroBatchShape
-from yatt_mm.plan.params import (EXPERT_LINEARS, Params, adaptable_linears, adapted_layers, lora_linears, lora_params,
-                                 param_counts)
+from yatt_mm.plan.params import (EXPERT_LINEARS, Params, adaptable_linears, adapted_layers, lora_params,
+                                 param_counts, targeted_linears)
 
 
 
@@ -111,6 +111,6 @@ def _with_adapter_activations(a: Activations, spec, shape: MicroBatchShape, lora
     # a token passes through num_experts_per_tok routed experts of a MoE layer
     passes = {linear: getattr(spec, "num_experts_per_tok", 1) if linear in EXPERT_LINEARS else 1 for linear in widths}
     per_layer = sum(held[linear] / n_layers * passes[linear]
-                    * (lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0)) for linear in lora_linears(lora))
+                    * (lora.rank * e + (widths[linear] * (e + 1) if lora.dropout else 0)) for linear in targeted_linears(lora))
     extra = int(tokens * per_layer * layers_held)
     return replace(a, saved=a.saved + extra, peak=a.peak + extra)
