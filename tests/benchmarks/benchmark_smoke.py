@@ -42,12 +42,17 @@ class SmokeRun:
     seconds: float
 
 
+# the process groups of the smoke runs under way (`end_smoke_runs` ends them)
+_running: set[int] = set()
+
+
 def smoke_run(script: str, env: dict[str, str]) -> SmokeRun:
     """One benchmark in smoke mode, in a process group of its own: at its time limit, or if the
     test session ends first, the whole group goes (torchrun ranks, engine servers, workers)."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / script)], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    _running.add(proc.pid)
     try:
         stdout, stderr = proc.communicate(timeout=SMOKE_TIMEOUT_S)
         returncode = proc.returncode
@@ -56,11 +61,54 @@ def smoke_run(script: str, env: dict[str, str]) -> SmokeRun:
         stdout, stderr = proc.communicate()
         returncode = None
     finally:
-        try:  # whatever it left running
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _running.discard(proc.pid)
+        _kill_group(proc.pid)  # whatever it left running
     return SmokeRun(script, returncode, stdout, stderr, time.perf_counter() - start)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def end_smoke_runs() -> None:
+    """Kill every smoke run still under way (the session ends before they do)."""
+    for pid in list(_running):
+        _kill_group(pid)
+
+
+def smoke_chains(scripts: list[str], after: dict[str, str | None]) -> list[list[str]]:
+    """`scripts` (and what they read) as chains to run one after another, each benchmark after the
+    one whose output it reads (`after`); chains of several runs first (the longest of them all:
+    bench_placement's, which validate_simulator reads)."""
+    chains: list[list[str]] = []
+    placed: set[str] = set()
+    needed = set(scripts)
+    for script in scripts:  # and what each reads
+        while after.get(script):
+            script = after[script]
+            needed.add(script)
+
+    def chain_of(script: str) -> list[str]:
+        first = script
+        while after.get(first):
+            first = after[first]
+        out, todo = [], [first]
+        while todo:  # the first, then whatever reads it, breadth first
+            s = todo.pop(0)
+            if s in needed:
+                out.append(s)
+            todo += sorted(d for d, a in after.items() if a == s)
+        return out
+
+    for script in scripts:
+        if script not in placed:
+            chain = chain_of(script)
+            placed.update(chain)
+            chains.append(chain)
+    return sorted(chains, key=len, reverse=True)
 
 
 # What several smoke runs read, made once before the first starts, by the benchmarks' own helper

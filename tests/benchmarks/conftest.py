@@ -1,4 +1,4 @@
-"""The benchmarks' smoke runs (BENCH_SMOKE=1), each launched once a session, one at a time, in
+"""The benchmarks' smoke runs (BENCH_SMOKE=1), each launched once a session, two at a time, in
 one smoke output folder (temporary), after the inputs they share are made."""
 
 from __future__ import annotations
@@ -8,11 +8,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-from benchmark_smoke import ROOT, SHARED_INPUTS, SmokeRun, last_lines, smoke_run
+from benchmark_smoke import ROOT, SHARED_INPUTS, SmokeRun, end_smoke_runs, last_lines, smoke_chains, smoke_run
 
-_seconds: dict[str, float] = {}
+SMOKES_AT_ONCE = 2  # smoke runs under way at once (docs/development.md: what it saves on two cores)
+
+_seconds: dict[str, float] = {}  # each smoke run's seconds, and the shared inputs'
+_wall: list[float] = []  # the seconds from the first smoke run's start to the last one's end
 
 
 @pytest.fixture(scope="session")
@@ -28,26 +32,48 @@ def smoke_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def smoke_runs(smoke_env) -> Callable[[str], SmokeRun]:
-    """`run(script)`: its smoke run, launched once a session; the benchmark whose output it reads
-    (LastLine.after) launched before it if it has not been yet."""
-    runs: dict[str, SmokeRun] = {}
-    promises = last_lines()
+def smoke_runs(request, smoke_env) -> Callable[[str], SmokeRun]:
+    """`run(script)`: its smoke run. The session's smoke runs (those of the tests selected) all start
+    with the first test that asks, two at a time: a smoke run is mostly one process's imports and
+    engine starts, so a second one uses the core the first leaves idle. A benchmark runs after the
+    one whose output it reads (LastLine.after), in the same worker."""
+    scripts = [item.callspec.params["script"] for item in request.session.items
+               if "smoke_runs" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")]
+    after = {script: promise.after for script, promise in last_lines().items()}
+    futures: dict[str, Future] = {}
+    pool = ThreadPoolExecutor(max_workers=SMOKES_AT_ONCE, thread_name_prefix="smoke")
+    started = time.perf_counter()
+
+    def run_chain(chain: list[str]) -> None:
+        for script in chain:
+            try:
+                result = smoke_run(script, smoke_env)
+            except BaseException as error:  # noqa: BLE001 - handed to the test that asks for it
+                futures[script].set_exception(error)
+                continue
+            _seconds[script] = result.seconds
+            futures[script].set_result(result)
+
+    for chain in smoke_chains(scripts, after):
+        for script in chain:
+            futures[script] = Future()
+        pool.submit(run_chain, chain)
 
     def run(script: str) -> SmokeRun:
-        after = getattr(promises.get(script), "after", None)
-        if after is not None:
-            run(after)
-        if script not in runs:
-            runs[script] = smoke_run(script, smoke_env)
-            _seconds[script] = runs[script].seconds
-        return runs[script]
+        if script not in futures:  # not among the selected tests' (called by hand)
+            futures[script] = Future()
+            pool.submit(run_chain, smoke_chains([script], after)[0])
+        return futures[script].result()
 
-    return run
+    yield run
+    end_smoke_runs()
+    pool.shutdown(wait=True, cancel_futures=True)
+    _wall.append(time.perf_counter() - started)
 
 
 def pytest_terminal_summary(terminalreporter):
     if _seconds:
         slowest_first = sorted(_seconds.items(), key=lambda item: -item[1])
         parts = ", ".join(f"{script.removesuffix('.py')} {seconds:.0f} s" for script, seconds in slowest_first)
-        terminalreporter.write_line(f"benchmark smoke runs, {sum(_seconds.values()):.0f} s in all: {parts}")
+        wall = f", {_wall[0]:.0f} s from the first start to the last end ({SMOKES_AT_ONCE} at a time)" if _wall else ""
+        terminalreporter.write_line(f"benchmark smoke runs, {sum(_seconds.values()):.0f} s in all{wall}: {parts}")

@@ -11,7 +11,7 @@ import importlib.util
 import json
 
 import pytest
-from benchmark_smoke import benchmark_scripts, last_line_problems, last_lines
+from benchmark_smoke import benchmark_scripts, last_line_problems, last_lines, smoke_chains
 
 
 def test_every_benchmark_declares_its_last_line():
@@ -25,6 +25,24 @@ def test_every_benchmark_declares_its_last_line():
     for script, promise in promises.items():
         assert promise.after is None or promise.after in promises, (script, promise.after)
         assert promise.numbers or promise.others, script
+
+
+def test_smoke_runs_are_chained_after_what_they_read():
+    """The smoke runs go two at a time in chains: each benchmark once, after the one whose output
+    it reads, in the same chain; one selected alone brings what it reads."""
+    scripts, after = benchmark_scripts(), {s: p.after for s, p in last_lines().items()}
+    chains = smoke_chains(scripts, after)
+    ran = [s for chain in chains for s in chain]
+    assert sorted(ran) == sorted(scripts)
+    readers = [s for s in scripts if after.get(s)]
+    assert readers, "no benchmark reads another's output: nothing to chain"
+    for reader in readers:
+        chain = next(c for c in chains if reader in c)
+        assert after[reader] in chain and chain.index(after[reader]) < chain.index(reader), chain
+        assert smoke_chains([reader], after) == [[after[reader], reader]]
+    assert chains[0] == smoke_chains([readers[0]], after)[0]  # chains of several runs first
+    assert smoke_chains(["bench_lora.py"], after) == [["bench_lora.py"]]
+    assert smoke_chains([after[readers[0]]], after) == [[after[readers[0]]]]  # not what reads it
 
 
 def test_the_check_finds_a_broken_last_line():
