@@ -20,8 +20,12 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest tests -q -m "not slow and not extended" --durations=15
 
-test-slow: setup  # the tests that take minutes each; CI runs them after `make test`
-	$(BIN)/python -m pytest tests -q -m "slow and not extended" --durations=10
+# the tests that take minutes each; CI runs them after `make test`. Two pytest workers, a test file
+# each at a time (its launches and servers shared by its tests): a launch leaves a core idle much of
+# its time. Then the tests that measure speeds, alone (docs/development.md).
+test-slow: setup
+	$(BIN)/python -m pytest tests -q -m "slow and not extended and not alone" -n 2 --dist loadfile --durations=10
+	$(BIN)/python -m pytest tests -q -m "slow and not extended and alone" --durations=5
 
 test-extended: setup  # what re-checks a path CI covers another way; not in CI (docs/development.md)
 	$(BIN)/python -m pytest tests -q -m extended --durations=10

@@ -20,9 +20,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 # (and inherited by every child it starts), never read from a user's ~/.cache/yatt-mm, so a test
 # run costs what a new machine pays and a bad entry from an earlier run cannot leak in.
 # YATT_MM_TEST_CACHE names a folder to use instead (.ci/run passes one fresh folder to both of its
-# pytest runs, so the slow run does not rebuild what the first one built).
+# pytest runs, so the slow run does not rebuild what the first one built). The workers of a
+# pytest-xdist run (make test-slow) inherit the session's folder through it: one cache for all.
 _own_cache = not os.environ.get("YATT_MM_TEST_CACHE")
-os.environ["YATT_MM_CACHE"] = os.environ.get("YATT_MM_TEST_CACHE") or tempfile.mkdtemp(prefix="yatt-mm-test-cache-")
+if _own_cache:
+    os.environ["YATT_MM_TEST_CACHE"] = tempfile.mkdtemp(prefix="yatt-mm-test-cache-")
+os.environ["YATT_MM_CACHE"] = os.environ["YATT_MM_TEST_CACHE"]
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the Ray prep test: no usage report
 # gcsfs' experimental bucket-layout probe asks Google's gRPC control plane, which the local GCS
 # server of the gs:// test does not speak (each probe waits out a 60 s timeout): off, as it is for
@@ -42,10 +45,28 @@ def _timed(what: str, build):
         _cache_seconds[what] = time.perf_counter() - start
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_configure(config):
+    config.summary_lines = []  # what the session's last lines say (the test cache's cost, the smoke runs')
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
     if _cache_seconds:
         parts = ", ".join(f"{k} {v:.0f} s" for k, v in _cache_seconds.items())
-        terminalreporter.write_line(f"test cache {os.environ['YATT_MM_CACHE']}: built {parts}")
+        session.config.summary_lines.append(f"test cache {os.environ['YATT_MM_CACHE']}: built {parts}")
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:  # a pytest-xdist worker: no terminal of its own; its lines go to the controller
+        worker_output["summary_lines"] = session.config.summary_lines
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # pytest-xdist's controller: a worker finished
+    node.config.summary_lines += getattr(node, "workeroutput", {}).get("summary_lines", [])
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in terminalreporter.config.summary_lines:
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config):

@@ -40,6 +40,7 @@ class SmokeRun:
     stdout: str
     stderr: str
     seconds: float
+    ended_s: float = 0.0  # when it ended, in seconds from the first smoke run's start
 
 
 # the process groups of the smoke runs under way (`end_smoke_runs` ends them)

@@ -15,8 +15,8 @@ from benchmark_smoke import ROOT, SHARED_INPUTS, SmokeRun, end_smoke_runs, last_
 
 SMOKES_AT_ONCE = 2  # smoke runs under way at once (docs/development.md: what it saves on two cores)
 
-_seconds: dict[str, float] = {}  # each smoke run's seconds, and the shared inputs'
-_wall: list[float] = []  # the seconds from the first smoke run's start to the last one's end
+_shared_seconds: list[float] = []  # making the inputs the smoke runs share
+_done: list[SmokeRun] = []  # the session's smoke runs, for its summary line
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +27,7 @@ def smoke_env(tmp_path_factory) -> dict[str, str]:
     shared = subprocess.run([sys.executable, "-c", SHARED_INPUTS], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert shared.returncode == 0, shared.stderr[-3000:]
-    _seconds["shared inputs"] = time.perf_counter() - start
+    _shared_seconds.append(time.perf_counter() - start)
     return env
 
 
@@ -51,7 +51,8 @@ def smoke_runs(request, smoke_env) -> Callable[[str], SmokeRun]:
             except BaseException as error:  # noqa: BLE001 - handed to the test that asks for it
                 futures[script].set_exception(error)
                 continue
-            _seconds[script] = result.seconds
+            result.ended_s = time.perf_counter() - started
+            _done.append(result)
             futures[script].set_result(result)
 
     for chain in smoke_chains(scripts, after):
@@ -68,12 +69,15 @@ def smoke_runs(request, smoke_env) -> Callable[[str], SmokeRun]:
     yield run
     end_smoke_runs()
     pool.shutdown(wait=True, cancel_futures=True)
-    _wall.append(time.perf_counter() - started)
 
 
-def pytest_terminal_summary(terminalreporter):
-    if _seconds:
-        slowest_first = sorted(_seconds.items(), key=lambda item: -item[1])
-        parts = ", ".join(f"{script.removesuffix('.py')} {seconds:.0f} s" for script, seconds in slowest_first)
-        wall = f", {_wall[0]:.0f} s from the first start to the last end ({SMOKES_AT_ONCE} at a time)" if _wall else ""
-        terminalreporter.write_line(f"benchmark smoke runs, {sum(_seconds.values()):.0f} s in all{wall}: {parts}")
+def pytest_sessionfinish(session):
+    """The smoke runs' line for the session's summary (tests/conftest.py prints it, from a
+    pytest-xdist worker too)."""
+    if _done:
+        seconds = {run.script.removesuffix(".py"): run.seconds for run in _done}
+        seconds["shared inputs"] = _shared_seconds[0] if _shared_seconds else 0.0
+        parts = ", ".join(f"{name} {s:.0f} s" for name, s in sorted(seconds.items(), key=lambda item: -item[1]))
+        session.config.summary_lines.append(
+            f"benchmark smoke runs, {sum(seconds.values()):.0f} s in all, {max(r.ended_s for r in _done):.0f} s from "
+            f"the first start to the last end ({SMOKES_AT_ONCE} at a time): {parts}")

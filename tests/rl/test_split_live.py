@@ -32,6 +32,7 @@ from yatt_mm.rl.split_runner import SplitRunner
 from yatt_mm.rl.sources import PromptSource
 
 pytestmark = [pytest.mark.slow,  # a judge server start (20-60 s) and a few steps
+              pytest.mark.alone,  # the split follows measured speeds: no other test's load beside it
               pytest.mark.usefixtures("two_cores")]
 
 
