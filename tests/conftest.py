@@ -60,6 +60,11 @@ def pytest_sessionfinish(session):
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):  # pytest-xdist's controller, starting a worker (whose --dist reads "no")
+    node.workerinput["session_dist"] = node.config.getoption("dist")  # benchmark_smoke.session_dist reads it
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):  # pytest-xdist's controller: a worker finished
     node.config.summary_lines += getattr(node, "workeroutput", {}).get("summary_lines", [])
 

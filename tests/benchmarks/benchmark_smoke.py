@@ -80,36 +80,29 @@ def end_smoke_runs() -> None:
         _kill_group(pid)
 
 
+def session_dist(config) -> str:
+    """How pytest-xdist hands the session's tests out (its --dist: "loadfile" as the Makefile's), or
+    "no" without it; in a worker too, whose own --dist reads "no" (tests/conftest.py passes the
+    session's down)."""
+    return getattr(config, "workerinput", {}).get("session_dist") or config.getoption("dist", "no")
+
+
 def smoke_chains(scripts: list[str], after: dict[str, str | None]) -> list[list[str]]:
-    """`scripts` (and what they read) as chains to run one after another, each benchmark after the
-    one whose output it reads (`after`); chains of several runs first (the longest of them all:
-    bench_placement's, which validate_simulator reads)."""
-    chains: list[list[str]] = []
-    placed: set[str] = set()
-    needed = set(scripts)
-    for script in scripts:  # and what each reads
+    """`scripts`, and the benchmarks whose output they read (`after`), as chains to run one after
+    another: each benchmark in the chain of the first one it (indirectly) reads, after what it
+    reads; chains of several runs first (bench_placement's, the longest run of all)."""
+    def reads(script: str) -> list[str]:  # what it reads, nearest first
+        out = []
         while after.get(script):
             script = after[script]
-            needed.add(script)
-
-    def chain_of(script: str) -> list[str]:
-        first = script
-        while after.get(first):
-            first = after[first]
-        out, todo = [], [first]
-        while todo:  # the first, then whatever reads it, breadth first
-            s = todo.pop(0)
-            if s in needed:
-                out.append(s)
-            todo += sorted(d for d, a in after.items() if a == s)
+            out.append(script)
         return out
 
-    for script in scripts:
-        if script not in placed:
-            chain = chain_of(script)
-            placed.update(chain)
-            chains.append(chain)
-    return sorted(chains, key=len, reverse=True)
+    needed = {s for script in scripts for s in (script, *reads(script))}
+    chains: dict[str, list[str]] = {}
+    for script in sorted(needed, key=lambda s: (len(reads(s)), s)):  # what a benchmark reads comes first
+        chains.setdefault((reads(script) or [script])[-1], []).append(script)
+    return sorted(chains.values(), key=len, reverse=True)
 
 
 # What several smoke runs read, made once before the first starts, by the benchmarks' own helper

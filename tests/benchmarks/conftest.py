@@ -11,7 +11,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-from benchmark_smoke import ROOT, SHARED_INPUTS, SmokeRun, end_smoke_runs, last_lines, smoke_chains, smoke_run
+from benchmark_smoke import (ROOT, SHARED_INPUTS, SmokeRun, end_smoke_runs, last_lines, session_dist, smoke_chains,
+                             smoke_run)
 
 SMOKES_AT_ONCE = 2  # smoke runs under way at once (docs/development.md: what it saves on two cores)
 
@@ -33,12 +34,14 @@ def smoke_env(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def smoke_runs(request, smoke_env) -> Callable[[str], SmokeRun]:
-    """`run(script)`: its smoke run. The session's smoke runs (those of the tests selected) all start
-    with the first test that asks, two at a time: a smoke run is mostly one process's imports and
+    """`run(script)`: its smoke run, two at a time: a smoke run is mostly one process's imports and
     engine starts, so a second one uses the core the first leaves idle. A benchmark runs after the
-    one whose output it reads (LastLine.after), in the same worker."""
+    one whose output it reads (LastLine.after), in the same chain. All the session's selected smoke
+    runs start with the first test that asks, where this process runs them all (no pytest-xdist,
+    or `--dist loadfile` as the Makefile's); else each test's run starts when it asks."""
+    whole_file_here = session_dist(request.config) in ("no", "each", "loadfile", "loadscope")
     scripts = [item.callspec.params["script"] for item in request.session.items
-               if "smoke_runs" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")]
+               if whole_file_here and "smoke_runs" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")]
     after = {script: promise.after for script, promise in last_lines().items()}
     futures: dict[str, Future] = {}
     pool = ThreadPoolExecutor(max_workers=SMOKES_AT_ONCE, thread_name_prefix="smoke")
@@ -55,15 +58,18 @@ def smoke_runs(request, smoke_env) -> Callable[[str], SmokeRun]:
             _done.append(result)
             futures[script].set_result(result)
 
-    for chain in smoke_chains(scripts, after):
-        for script in chain:
-            futures[script] = Future()
-        pool.submit(run_chain, chain)
+    def start(scripts: list[str]) -> None:
+        for chain in smoke_chains(scripts, after):
+            chain = [script for script in chain if script not in futures]  # what ran here already stays
+            for script in chain:
+                futures[script] = Future()
+            pool.submit(run_chain, chain)
+
+    start(scripts)
 
     def run(script: str) -> SmokeRun:
-        if script not in futures:  # not among the selected tests' (called by hand)
-            futures[script] = Future()
-            pool.submit(run_chain, smoke_chains([script], after)[0])
+        if script not in futures:  # the tests of this process were not known at the start
+            start([script])  # with what it reads, unless that ran here already
         return futures[script].result()
 
     yield run
