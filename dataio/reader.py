@@ -97,8 +97,12 @@ class DataConfig:
     # it) is skipped as over_token_budget (dataio/budget.py). 0: off
     max_sample_tokens: int = 0
     # ranged reads of shards at s3://, gs:// or http(s):// URLs in flight ahead of the decoders, per
-    # reader (local shards ignore this and the next two; docs/data.md, "Shards in object storage")
+    # reader (local shards ignore this and the next three; docs/data.md, "Shards in object storage")
     read_ahead: int = 16
+    # a ranged read also brings the sample's neighbours in its shard that this reader reads soon
+    # (within slice_size + 4 * shuffle_buffer samples) while the bytes read and not yet handed to
+    # the decoders stay within this many MB per reader; 0: one ranged read per sample
+    read_merge_mb: float = 64.0
     read_timeout_s: float = 30.0  # one attempt at one ranged read of a remote shard
     read_attempts: int = 5  # tries of a remote read (timeouts, 5xx, resets) before its sample is skipped
     # a local folder keeping remote samples' bytes for later epochs (shared by a node's readers); "": none
@@ -109,7 +113,7 @@ class DataConfig:
     # them again for a DataReader built without that loader
     RANGES = {"seed": ">= 0", "slice_size": ">= 1", "shuffle_buffer": ">= 1", "workers": ">= 0", "prefetch": ">= 0",
               "decode_timeout_s": "> 0", "max_open_shards": ">= 1", "max_sample_tokens": ">= 0",
-              "read_ahead": ">= 1", "read_timeout_s": "> 0", "read_attempts": ">= 1", "read_cache_gb": "> 0"}
+              "read_ahead": ">= 1", "read_merge_mb": ">= 0", "read_timeout_s": "> 0", "read_attempts": ">= 1", "read_cache_gb": "> 0"}
 
     def validate(self) -> None:
         if self.worker_kind not in ("thread", "process"):
@@ -122,8 +126,9 @@ class DataConfig:
         for name in ("slice_size", "shuffle_buffer", "max_open_shards", "read_ahead", "read_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_sample_tokens < 0:
-            raise ValueError(f"data.max_sample_tokens must be >= 0, got {self.max_sample_tokens}")
+        for name in ("max_sample_tokens", "read_merge_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("decode_timeout_s", "read_timeout_s", "read_cache_gb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"data.{name} must be > 0, got {getattr(self, name)}")
@@ -400,9 +405,11 @@ class DataReader:
         if not any(is_remote(s) for s in self.index.shards):
             yield from self._decoded(todo)  # local shards: the decoders pread them, as ever
             return
-        # remote shards: each sample's bytes are read in one ranged request, a window of them in
-        # flight ahead of the decoders, which get (index, bytes) instead of an index
-        ahead = ReadAhead(self.decoder.remote, todo, self.decoder.span, self.cfg.read_ahead)
+        # remote shards: each sample's bytes in one ranged request (merged with its neighbours'),
+        # a window of them in flight ahead of the decoders, which get (index, bytes) instead of an index
+        c = self.cfg
+        ahead = ReadAhead(self.decoder.remote, todo, self.decoder.span, c.read_ahead,
+                          merge_bytes=int(c.read_merge_mb * 2**20), reach=c.slice_size + 4 * c.shuffle_buffer)
         try:
             yield from self._decoded(ahead)
         finally:

@@ -240,6 +240,14 @@ class RemoteReads:
             self._cache_pid = os.getpid()
         return self._cache
 
+    @property
+    def caching(self) -> bool:
+        return bool(self.policy.cache_dir)
+
+    def has(self, url: str, start: int, end: int) -> bool:
+        """Whether the cache holds bytes [start, end) of `url` (False without a cache)."""
+        return (cache := self._cached()) is not None and (url, start, end) in cache
+
     def keep(self, url: str, start: int, end: int, data: bytes) -> None:
         """Store what a read returned in the cache (when there is one); called by the consumer,
         not on the event loop, so a disk write never holds up the reads in flight."""
@@ -295,17 +303,43 @@ class RemoteReads:
         return data
 
 
+class _Read:
+    """One ranged request in flight: bytes [start, end) of `url`, the span of `members` samples."""
+
+    def __init__(self, url: str, start: int, end: int, future: Future, members: int):
+        self.url, self.start, self.end, self.future = url, start, end, future
+        self.members = self.left = members  # samples it carries, and those not handed out yet
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
 class ReadAhead:
     """The items a decoder maps over, fetched ahead: `ahead[pos]` is `(todo[pos], payload)` with
-    payload `(start, bytes)` of its span, the read's OSError, or None where `span(i)` is None (a
-    local shard, or a sample that reads nothing). At most `window` reads are fetched ahead of the
-    furthest position asked for, so memory stays bounded; positions are asked for in order
-    (decoders take the next item), each once."""
+    payload `(start, bytes)` holding its span from offset `start`, the read's OSError, or None
+    where `span(i)` is None (a local shard, or a sample that reads nothing). Positions are asked
+    for in order (decoders take the next item), each once.
 
-    def __init__(self, reads: RemoteReads, todo: list[int], span, window: int):
+    At most `window` requests are started ahead of the furthest position asked for. A request
+    is merged: with a sample go its neighbours in the shard (adjacent bytes, at most `hole`
+    bytes apart) that this reader reads within the next `reach` positions, while the bytes of
+    requests not yet fully decoded stay within `merge_bytes` (0: one request per sample). The
+    shuffle buffer scatters a slice's samples over a few buffer lengths of the order, so one
+    request then brings many samples: fewer requests, each of them cheaper for the client and
+    the store than the bytes it carries. A merged request that fails after its retries falls
+    back to one request per sample, so that each sample is skipped or read on its own merits."""
+
+    HOLE = 256 << 10  # bytes between two samples' spans read anyway to merge them (tar headers, unread members)
+
+    def __init__(self, reads: RemoteReads, todo: list[int], span, window: int, merge_bytes: int = 0,
+                 reach: int = 0):
         self.reads, self.todo, self.span, self.window = reads, todo, span, max(1, window)
-        self._futures: dict[int, tuple[int, Future]] = {}
-        self._next = 0  # the next position to start reading
+        self.merge_bytes, self.reach = merge_bytes, reach
+        self._pos = {i: pos for pos, i in enumerate(todo)} if merge_bytes > 0 else {}
+        self._planned: dict[int, tuple[_Read, int, int]] = {}  # position -> (its request, its span)
+        self._held = 0  # bytes of the requests whose samples are not all handed out yet
+        self._next = 0  # the next position to plan
         self._lock = threading.Lock()
         self._closed = False
         with self._lock:
@@ -321,37 +355,67 @@ class ReadAhead:
     def _fill(self, upto: int) -> None:
         while self._next < min(upto, len(self.todo)) and not self._closed:
             pos, self._next = self._next, self._next + 1
-            where = self.span(self.todo[pos])
-            if where is not None:
-                url, start, end = where
-                self._futures[pos] = (where, self.reads.submit(url, start, end))
+            if pos not in self._planned and (where := self.span(self.todo[pos])) is not None:
+                self._start(pos, *where)
+
+    def _start(self, pos: int, url: str, start: int, end: int) -> None:
+        members = [(pos, start, end)]
+        if self.merge_bytes > 0 and not self.reads.has(url, start, end):
+            i, lo, hi = self.todo[pos], start, end
+            for step in (1, -1):  # the shard's later samples, then its earlier ones
+                j = i + step
+                while (q := self._pos.get(j)) is not None and pos < q <= pos + self.reach and q not in self._planned:
+                    where = self.span(j)
+                    if where is None or where[0] != url or self.reads.has(*where):
+                        break
+                    new_lo, new_hi = min(lo, where[1]), max(hi, where[2])
+                    gap = where[1] - hi if step == 1 else lo - where[2]
+                    if gap > self.HOLE or self._held + new_hi - new_lo > self.merge_bytes:
+                        break
+                    members.append((q, where[1], where[2]))
+                    lo, hi, j = new_lo, new_hi, j + step
+            start, end = lo, hi
+        read = _Read(url, start, end, self.reads.submit(url, start, end), len(members))
+        self._held += read.size
+        for q, s, e in members:
+            self._planned[q] = (read, s, e)
 
     def __getitem__(self, pos: int):
         if not 0 <= pos < len(self.todo):
             raise IndexError(pos)
         with self._lock:
             self._fill(pos + 1 + self.window)
-            started = self._futures.pop(pos, None)
-        if started is None:
+            planned = self._planned.pop(pos, None)
+        if planned is None:
             return self.todo[pos], None
-        (url, start, end), fut = started
+        read, start, end = planned
         try:
-            data = fut.result()
-            if not getattr(fut, "from_cache", False):
-                self.reads.keep(url, start, end, data)
-            return self.todo[pos], (start, data)
+            data = read.future.result()
+            if self.reads.caching and not getattr(read.future, "from_cache", False):
+                self.reads.keep(read.url, start, end, data[start - read.start:end - read.start])
+            return self.todo[pos], (read.start, data)
         except CancelledError:
             return self.todo[pos], RemoteReadError("the read was cancelled (the reader was closed)")
         except OSError as e:
-            return self.todo[pos], e
+            if read.members == 1:
+                return self.todo[pos], e
+            try:  # the merged request failed for good: this sample's own request decides
+                return self.todo[pos], (start, self.reads.read(read.url, start, end))
+            except OSError as e:
+                return self.todo[pos], e
+        finally:
+            with self._lock:
+                read.left -= 1
+                if read.left == 0:
+                    self._held -= read.size
 
     def close(self) -> None:
         """Cancel the reads still in flight (the stream was closed or the epoch ended)."""
         with self._lock:
             self._closed = True
-            for _, fut in self._futures.values():
-                fut.cancel()
-            self._futures.clear()
+            for read, _, _ in self._planned.values():
+                read.future.cancel()
+            self._planned.clear()
 
 
 # ------------------------------------------------------------------------ metadata and whole objects

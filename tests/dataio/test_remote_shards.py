@@ -60,25 +60,87 @@ def _read(reader: DataReader) -> list[tuple[str, str]]:
         reader.close()
 
 
-def test_s3_shards_give_the_same_samples_as_local_ones_in_one_ranged_get_each(s3_dataset, proxy):
-    """The same keys in the same order with the same decoded pixels as from disk; each sample's
-    members (a frame sequence has 9) in one ranged GET, over a few reused connections."""
+def _ranges(requests: list[str]) -> list[tuple[str, int, int]]:
+    """(object path, start, end) of each ranged GET the proxy saw ("GET /bucket/key bytes=a-b")."""
+    out = []
+    for r in requests:
+        if r.startswith("GET ") and "bytes=" in r:
+            path, spec = r.split()[1], r.rsplit("bytes=", 1)[1]
+            a, b = spec.split("-")
+            out.append((path.split("?")[0], int(a), int(b) + 1))
+    return out
+
+
+def test_s3_shards_give_the_same_samples_as_local_ones_in_merged_ranged_gets(s3_dataset, proxy):
+    """The same keys in the same order with the same decoded pixels as from disk. By default a
+    ranged GET brings a sample with its neighbours in the shard (this reader's, read soon): far
+    fewer GETs than samples, no byte read twice, only bytes between samples' spans read beside
+    theirs. With data.read_merge_mb=0 each sample's members (a frame sequence has 9) come in one
+    ranged GET of their own, over a few reused connections."""
     local, url = s3_dataset
     want = _read(DataReader(_cfg([local], workers=2)))
     reader = DataReader(_cfg([url], workers=2, read_ahead=4))
     proxy.reset_counts()  # what opening cost (a listing, the tar scan) is not what reading costs
     got = _read(reader)
     assert got == want and len(got) == 24
+    ranges = _ranges(proxy.requests)
+    assert len(ranges) == len(proxy.requests) <= 6, proxy.requests  # 3 shards of 8 samples
+    spans = [reader.decoder.span(i) for i in range(24)]
+    for path in {p for p, _, _ in ranges}:  # each shard's bytes read at most once, and only where samples are
+        read = sorted((a, b) for p, a, b in ranges if p == path)
+        assert all(b0 <= a1 for (_, b0), (a1, _) in zip(read, read[1:])), read
+        mine = [(a, b) for u, a, b in spans if u.endswith(path)]
+        assert min(a for a, _ in read) == min(a for a, _ in mine) and max(b for _, b in read) == max(b for _, b in mine)
+    assert reader.remote_retries == 0 and not reader.skips
+
+    small = DataReader(_cfg([url], workers=2, read_ahead=4, read_merge_mb=0.02))  # bytes ahead bounded
+    proxy.reset_counts()
+    assert _read(small) == want
+    ranges = _ranges(proxy.requests)
+    own = {("/" + u.split("://", 1)[1], a, b) for u, a, b in spans}
+    assert 6 < len(ranges) < 24 and all(b - a <= 0.02 * 2**20 or (p, a, b) in own for p, a, b in ranges), ranges
+
+    reader = DataReader(_cfg([url], workers=2, read_ahead=4, read_merge_mb=0))
+    proxy.reset_counts()
+    assert _read(reader) == want
+    assert sorted(_ranges(proxy.requests)) == sorted(("/" + u.split("://", 1)[1], a, b) for u, a, b in spans)
     assert len(proxy.ranged_gets()) == len(proxy.requests) == 24, proxy.requests
     assert proxy.connections <= 5, proxy.connections  # the window's 4 (+1 asked for), each reused
-    assert reader.remote_retries == 0 and not reader.skips
+
+
+def test_a_merged_read_that_keeps_failing_falls_back_to_each_samples_own_read(s3_dataset, proxy):
+    """One shard's 8 samples in one merged GET, cut mid-body on both its attempts: each sample
+    is then read on its own (8 ranged GETs, each its span) and decoded, nothing skipped; with
+    the shard failing for good, each sample carries its own read's error (a skip each)."""
+    from dataio.storage import ReadAhead, RemotePolicy, RemoteReads
+
+    _, url = s3_dataset
+    reader = DataReader(_cfg([url]))
+    shard = reader.index.shards[0]
+    mine = [i for i in range(len(reader.index)) if reader.index.shard_of(i) == shard]
+    spans = [reader.decoder.span(i) for i in mine]
+    path = shard.split("://", 1)[1]
+    proxy.rules = [Fault("reset", 2, match=path)]
+    reads = RemoteReads(RemotePolicy(attempts=2, backoff_s=0.01))
+    ahead = ReadAhead(reads, mine, reader.decoder.span, window=2, merge_bytes=1 << 30, reach=100)
+    got = [ahead[pos] for pos in range(len(mine))]
+    assert len(proxy.injected) == 2 and reads.retries == 1, proxy.injected
+    merged = (f"/{path}", spans[0][1], spans[-1][2])
+    assert _ranges(proxy.requests) == [merged, merged] + [(f"/{path}", a, b) for _, a, b in spans], proxy.requests
+    for (i, (start, data)), (_, a, b) in zip(got, spans):
+        assert start == a and data == reads.read(shard, a, b)
+    proxy.rules = [Fault("reset", 100, match=path)]
+    ahead = ReadAhead(reads, mine, reader.decoder.span, window=2, merge_bytes=1 << 30, reach=100)
+    errors = [ahead[pos][1] for pos in range(len(mine))]
+    assert all(isinstance(e, storage.RemoteReadError) for e in errors), errors
+    assert [str(e).split(": ")[1] for e in errors] == [f"reading bytes {a}-{b} of it failed 2 times, last" for _, a, b in spans]
 
 
 def test_the_read_ahead_window_overlaps_storage_latency(s3_dataset, proxy):
     """100 ms added to every request: 24 samples one after another would take 2.4 s; with 8 reads
     in flight they take about a tenth of that, plus decoding."""
     _, url = s3_dataset
-    reader = DataReader(_cfg([url], workers=1, read_ahead=8))
+    reader = DataReader(_cfg([url], workers=1, read_ahead=8, read_merge_mb=0))  # a request per sample
     proxy.latency_s = 0.1
     start = time.perf_counter()
     n = len(_read(reader))
@@ -91,7 +153,8 @@ def test_timeouts_503s_and_resets_mid_body_are_retried_and_counted(s3_dataset, p
     every sample still decoded, the five retries counted."""
     local, url = s3_dataset
     want = _read(DataReader(_cfg([local], workers=0)))
-    reader = DataReader(_cfg([url], workers=2, read_timeout_s=1.0))
+    # a request per sample: the faults fall on five different ones
+    reader = DataReader(_cfg([url], workers=2, read_timeout_s=1.0, read_merge_mb=0))
     proxy.rules = [Fault("503", 2), Fault("reset", 2), Fault("stall", 1)]
     proxy.stall_s = 3.0
     got = _read(reader)
@@ -106,7 +169,7 @@ def test_a_sample_whose_reads_keep_failing_is_a_counted_quarantined_skip(s3_data
     should. When the store recovers, the next epoch reads it."""
     _, url = s3_dataset
     log = tmp_path / "quarantine.jsonl"
-    reader = DataReader(_cfg([url], workers=2, read_attempts=3, quarantine_log=str(log)))
+    reader = DataReader(_cfg([url], workers=2, read_attempts=3, read_merge_mb=0, quarantine_log=str(log)))
     victim = int(reader.order()[5])
     shard, start, end = reader.decoder.span(victim)
     proxy.rules = [Fault("reset", 100, match=f"{shard.split('://', 1)[1].split('/', 1)[1]} bytes={start}-{end - 1}")]
@@ -127,7 +190,8 @@ import json, os, sys
 from dataio.reader import DataConfig, DataReader
 from yatt_mm.rl.sources import to_prompt
 log, url = sys.argv[1], sys.argv[2]
-reader = DataReader(DataConfig(shards=[url], seed=5, workers=2, read_ahead=8, video_isolation="none"))
+# reads merged 2-3 samples at a time (the samples are ~7 KB), so that several rounds of them are in flight
+reader = DataReader(DataConfig(shards=[url], seed=5, workers=2, read_ahead=8, read_merge_mb=0.02, video_isolation="none"))
 lines = [json.loads(x) for x in open(log).read().splitlines()] if os.path.exists(log) else []
 if lines:
     reader.load_state_dict(lines[-1]["state"])
@@ -240,7 +304,7 @@ def test_http_shards_read_by_range_as_local_ones(s3_dataset):
 def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_dataset, monkeypatch):
     """gs:// shards through gcsfs from a GCS-protocol server on 127.0.0.1 (gcp-storage-emulator,
     found through STORAGE_EMULATOR_HOST as gcsfs finds any such server), behind the counting proxy:
-    the same samples as from disk, each in one ranged GET; 503s, resets mid-body and a stall each
+    the same samples as from disk, each in one ranged GET (or a few samples in one, merged); 503s, resets mid-body and a stall each
     retried and counted once; a missing shard and a missing bucket refused by name."""
     import fsspec
     from gcp_storage_emulator.server import create_server
@@ -253,17 +317,21 @@ def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_d
     try:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
         fsspec.filesystem("gcs", skip_instance_cache=True).put(f"{local}/", "shards/ds/", recursive=True)
-        reader = DataReader(_cfg(["gs://shards/ds/"], workers=2))
+        reader = DataReader(_cfg(["gs://shards/ds/"], workers=2, read_merge_mb=0))
         proxy.reset_counts()
         got = _read(reader)
         assert got == _read(DataReader(_cfg([local], workers=2))) and len(got) == 24
         assert len(proxy.ranged_gets()) == len(proxy.requests) == 24, proxy.requests
+        merged = DataReader(_cfg(["gs://shards/ds/"], workers=2))  # the default: a few samples a GET
+        proxy.reset_counts()
+        assert _read(merged) == got
+        assert len(proxy.ranged_gets()) == len(proxy.requests) <= 6, proxy.requests
         # 503s, resets mid-body and a stalled answer through gcsfs: each retried once and counted
         # (gcsfs's own retries, up to 6 a request, are off as s3fs's are), every sample decoded. The
         # timeout is 3 s, not 1: this GCS-protocol server answers one request at a time (a
         # single-threaded HTTPServer), so with 1 s reads queued behind the read-ahead window time
         # out with no fault at all (9 of 24 did)
-        faulty = DataReader(_cfg(["gs://shards/ds/"], workers=2, read_timeout_s=3.0))
+        faulty = DataReader(_cfg(["gs://shards/ds/"], workers=2, read_timeout_s=3.0, read_merge_mb=0))
         proxy.rules = [Fault("503", 2), Fault("reset", 2), Fault("stall", 1)]
         proxy.stall_s = 5.0
         assert _read(faulty) == got
@@ -278,14 +346,15 @@ def test_gs_shards_read_by_range_as_local_ones_and_missing_ones_are_refused(s3_d
 
 
 def test_the_local_cache_serves_later_epochs_within_its_size_limit(s3_dataset, proxy, tmp_path):
-    """data.read_cache_dir: the first epoch reads the bucket (24 ranged GETs), the second reads
-    the cache (none) and gives the same samples; with a limit below the data's size the cache
+    """data.read_cache_dir: the first epoch reads the bucket (a few merged ranged GETs) and
+    keeps each sample's bytes under its own span, so the second reads the cache (no GET) and
+    gives the same samples; with a limit below the data's size the cache
     stays under it (least recently used out) and the rest is read from the bucket again."""
     _, url = s3_dataset
     reader = DataReader(_cfg([url], workers=2, read_cache_dir=str(tmp_path / "cache")))
     proxy.reset_counts()
     first = _read(reader)
-    assert len(proxy.ranged_gets()) == 24 and reader.decoder.remote.cache_hits == 0, (proxy.requests, reader.skips)
+    assert 0 < len(proxy.ranged_gets()) <= 6 and reader.decoder.remote.cache_hits == 0, (proxy.requests, reader.skips)
     proxy.reset_counts()
     cached = DataReader(_cfg([url], workers=2, read_cache_dir=str(tmp_path / "cache")))
     again = _read(cached)
@@ -302,7 +371,7 @@ def test_the_local_cache_serves_later_epochs_within_its_size_limit(s3_dataset, p
     limit = overhead + total // 2
     small = DataReader(_cfg([url], workers=2, read_cache_dir=str(tmp_path / "small"), read_cache_gb=limit / 2**30))
     proxy.reset_counts()
-    assert sorted(_read(small)) == sorted(first) and len(proxy.ranged_gets()) == 24, proxy.requests
+    assert sorted(_read(small)) == sorted(first) and proxy.ranged_gets(), proxy.requests
     with diskcache.Cache(str(tmp_path / "small")) as cache:
         assert 0 < len(cache) < 24, (len(cache), cache.volume(), limit)
         kept = sum(len(cache[k]) for k in cache.iterkeys())
