@@ -317,7 +317,7 @@ class _Read:
 
 class ReadAhead:
     """The items a decoder maps over, fetched ahead: `ahead[pos]` is `(todo[pos], payload)` with
-    payload `(start, bytes)` holding its span from offset `start`, the read's OSError, or None
+    payload `(start, bytes)` of its span, the read's OSError, or None
     where `span(i)` is None (a local shard, or a sample that reads nothing). Positions are asked
     for in order (decoders take the next item), each once.
 
@@ -391,9 +391,11 @@ class ReadAhead:
         read, start, end = planned
         try:
             data = read.future.result()
+            if read.members > 1:  # the sample's own bytes: a process worker gets them pickled
+                data = data[start - read.start:end - read.start]
             if self.reads.caching and not getattr(read.future, "from_cache", False):
-                self.reads.keep(read.url, start, end, data[start - read.start:end - read.start])
-            return self.todo[pos], (read.start, data)
+                self.reads.keep(read.url, start, end, data)
+            return self.todo[pos], (start, data)
         except CancelledError:
             return self.todo[pos], RemoteReadError("the read was cancelled (the reader was closed)")
         except OSError as e:

@@ -92,6 +92,8 @@ def test_s3_shards_give_the_same_samples_as_local_ones_in_merged_ranged_gets(s3_
         mine = [(a, b) for u, a, b in spans if u.endswith(path)]
         assert min(a for a, _ in read) == min(a for a, _ in mine) and max(b for _, b in read) == max(b for _, b in mine)
     assert reader.remote_retries == 0 and not reader.skips
+    # decode processes get each sample's own bytes from a merged read, as threads do
+    assert _read(DataReader(_cfg([url], workers=2, worker_kind="process"))) == want
 
     small = DataReader(_cfg([url], workers=2, read_ahead=4, read_merge_mb=0.02))  # bytes ahead bounded
     proxy.reset_counts()
@@ -108,9 +110,9 @@ def test_s3_shards_give_the_same_samples_as_local_ones_in_merged_ranged_gets(s3_
     assert proxy.connections <= 5, proxy.connections  # the window's 4 (+1 asked for), each reused
 
 
-def test_a_merged_read_that_keeps_failing_falls_back_to_each_samples_own_read(s3_dataset, proxy):
-    """One shard's 8 samples in one merged GET, cut mid-body on both its attempts: each sample
-    is then read on its own (8 ranged GETs, each its span) and decoded, nothing skipped; with
+def test_a_merged_read_hands_out_each_samples_own_bytes_and_falls_back_to_its_own_read_when_it_keeps_failing(s3_dataset, proxy):
+    """One shard's 8 samples in one merged GET, each handed out as its own bytes. That GET cut
+    mid-body on both its attempts: each sample is then read on its own (8 ranged GETs, each its span) and decoded, nothing skipped; with
     the shard failing for good, each sample carries its own read's error (a skip each)."""
     from dataio.storage import ReadAhead, RemotePolicy, RemoteReads
 
@@ -120,15 +122,20 @@ def test_a_merged_read_that_keeps_failing_falls_back_to_each_samples_own_read(s3
     mine = [i for i in range(len(reader.index)) if reader.index.shard_of(i) == shard]
     spans = [reader.decoder.span(i) for i in mine]
     path = shard.split("://", 1)[1]
-    proxy.rules = [Fault("reset", 2, match=path)]
     reads = RemoteReads(RemotePolicy(attempts=2, backoff_s=0.01))
+    own = [reads.read(shard, a, b) for _, a, b in spans]
+    proxy.reset_counts()  # merged, as decoders get it: each sample its own bytes (a process worker's pickle)
+    ahead = ReadAhead(reads, mine, reader.decoder.span, window=2, merge_bytes=1 << 30, reach=100)
+    assert [ahead[pos] for pos in range(len(mine))] == [(i, (a, b)) for i, (_, a, _), b in zip(mine, spans, own)]
+    assert len(proxy.ranged_gets()) == 1, proxy.requests
+    proxy.reset_counts()
+    proxy.rules = [Fault("reset", 2, match=path)]
     ahead = ReadAhead(reads, mine, reader.decoder.span, window=2, merge_bytes=1 << 30, reach=100)
     got = [ahead[pos] for pos in range(len(mine))]
     assert len(proxy.injected) == 2 and reads.retries == 1, proxy.injected
     merged = (f"/{path}", spans[0][1], spans[-1][2])
     assert _ranges(proxy.requests) == [merged, merged] + [(f"/{path}", a, b) for _, a, b in spans], proxy.requests
-    for (i, (start, data)), (_, a, b) in zip(got, spans):
-        assert start == a and data == reads.read(shard, a, b)
+    assert got == [(i, (a, b)) for i, (_, a, _), b in zip(mine, spans, own)]
     proxy.rules = [Fault("reset", 100, match=path)]
     ahead = ReadAhead(reads, mine, reader.decoder.span, window=2, merge_bytes=1 << 30, reach=100)
     errors = [ahead[pos][1] for pos in range(len(mine))]
