@@ -17,15 +17,15 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 demo: setup
 	$(BIN)/yatt-mm demo
 
-# Two pytest workers, a test file each at a time (its shared launches and engines kept): a launch or
-# an engine start leaves a core idle much of its time (docs/development.md)
+# Three pytest workers on two cores, a test file each at a time (its shared launches and engines
+# kept): a launch or an engine start leaves a core idle much of its time (docs/development.md)
 test: setup
-	$(BIN)/python -m pytest tests -q -m "not slow and not extended" -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest tests -q -m "not slow and not extended" -n 3 --dist loadfile --durations=15
 
-# the tests that take minutes each; CI runs them after `make test`. Two workers as above, then the
+# the tests that take minutes each; CI runs them after `make test`. Three workers as above, then the
 # tests that measure speeds, alone
 test-slow: setup
-	$(BIN)/python -m pytest tests -q -m "slow and not extended and not alone" -n 2 --dist loadfile --durations=10
+	$(BIN)/python -m pytest tests -q -m "slow and not extended and not alone" -n 3 --dist loadfile --durations=10
 	$(BIN)/python -m pytest tests -q -m "slow and not extended and alone" --durations=5
 
 test-extended: setup  # what re-checks a path CI covers another way; not in CI (docs/development.md)

@@ -145,8 +145,8 @@ LAST_LINES: dict[str, LastLine] = {
     # loader fails on the shards, its figures are null and energon_note says why
     "bench_remote_pipeline.py": LastLine(
         numbers=("images", "image_kb", "rounds", "latency_ms", "local_img_per_s", "remote_img_per_s", "remote_vs_local",
-                 "target", "requests_per_sample", "local_cpu_ms", "remote_cpu_ms", "server_cpu_ms", "proxy_cpu_ms",
-                 "remote_vs_local_reader_cpu"),
+                 "target", "remote_unmerged_vs_local", "requests_per_sample", "requests_per_sample_100k",
+                 "local_cpu_ms", "remote_cpu_ms", "server_cpu_ms", "proxy_cpu_ms", "remote_vs_local_reader_cpu"),
         others=("met", "energon_note", "energon_img_per_s", "vs_energon")),
     "bench_rl_step.py": LastLine(numbers=("step_s", "idle_share"), others=("phases_s",)),
     # TRL is an optional dependency (pip install -e '.[bench]'); without it a smoke run times
