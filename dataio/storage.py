@@ -336,7 +336,8 @@ class ReadAhead:
                  reach: int = 0):
         self.reads, self.todo, self.span, self.window = reads, todo, span, max(1, window)
         self.merge_bytes, self.reach = merge_bytes, reach
-        self._pos = {i: pos for pos, i in enumerate(todo)} if merge_bytes > 0 else {}
+        self._pos: dict[int, int] = {}  # index -> position, for the positions within reach ahead
+        self._mapped = 0  # positions [0, _mapped) were entered in _pos
         self._planned: dict[int, tuple[_Read, int, int]] = {}  # position -> (its request, its span)
         self._held = 0  # bytes of the requests whose samples are not all handed out yet
         self._next = 0  # the next position to plan
@@ -355,12 +356,17 @@ class ReadAhead:
     def _fill(self, upto: int) -> None:
         while self._next < min(upto, len(self.todo)) and not self._closed:
             pos, self._next = self._next, self._next + 1
+            if self._pos.get(self.todo[pos]) == pos:  # behind the planning now: no longer a neighbour to merge
+                del self._pos[self.todo[pos]]
             if pos not in self._planned and (where := self.span(self.todo[pos])) is not None:
                 self._start(pos, *where)
 
     def _start(self, pos: int, url: str, start: int, end: int) -> None:
         members = [(pos, start, end)]
         if self.merge_bytes > 0 and not self.reads.has(url, start, end):
+            while self._mapped < min(pos + self.reach + 1, len(self.todo)):  # a window of the order, not all of it
+                self._pos[self.todo[self._mapped]] = self._mapped
+                self._mapped += 1
             i, lo, hi = self.todo[pos], start, end
             for step in (1, -1):  # the shard's later samples, then its earlier ones
                 j = i + step
