@@ -6,9 +6,9 @@ run: the same RPC fed from a checkpoint file written to disk, and what a trainer
 in-place sync does: write an HF directory and start a new engine on it.
 
 Memory: the RL loop's own `push_weights` (rl/step.py) at tensor parallel 2 (two ranks under
-torchrun, each gathering full tensors from the TP shards, as on a GPU node), once with one
-bucket (the whole model gathered, renamed and handed over at once: what a sync without buckets
-does) and once with buckets of `--bucket-mb`. Measured on rank 0 as the rise of the process's
+torchrun, each gathering full tensors from the TP shards, as on a GPU node), in one launch: with
+buckets of `--bucket-mb`, then with one bucket (the whole model gathered, renamed and handed over
+at once: what a sync without buckets does). Measured on rank 0 as the rise of the process's
 resident memory above what it held before the sync (Linux VmHWM after resetting it; large
 allocations are mmap'd so freed memory leaves the process at once), beside the model's bytes.
 
@@ -83,15 +83,11 @@ def sync_memory(bucket_mb: float) -> dict:
     from models.tiny import tiny_model_dir, wide_model_dir
 
     path = full_or_smoke(wide_model_dir, lambda: tiny_model_dir("policy"))()  # ~36M parameters, 8 text layers
-    out = {}
-    for mode, mb in (("one_bucket", 1e6), ("bucketed", bucket_mb)):
-        env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed tensors leave the process
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, "--worker", str(path), "--bucket-mb", str(mb)]
-        lines = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
-        result = json.loads([x for x in lines if x.startswith("{")][-1])
-        out[f"peak_extra_bytes_{mode}"] = result["extra_bytes"]
-        out["model_bytes"], out["buckets"] = result["model_bytes"], result["buckets"]
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed tensors leave the process
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, "--worker", str(path), "--bucket-mb", str(bucket_mb)]
+    lines = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    out = json.loads([x for x in lines if x.startswith("{")][-1])
     out["bucket_mb"] = bucket_mb
     out["extra_ratio_bucketed"] = round(out["peak_extra_bytes_bucketed"] / out["model_bytes"], 3)
     out["extra_ratio_one_bucket"] = round(out["peak_extra_bytes_one_bucket"] / out["model_bytes"], 3)
@@ -107,7 +103,8 @@ def _status_kb(field: str) -> int:
 
 def worker(path: str, bucket_mb: float) -> None:
     """One rank: the trainer at TP 2 and its own rollout engine; one warm-up sync, then the
-    measured one through the RL loop's push_weights."""
+    measured ones through the RL loop's push_weights: buckets of `bucket_mb`, then one bucket
+    (each from the resident memory after the one before was freed)."""
     from models.comm import init_parallel
     from models.trainer import TrainerConfig, VLMTrainer
     from yatt_mm.engines.engine import EngineConfig, RolloutEngine
@@ -120,15 +117,19 @@ def worker(path: str, bucket_mb: float) -> None:
     cfg = SimpleNamespace(rollout=SimpleNamespace(engine=engine.cfg), sync=SyncConfig(bucket_mb=bucket_mb))
     run = SimpleNamespace(trainer=trainer, engine=engine, ranks=ranks, cfg=cfg)
     push_weights(run)  # warm-up: vLLM's reload bookkeeping is made once
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = _status_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    metrics = push_weights(run)
-    extra = _status_kb("VmHWM") - before
+    out = {}
+    for mode, mb in (("bucketed", bucket_mb), ("one_bucket", 1e6)):
+        cfg.sync = SyncConfig(bucket_mb=mb)
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = _status_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        metrics = push_weights(run)
+        out[f"peak_extra_bytes_{mode}"] = _status_kb("VmHWM") - before
+        if mode == "bucketed" and ranks.rank == 0:  # the sync's figures are the controller's
+            out["model_bytes"], out["buckets"] = int(metrics["sync/bytes"]), int(metrics["sync/buckets"])
     if ranks.rank == 0:  # the controller, whose engine the sync fills (its TP peer only gathers)
-        print(json.dumps({"extra_bytes": extra, "model_bytes": int(metrics["sync/bytes"]),
-                          "buckets": int(metrics["sync/buckets"])}), flush=True)
+        print(json.dumps(out), flush=True)
     engine.shutdown()
 
 
