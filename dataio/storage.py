@@ -317,18 +317,18 @@ class _Read:
 
 class ReadAhead:
     """The items a decoder maps over, fetched ahead: `ahead[pos]` is `(todo[pos], payload)` with
-    payload `(start, bytes)` of its span, the read's OSError, or None
-    where `span(i)` is None (a local shard, or a sample that reads nothing). Positions are asked
-    for in order (decoders take the next item), each once.
+    payload `(start, bytes)` of its span, the read's OSError, or None where `span(i)` is None (a
+    local shard, or a sample that reads nothing). Positions are asked for in order (decoders
+    take the next item), each once.
 
     At most `window` requests are started ahead of the furthest position asked for. A request
-    is merged: with a sample go its neighbours in the shard (adjacent bytes, at most `hole`
-    bytes apart) that this reader reads within the next `reach` positions, while the bytes of
-    requests not yet fully decoded stay within `merge_bytes` (0: one request per sample). The
-    shuffle buffer scatters a slice's samples over a few buffer lengths of the order, so one
-    request then brings many samples: fewer requests, each of them cheaper for the client and
-    the store than the bytes it carries. A merged request that fails after its retries falls
-    back to one request per sample, so that each sample is skipped or read on its own merits."""
+    is merged: with a sample go its neighbours in the shard (adjacent spans, at most HOLE bytes
+    apart) that this reader reads within the next `reach` positions, while the bytes of the
+    requests whose samples are not all handed out stay within `merge_bytes` (0: one request per
+    sample). The shuffle buffer scatters a slice's consecutive samples over a few buffer lengths
+    of the order, so one request then brings many samples: a request costs the client and the
+    store far more than the bytes it carries. A merged request that fails after its retries
+    falls back to one request per sample, so that each sample is read or skipped on its own."""
 
     HOLE = 256 << 10  # bytes between two samples' spans read anyway to merge them (tar headers, unread members)
 
