@@ -18,14 +18,17 @@ demo: setup
 	$(BIN)/yatt-mm demo
 
 # Three pytest workers on two cores, a test file each at a time (its shared launches and engines
-# kept): a launch or an engine start leaves a core idle much of its time (docs/development.md)
+# kept): a launch or an engine start leaves a core idle much of its time (docs/development.md).
+# They need about 15 GB of memory (the slow suite 18): WORKERS=2 or 1 on a machine with less
+WORKERS ?= 3
+
 test: setup
-	$(BIN)/python -m pytest tests -q -m "not slow and not extended" -n 3 --dist loadfile --durations=15
+	$(BIN)/python -m pytest tests -q -m "not slow and not extended" -n $(WORKERS) --dist loadfile --durations=15
 
 # the tests that take minutes each; CI runs them after `make test`. Three workers as above, then the
 # tests that measure speeds, alone
 test-slow: setup
-	$(BIN)/python -m pytest tests -q -m "slow and not extended and not alone" -n 3 --dist loadfile --durations=10
+	$(BIN)/python -m pytest tests -q -m "slow and not extended and not alone" -n $(WORKERS) --dist loadfile --durations=10
 	$(BIN)/python -m pytest tests -q -m "slow and not extended and alone" --durations=5
 
 test-extended: setup  # what re-checks a path CI covers another way; not in CI (docs/development.md)
