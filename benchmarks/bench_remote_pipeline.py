@@ -1,13 +1,14 @@
 """Shards in object storage: decoded images/s read from an S3 server with 20 ms added to every
 request, against the same shards on local disk, both at the reader's defaults (data.workers,
-data.read_ahead, data.read_merge_mb); target remote_vs_local >= 0.8. The same run reads the bucket
-once more with one request per sample (read_merge_mb 0: `remote_unmerged_vs_local`). The server is moto's S3 server on 127.0.0.1
-(tests/s3_store.py, signatures off: its policy check would cost the cores the readers measure
-on), the 20 ms added by the fault proxy of the tests, which also counts the requests
-(requests_per_sample: ranged GETs while reading, per decoded image). At this size a merged read
-can take a whole shard's samples, so `requests_per_sample_100k` says what the reader's merging
-gives on a larger dataset: its ReadAhead run over the order of 100,000 samples (1,000 a shard,
-77 KB each) at the defaults, with storage replaced by a counter of requests (no bytes move). The peer baseline is
+data.read_ahead, data.read_merge_mb); target remote_vs_local >= 0.8. The same rounds read the
+bucket once more with one request per sample (read_merge_mb 0: `remote_unmerged_vs_local`). The
+server is moto's S3 server on 127.0.0.1 (tests/s3_store.py, signatures off: its policy check would
+cost the cores the readers measure on), the 20 ms added by the fault proxy of the tests, which also
+counts the requests (requests_per_sample: ranged GETs while reading, per decoded image). At this
+size a merged read can take a whole shard's samples, so `requests_per_sample_100k` says what the
+reader's merging gives on a larger dataset: its ReadAhead run over the order of 100,000 samples
+(1,000 a shard, 77 KB each) at the defaults, with storage replaced by a counter of requests (no
+bytes move). The peer baseline is
 Megatron-Energon's loader (`megatron-energon`, the `bench` extra) reading the same shards from
 the same server through NVIDIA's multi-storage-client, after `energon prepare`, with the same
 decode and resize in its 2 workers (each dropping the connections it inherits at fork: see
