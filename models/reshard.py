@@ -112,3 +112,37 @@ def load_plain(whole: Whole, step: torch.Tensor | None, opt, module) -> None:
             if moments and step is not None:  # a parameter Adam has stepped
                 adam["state"][j] = {"step": step.clone(), **moments}
     opt.optimizer.load_state_dict(adam)
+
+
+def load_whole(trainer, whole: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
+    """Each parameter's whole optimizer state into this run's optimizer: cut as the distributed
+    optimizer shards it here, or whole into the plain one. `meta`: Adam's `step`, and how the
+    saving run's optimizer was built (`distributed`, `inner` optimizers, Megatron's `megatron`
+    state_dict(), which is taken where it fits this one)."""
+    from models.optimizer import inner_optimizers
+
+    inner = inner_optimizers(trainer.optimizer)
+    if not trainer.cfg.distributed_optimizer:  # each rank steps its shard of the model whole
+        for opt in inner:
+            load_plain(whole, meta["step"], opt, trainer.module)
+        return
+    same = meta.get("distributed", True) and meta["inner"] == len(inner)  # the saved state_dict() fits this one
+    megatron = meta["megatron"] if same else stepped_hyperparameters(inner, meta["step"])
+    trainer.optimizer.load_state_dict(megatron)  # hyperparameters first: `cut` keeps this rank's
+    shards = [cut(whole, meta["step"], opt, trainer.module) for opt in inner]
+    trainer.load_optimizer_state({"megatron": megatron, "shards": shards})
+
+
+def stepped_hyperparameters(inner: list, step: torch.Tensor) -> dict | list[dict]:
+    """Megatron's state_dict() of this run's optimizer as if it had stepped `step` times: its own
+    param groups (this run's hyperparameters; no schedule changes them) with Adam's step, for a
+    checkpoint written without the distributed optimizer or whose layout chained another number
+    of inner optimizers (under EP the experts have one of their own)."""
+    states = []
+    for opt in inner:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": float(step)}
+                  for g in opt.optimizer.state_dict()["param_groups"]]
+        grad_scaler = getattr(opt, "grad_scaler", None)
+        states.append({"optimizer": {"param_groups": groups}}
+                      | ({"grad_scaler": grad_scaler.state_dict()} if grad_scaler else {}))
+    return states[0] if len(states) == 1 else states

@@ -145,14 +145,17 @@ class Checkpointer:
     """Takes a rank's snapshot at once and writes it in a background thread; one write at a time.
     Also resumes a run from the newest complete checkpoint."""
 
-    def __init__(self, root: Path, rank: int, world: int, keep: int, attempt: str, layout: Layout | None = None):
+    def __init__(self, root: Path, rank: int, world: int, keep: int, attempt: str, layout: Layout | None = None,
+                 fmt: str = "per_rank"):
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
+        self.format = fmt  # "torch_dist": a full-weight trainer's state in Megatron's distributed checkpoint
         self.attempt = attempt  # this launch's id, the same on every rank
         self.layout = layout or Layout(dp=world)
         if self.layout.world != world:
             raise ValueError(f"layout {self.layout.describe()} is not {world} ranks")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._group = None  # the writes' own process group (torch_dist), made at the first save
         self.last_write_seconds = 0.0
 
     def save(self, step: int, trainer, controller=None, dp_rank: int = 0, controller_snapshot=None) -> dict[str, float]:
@@ -161,13 +164,19 @@ class Checkpointer:
         rollout running ahead has moved the live one past what this step trained)."""
         self.wait()
         t0 = time.perf_counter()
-        # with LoRA the adapter alone, and the base it belongs to by path and hash
-        snapshot = {"model": _clone(trainer.checkpoint_weights()), "optimizer": _clone(trainer.optimizer_state()),
-                    "base": base_identity(trainer),
-                    "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel,
-                    "pipeline_parallel": trainer.cfg.pipeline_parallel,
-                    "pipeline_layers": list(getattr(trainer.cfg, "pipeline_layers", [])),
-                    "distributed_optimizer": trainer.cfg.distributed_optimizer}
+        if self.format == "torch_dist" and getattr(trainer, "lora", None) is None:
+            from models import dist_ckpt
+
+            if self._group is None and dist.is_initialized():
+                self._group = dist.new_group(backend="gloo")  # collective: every rank saves at this step
+            snapshot = {"dist": dist_ckpt.snapshot(trainer), "step": step}
+        else:  # with LoRA the adapter alone, and the base it belongs to by path and hash
+            snapshot = {"model": _clone(trainer.checkpoint_weights()), "optimizer": _clone(trainer.optimizer_state()),
+                        "base": base_identity(trainer),
+                        "step": step, "world": self.world, "tensor_parallel": trainer.cfg.tensor_parallel,
+                        "pipeline_parallel": trainer.cfg.pipeline_parallel,
+                        "pipeline_layers": list(getattr(trainer.cfg, "pipeline_layers", [])),
+                        "distributed_optimizer": trainer.cfg.distributed_optimizer}
         ctrl = controller_snapshot or (controller_state(controller) if controller is not None else None)
         seconds = time.perf_counter() - t0
         self._thread = threading.Thread(target=self._write_guarded, args=(step, snapshot, ctrl, dp_rank),
@@ -189,7 +198,7 @@ class Checkpointer:
                 drop_lines_after(path, -1)
             return 0
         plan, states = read
-        if plan.convert:  # the first rank writes the checkpoint in HF names once; every rank reads it
+        if plan.convert and not is_dist(ckpt):  # the first rank writes it in HF names once; every rank reads it
             if self.rank == 0:
                 from yatt_mm.rl.relayout import convert
 
@@ -246,7 +255,7 @@ class Checkpointer:
                     mine = step
                     break
                 plan = self._plan(d)
-                states, reason = verify_files(d, plan, controller)
+                states, reason = verify_files(d, plan, controller, (self.rank, self.world))
                 if reason is None:
                     kept, mine = (step, (plan, states)), step
                     break
@@ -305,8 +314,18 @@ class Checkpointer:
         out.mkdir(parents=True, exist_ok=True)
         marker = out / f"done_rank{self.rank}"
         marker.unlink(missing_ok=True)  # a crashed attempt's, about to be stale
-        digest = state_digest({"model": snapshot["model"], "optimizer": snapshot["optimizer"]})
-        _atomic(out / f"trainer_rank{self.rank}.pt", lambda p: torch.save(snapshot, p))
+        written = {}
+        if "dist" in snapshot:
+            from models import dist_ckpt
+
+            digest = state_digest(dist_ckpt.snapshot_tensors(snapshot["dist"]))
+            dist_ckpt.write(snapshot["dist"], out / DIST_DIR, self._group, self.rank)
+            _fsync(out / DIST_DIR)
+            written = {"format": "torch_dist", "files": {
+                f"{DIST_DIR}/{p.name}": _file_sha256(p) for p in dist_ckpt.files_of(out / DIST_DIR, self.rank)}}
+        else:
+            digest = state_digest({"model": snapshot["model"], "optimizer": snapshot["optimizer"]})
+            _atomic(out / f"trainer_rank{self.rank}.pt", lambda p: torch.save(snapshot, p))
         if pause := float(os.environ.get("YATT_MM_FAULT_CHECKPOINT_PAUSE", 0)):
             time.sleep(pause)  # crash tests: a window to kill the rank mid-write
         if ctrl is not None:
@@ -317,7 +336,7 @@ class Checkpointer:
         _fsync(out)
         _atomic(marker, lambda p: p.write_text(json.dumps(
             {"attempt": self.attempt, "world": self.world, "step": step, "sha256": digest,
-             "layout": asdict(self.layout)})))
+             "layout": asdict(self.layout)} | written)))
         _fsync(out)
         self.last_write_seconds = time.perf_counter() - t0
         if self.rank == 0:
@@ -416,14 +435,21 @@ def _short(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def verify_files(ckpt: Path, plan: ResumePlan, controller: bool) -> tuple[dict[int, dict] | None, str | None]:
+def verify_files(ckpt: Path, plan: ResumePlan, controller: bool,
+                 share: tuple[int, int] = (0, 1)) -> tuple[dict[int, dict] | None, str | None]:
     """(the trainer states `plan` reads, by rank, None) when its files in `ckpt` are whole, else
-    (None, why not): each trainer file reads and hashes to the SHA-256 of its rank's marker;
-    with `controller`, the controller files of the DP groups it reads are there and read."""
+    (None, why not): each trainer file reads and hashes to the SHA-256 of its rank's marker (a
+    distributed checkpoint: the files of every old rank r with r % ranks == rank, `share` =
+    (rank, ranks), hash to their marker's list); with `controller`, the controller files of the
+    DP groups it reads are there and read."""
     from safetensors.torch import load_file
 
     states = {}
-    for rank in plan.trainers:
+    if is_dist(ckpt):
+        reason = verify_dist_files(ckpt, *share)
+        if reason is not None:
+            return None, reason
+    for rank in ([] if is_dist(ckpt) else plan.trainers):
         state, reason = verify_trainer_file(ckpt, rank)
         if reason is not None:
             return None, reason
@@ -439,6 +465,37 @@ def verify_files(ckpt: Path, plan: ResumePlan, controller: bool) -> tuple[dict[i
             except Exception as e:
                 return None, f"{member} cannot be read (truncated or damaged: {_short(e)})"
     return states, None
+
+
+DIST_DIR = "trainer"  # a full-weight trainer's Megatron distributed checkpoint, in each step's directory
+
+
+def is_dist(ckpt: Path) -> bool:
+    """Whether `ckpt` holds its trainer state as a Megatron distributed checkpoint."""
+    markers = complete_markers(ckpt) or _markers(ckpt)
+    return any(m.get("format") == "torch_dist" for m in markers.values())
+
+
+def verify_dist_files(ckpt: Path, rank: int, ranks: int) -> str | None:
+    """None when the files the old ranks r with r % `ranks` == `rank` wrote to the distributed
+    checkpoint are there and hash to their markers' SHA-256s, else why not."""
+    markers = complete_markers(ckpt) or {}
+    for old in sorted(r for r in markers if r % ranks == rank):
+        for name, want in markers[old].get("files", {}).items():
+            path = ckpt / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if _file_sha256(path) != want:
+                return f"{name} does not hash to the SHA-256 in done_rank{old}: its contents changed after writing"
+    return None
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def verify_trainer_file(ckpt: Path, rank: int) -> tuple[dict | None, str | None]:
@@ -497,6 +554,8 @@ def load_trainer_as(ckpt: Path, trainer, plan: ResumePlan, states: dict[int, dic
     """Restore this rank's model shard and optimizer state as `plan` says, from the trainer
     states read (`verify_files`); checks the layout, then that the live state hashes to what was
     written (bit for bit). Returns the step and what was restored, in words."""
+    if is_dist(ckpt):
+        return load_dist_trainer(ckpt, trainer, plan)
     if plan.convert:
         return load_converted_trainer(ckpt, trainer, plan)
     source = plan.trainers[0]
@@ -527,6 +586,26 @@ def load_trainer_as(ckpt: Path, trainer, plan: ResumePlan, states: dict[int, dic
         raise RuntimeError(f"{ckpt}: rank {source}'s restored weights and optimizer state do not hash to what was "
                            "written with them: the checkpoint is damaged")
     return int(state["step"]), "weights and optimizer state bitwise as written"
+
+
+def load_dist_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, str]:
+    """Weights and optimizer state from a Megatron distributed checkpoint, at this run's layout
+    whatever layout wrote it; at the same layout, checked bit for bit against what was written."""
+    from models import dist_ckpt
+
+    if getattr(trainer, "lora", None) is not None:
+        raise RuntimeError(f"{ckpt} was written by a full-weight run (no policy.lora): resume it without LoRA")
+    dist_ckpt.load(trainer, ckpt / DIST_DIR)
+    markers = complete_markers(ckpt)
+    step = int(markers[0]["step"])
+    if plan.saved is None or plan.resharded or plan.convert:
+        return step, f"weights and optimizer state read at this layout from the distributed checkpoint written at " \
+                     f"{plan.saved.describe() if plan.saved else 'another layout'}"
+    mine = dist.get_rank() if dist.is_initialized() else 0
+    if state_digest(dist_ckpt.snapshot_tensors(dist_ckpt.snapshot(trainer))) != markers[mine]["sha256"]:
+        raise RuntimeError(f"{ckpt}: rank {mine}'s restored weights and optimizer state do not hash to what was "
+                           "written with them: the checkpoint is damaged")
+    return step, "weights and optimizer state bitwise as written"
 
 
 def load_converted_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, str]:

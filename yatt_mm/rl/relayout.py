@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from models.reshard import load_whole
+
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                  "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -162,7 +164,7 @@ def load_converted(ckpt: Path, trainer) -> None:
     conv = converted_dir(ckpt)
     meta = torch.load(conv / "optimizer.pt", map_location="cpu", weights_only=True)
     if getattr(trainer, "lora", None) is not None:
-        _load_optimizer(trainer, load_adapter_state(conv, trainer, meta), meta)
+        load_whole(trainer, load_adapter_state(conv, trainer, meta), meta)
         return
     family = family_of(trainer.spec)
     tp_rank, tp = trainer.tp_rank, trainer.cfg.tensor_parallel
@@ -174,12 +176,12 @@ def load_converted(ckpt: Path, trainer) -> None:
         family.load_hf_into(carrier, conv / f"optimizer_{key}", tp_rank, tp)
         for name, p in carrier.named_parameters():
             whole.setdefault(name, {})[key] = p.detach().reshape(-1).clone()
-    _load_optimizer(trainer, whole, meta)
+    load_whole(trainer, whole, meta)
 
 
 def load_adapter_state(conv: Path, trainer, meta: dict) -> dict[str, dict[str, torch.Tensor]]:
     """`write_adapter_state`'s files into this rank's adapter (its TP part of its stage's layers),
-    and the optimizer state of each adapter parameter, whole and 1-D, as `_load_optimizer` takes it."""
+    and the optimizer state of each adapter parameter, whole and 1-D, as models/reshard.py's `load_whole` takes it."""
     from safetensors.torch import load_file
 
     from models.convert import split_adapter_tensors
@@ -203,36 +205,3 @@ def load_adapter_state(conv: Path, trainer, meta: dict) -> dict[str, dict[str, t
             else:
                 whole.setdefault(name, {})[key] = t.reshape(-1).clone()
     return whole
-
-
-def _load_optimizer(trainer, whole: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
-    """Each parameter's whole optimizer state into this run's optimizer: cut as the distributed
-    optimizer shards it here, or whole into the plain one."""
-    from models.optimizer import inner_optimizers
-    from models.reshard import cut, load_plain
-
-    inner = inner_optimizers(trainer.optimizer)
-    if not trainer.cfg.distributed_optimizer:  # each rank steps its shard of the model whole
-        for opt in inner:
-            load_plain(whole, meta["step"], opt, trainer.module)
-        return
-    same = meta.get("distributed", True) and meta["inner"] == len(inner)  # the saved state_dict() fits this one
-    megatron = meta["megatron"] if same else _stepped_hyperparameters(inner, meta["step"])
-    trainer.optimizer.load_state_dict(megatron)  # hyperparameters first: `cut` keeps this rank's
-    shards = [cut(whole, meta["step"], opt, trainer.module) for opt in inner]
-    trainer.load_optimizer_state({"megatron": megatron, "shards": shards})
-
-
-def _stepped_hyperparameters(inner: list, step: torch.Tensor) -> dict | list[dict]:
-    """Megatron's state_dict() of this run's optimizer as if it had stepped `step` times: its own
-    param groups (this run's hyperparameters; no schedule changes them) with Adam's step, for a
-    checkpoint written without the distributed optimizer or whose layout chained another number
-    of inner optimizers (under EP the experts have one of their own)."""
-    states = []
-    for opt in inner:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": float(step)}
-                  for g in opt.optimizer.state_dict()["param_groups"]]
-        grad_scaler = getattr(opt, "grad_scaler", None)
-        states.append({"optimizer": {"param_groups": groups}}
-                      | ({"grad_scaler": grad_scaler.state_dict()} if grad_scaler else {}))
-    return states[0] if len(states) == 1 else states

@@ -68,7 +68,8 @@ class Run:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", ranks.rank, ranks.world,
                                          cfg.run.keep_checkpoints, attempt_id(), Layout(
                                              ranks.tp_size, ranks.cp_size, ranks.pp_size, ranks.ep_size,
-                                             ranks.dp_size, trainer_cfg.distributed_optimizer))
+                                             ranks.dp_size, trainer_cfg.distributed_optimizer),
+                                         fmt=cfg.run.checkpoint_format)
         self.policy_dir = str(check_hf_dir(cfg.policy.model))
         self.trainer = VLMTrainer(self.policy_dir, cfg.policy.trainer, cfg.policy.lora, cfg.policy.freeze_vision)
         processor = AutoProcessor.from_pretrained(self.policy_dir)

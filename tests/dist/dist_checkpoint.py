@@ -1,0 +1,79 @@
+"""A full-weight trainer's checkpoint in Megatron's distributed format (run.checkpoint_format=
+torch_dist), written at one layout and resumed at another by the checkpointer itself, under
+torchrun (gloo):
+
+    torchrun --nproc-per-node 2 tests/dist/dist_checkpoint.py save DIR KIND TP PP EP DISTOPT
+    torchrun --nproc-per-node N tests/dist/dist_checkpoint.py resume DIR KIND TP PP EP DISTOPT
+
+`save` trains step 1, checkpoints it, trains step 2; `resume` resumes the checkpoint and trains
+step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
+step 2's loss and gradient norm do not depend on the layout. Each launch writes, from its first
+rank, the HF export of the weights the checkpoint holds (after step 1, or as resumed) to
+DIR/weights_{save,resume}.safetensors, and prints one JSON line: step 2's loss and gradient norm,
+and the resumed step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import models  # noqa: F401 - CPU runtime hooks first
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vlm_train_steps import sft_batch  # noqa: E402
+
+from dataio.synth import colour_image  # noqa: E402
+from models.comm import init_distributed, init_parallel  # noqa: E402
+from models.tiny import tiny_model_dir  # noqa: E402
+from models.trainer import TrainerConfig, VLMTrainer  # noqa: E402
+from yatt_mm.rl.checkpoint import Checkpointer  # noqa: E402
+from yatt_mm.rl.layout import Layout  # noqa: E402
+
+
+def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bool) -> dict:
+    from safetensors.torch import save_file
+    from transformers import AutoProcessor
+
+    ranks = init_parallel(tp, 0, pp, ep)
+    trainer = VLMTrainer(str(tiny_model_dir(kind)), TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp,
+                                                                  expert_parallel=ep, lr=1e-3,
+                                                                  distributed_optimizer=distopt))
+    processor = AutoProcessor.from_pretrained(str(tiny_model_dir(kind)))
+    processor.tokenizer.padding_side = "right"
+    rng = random.Random(7)
+    first, second = [[sft_batch(processor, trainer.spec, [colour_image(rng) for _ in range(2)]) for _ in range(2)]
+                     for _ in range(2)]
+
+    def step(batches) -> dict:
+        tokens = sum(float(b.extra["mask"].sum()) for b in batches)
+        metrics = trainer.train_step(batches, lambda lp, mb: (-(lp * mb.extra["mask"]).sum() / tokens, {}))
+        return {"loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"]}
+
+    layout = Layout(ranks.tp_size, ranks.cp_size, ranks.pp_size, ranks.ep_size, ranks.dp_size, distopt)
+    checkpointer = Checkpointer(out / "checkpoints", ranks.rank, ranks.world, keep=2, attempt=mode, layout=layout,
+                                fmt="torch_dist")
+    result = {"world": ranks.world}
+    if mode == "save":
+        step(first)
+        result |= checkpointer.save(1, trainer)
+        checkpointer.wait()
+    else:  # what it restored, in words, goes to stdout
+        result["step"] = checkpointer.resume(trainer, None, 0, lambda: None, [], group=dist.new_group(backend="gloo"))
+    weights = trainer.export_hf()  # a collective over TP, PP and EP
+    if ranks.rank == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"weights_{mode}.safetensors"))
+    return result | step(second)
+
+
+if __name__ == "__main__":
+    mode, out, kind = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    tp, pp, ep, distopt = map(int, sys.argv[4:8])
+    init_distributed()
+    result = main(mode, out, kind, tp, pp, ep, bool(distopt))
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""run.checkpoint_format=torch_dist: a full-weight trainer's state in Megatron-Core's distributed
+checkpoint, resumed at another layout by the checkpointer with no conversion step
+(tests/dist/dist_checkpoint.py; models/dist_ckpt.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.subproc import ROOT
+
+SCRIPT = str(ROOT / "tests/dist/dist_checkpoint.py")
+
+
+def _launch(nproc: int, *args) -> tuple[dict, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), SCRIPT,
+           *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]), proc.stdout
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@pytest.mark.slow  # six launches of 1-2 ranks, ~15 s each
+def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_optimizer(tmp_path):
+    """Written at DP 2 with the distributed optimizer, resumed: at the same layout (checked bit
+    for bit against the markers' SHA-256); at DP 1 x TP 2 with the plain optimizer; at DP 1 x PP 2.
+    The tiny Qwen3-VL-MoE written at EP 2 resumes on one rank (EP 1, plain optimizer). Each
+    resume's weights are the saved ones bit for bit (gathered into HF names), and step 2 after it
+    gives the uninterrupted run's loss and gradient norm: equal at the same layout, within
+    float32 rounding of another reduction order elsewhere."""
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    saved, _ = _launch(2, "save", dense, "policy", 1, 1, 1, 1)
+    assert saved["checkpoint/snapshot_seconds"] > 0
+    step = dense / "checkpoints" / "step_1"
+    markers = [json.loads((step / f"done_rank{r}").read_text()) for r in range(2)]
+    assert all(m["format"] == "torch_dist" for m in markers)
+    assert {"trainer/.metadata", "trainer/common.pt", "trainer/metadata.json"} <= set(markers[0]["files"])
+    assert not list(step.glob("trainer_rank*.pt"))
+    written = _weights(dense / "weights_save.safetensors")
+    for nproc, tp, pp, distopt, how in (
+            (2, 1, 1, 1, "weights and optimizer state bitwise as written"),
+            (2, 2, 1, 0, "read at this layout from the distributed checkpoint written at DP 2 x TP 1 x PP 1 x CP 1, "
+                         "distributed_optimizer=true"),
+            (2, 1, 2, 1, "read at this layout")):
+        resumed, said = _launch(nproc, "resume", dense, "policy", tp, pp, 1, distopt)
+        print((tp, pp, distopt), resumed)
+        assert f"resumed from {step} (step 1; " in said and how in said, said
+        assert "converting" not in said
+        back = _weights(dense / "weights_resume.safetensors")
+        assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+        if (tp, pp, distopt) == (1, 1, 1):
+            assert (resumed["loss"], resumed["grad_norm"]) == (saved["loss"], saved["grad_norm"])
+        for k in ("loss", "grad_norm"):
+            assert resumed[k] == pytest.approx(saved[k], rel=2e-6), (k, tp, pp)
+
+    saved, _ = _launch(2, "save", moe, "qwen3vlmoe", 1, 1, 2, 1)
+    resumed, said = _launch(1, "resume", moe, "qwen3vlmoe", 1, 1, 1, 0)
+    assert "distributed checkpoint written at DP 2 x TP 1 x PP 1 x CP 1 x EP 2" in said, said
+    written, back = _weights(moe / "weights_save.safetensors"), _weights(moe / "weights_resume.safetensors")
+    assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+    for k in ("loss", "grad_norm"):
+        assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
