@@ -102,7 +102,8 @@ LAST_LINES: dict[str, LastLine] = {
         # eval_reward_sync_stdev: null after one round
         others=("met", "round_ratios", "eval_reward_sync_stdev", "eval_rewards", "overlap_slowdown",
                 "predicted_round_ratios", "predicted_bound", "runs_kept")),
-    "bench_checkpoint.py": LastLine(numbers=("blocked_s", "write_s", "sync_over_async", "checkpoint_bytes")),
+    "bench_checkpoint.py": LastLine(numbers=("snapshot_ms", "write_s", "bytes", "snapshot_ms_before", "write_s_before",
+                                             "bytes_before", "sync_over_async")),
     "bench_lora.py": LastLine(numbers=("sync_bytes_ratio", "checkpoint_bytes_ratio", "train_peak_ratio",
                                        "step_time_ratio", "sync_export_s_ratio", "lora_rank"),
                               others=("full", "lora")),

@@ -145,9 +145,9 @@ def saved_keys(path: Path) -> set[str]:
     return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
-def load(trainer, path: Path) -> None:
-    """This rank's model and optimizer state from a directory `write` wrote, whatever layout
-    wrote it. Collective over the run's groups."""
+def load(trainer, path: Path, optimizer: bool = True) -> None:
+    """This rank's model and (with `optimizer`) optimizer state from a directory `write` wrote,
+    whatever layout wrote it. Collective over the run's groups."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
@@ -160,12 +160,14 @@ def load(trainer, path: Path) -> None:
     entry = _entries_by_param(model)
     wanted = {}
     for name, p in module.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and optimizer:
             keys = (*_KEYS, main) if main else _KEYS
             wanted[name] = {k: make_sharded_optimizer_tensor(entry[p], torch.empty(p.shape, dtype=torch.float32),
                                                              prefix=f"optimizer.state.{k}") for k in keys}
     state = dist_checkpointing.load({"model": model, "optimizer_tensors": wanted}, str(path))
     module.load_state_dict(state["model"])
+    if not optimizer:
+        return
     kind = state["optimizer_kind"]
     whole = {}
     for name, p in module.named_parameters():

@@ -422,11 +422,12 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     lineage read as one run. Then exact resume: with seeded sampling (rollout.sampling.seed), the
     rerun's run resumed from its step-2 checkpoint samples, rewards and trains steps 3 and 4 as
     the rerun did, to the last bit of the weights; that resume also falls back: its newest
-    checkpoint (step 4) has a truncated trainer file, which it names with its reason and skips.
-    Then a resume at another layout: a copy of the run without its step-4 checkpoint (a run
-    preempted after step 2) comes back on one rank with the same global batch: the weights go on
-    bit for bit, the distributed optimizer's state is re-sharded, and epochs 0 and 1 are each
-    drawn exactly once across the change. Last, with a damaged file in every checkpoint, a rerun
+    checkpoint (step 4) has a truncated file in its distributed checkpoint, which it names with
+    its reason and skips. Then a resume at another layout: a copy of the run without its step-4
+    checkpoint (a run preempted after step 2) comes back on one rank with the same global batch,
+    reading the same distributed checkpoint (no conversion step): the weights go on bit for bit,
+    the distributed optimizer's state is cut for DP 1, and epochs 0 and 1 are each drawn exactly
+    once across the change. Last, with a damaged file in every checkpoint, a rerun
     stops with one clear error and leaves the run's logs as they were."""
     import fcntl
     import shutil
@@ -444,8 +445,8 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
         _wait_for(lambda: _steps_logged(run_dir) >= 1, launcher, "step 1")
         second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and f'"pid": {launcher.pid}' in second.stderr, second.stderr[-2000:]
-        _wait_for(lambda: (ckpt / "trainer_rank0.pt").is_file() and (ckpt / "trainer_rank1.pt").is_file(), launcher,
-                  "the checkpoint's trainer files")  # the writer now waits 300 s before its markers
+        _wait_for(lambda: (ckpt / "trainer" / "metadata.json").is_file(), launcher,
+                  "the checkpoint's trainer files")  # written by every rank; the writers now wait 300 s before their markers
         run = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])
                and p.pid != launcher.pid]
         assert run, "no torchrun or rank process of the run found"
@@ -471,12 +472,12 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     resumed_dir = tmp_path / "resumed"  # the rerun's run whose step-4 checkpoint was damaged on disk
     shutil.copytree(run_dir, resumed_dir, ignore=shutil.ignore_patterns(".lock*"))
     damaged = resumed_dir / "checkpoints" / "step_4"
-    _truncate(damaged / "trainer_rank0.pt")
+    _truncate(damaged / "trainer" / "__0_0.distcp")
     resumed = subprocess.run([*cmd, f"run.run_dir={resumed_dir}"], capture_output=True, text=True, timeout=600,
                              cwd=ROOT)
     assert resumed.returncode == 0, (resumed.stdout[-3000:], resumed.stderr[-5000:])
-    assert (f"checkpoint {damaged} is damaged, skipped: rank 0: trainer_rank0.pt cannot be read (truncated or "
-            "damaged: PytorchStreamReader failed") in resumed.stdout, resumed.stdout[-3000:]
+    assert (f"checkpoint {damaged} is damaged, skipped: rank 0: trainer/__0_0.distcp does not hash to the SHA-256 in "
+            "done_rank0: its contents changed after writing") in resumed.stdout, resumed.stdout[-3000:]
     assert f"resumed from {resumed_dir / 'checkpoints' / 'step_2'} (step 2;" in resumed.stdout
     same = ["rollout/reward_mean", "rollout/response_length", "rollout/valid_group_rate", "train/loss",
             "train/entropy", "train/weights_checksum_after"]
@@ -488,7 +489,7 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     assert _consumed(resumed_dir) == _consumed(run_dir)
 
     # preempted after step 2's checkpoint and back on half the ranks: DP 2 -> 1, the same global
-    # batch (4 prompts a step), no conversion step; the distributed optimizer's state re-sharded,
+    # batch (4 prompts a step), no conversion step; the distributed optimizer's state cut for DP 1,
     # the rest of the data's open epoch re-split
     elastic_dir = tmp_path / "elastic"
     shutil.copytree(run_dir, elastic_dir, ignore=shutil.ignore_patterns(".lock*", "step_4"))
@@ -496,8 +497,9 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
     elastic = subprocess.run([*one_rank, f"run.run_dir={elastic_dir}", "rollout.prompts_per_step=4"],
                              capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert elastic.returncode == 0, (elastic.stdout[-3000:], elastic.stderr[-5000:])
-    assert (f"resumed from {elastic_dir / 'checkpoints' / 'step_2'} (step 2; weights bitwise as written, the "
-            "distributed optimizer's state re-sharded from DP 2 to DP 1)") in elastic.stdout, elastic.stdout[-3000:]
+    assert (f"resumed from {elastic_dir / 'checkpoints' / 'step_2'} (step 2; weights and optimizer state read at this "
+            "layout from the distributed checkpoint written at DP 2 x TP 1 x PP 1 x CP 1, distributed_optimizer=true)"
+            ) in elastic.stdout, elastic.stdout[-3000:]
     assert ("resumed at another layout: written at DP 2 x TP 1 x PP 1 x CP 1, distributed_optimizer=true, now DP 1 "
             "x TP 1 x PP 1 x CP 1") in elastic.stdout
     moved = _trained(elastic_dir)
@@ -510,16 +512,16 @@ def test_killing_the_launcher_mid_checkpoint_stops_the_run_and_the_rerun_skips_t
                                                                                 "consumed_rank1.jsonl"]
 
     # every checkpoint damaged, on different ranks: one clear error, no torch traceback, no restart
-    _truncate(resumed_dir / "checkpoints" / "step_4" / "trainer_rank0.pt")
-    _truncate(resumed_dir / "checkpoints" / "step_2" / "trainer_rank1.pt")
+    _truncate(resumed_dir / "checkpoints" / "step_4" / "trainer" / "__0_0.distcp")
+    (resumed_dir / "checkpoints" / "step_2" / "trainer" / "__1_0.distcp").unlink()
     metrics_before = (resumed_dir / "metrics.jsonl").read_text()
     stuck = subprocess.run([*cmd, f"run.run_dir={resumed_dir}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert stuck.returncode != 0
     assert (f"yatt-mm rl: no checkpoint in {resumed_dir / 'checkpoints'} can be resumed: all 2 complete one(s) are "
             "damaged") in stuck.stderr, stuck.stderr[-5000:]
-    for step, rank in ((4, 0), (2, 1)):
+    for step, rank, why in ((4, 0, "__0_0.distcp does not hash"), (2, 1, "__1_0.distcp is missing")):
         assert (f"checkpoint {resumed_dir / 'checkpoints' / f'step_{step}'} is damaged, skipped: rank {rank}: "
-                f"trainer_rank{rank}.pt cannot be read") in stuck.stdout, stuck.stdout[-3000:]
+                f"trainer/{why}") in stuck.stdout, stuck.stdout[-3000:]
     assert "RuntimeError: PytorchStreamReader" not in stuck.stderr and "resumed from" not in stuck.stdout
     assert (resumed_dir / "metrics.jsonl").read_text() == metrics_before
 

@@ -29,10 +29,11 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     are packed rows (their logprobs must equal vLLM's, as padded ones do).
 
     Then its step-1 checkpoint resumed at TP 1 on one rank with the distributed optimizer (the
-    TP 2 run had the plain one; converted through HF names, Adam's state with it): with seeded
+    TP 2 run had the plain one; Megatron's distributed checkpoint read at the new layout, Adam's
+    state with it, no conversion step): with seeded
     sampling, steps 2 and 3 draw the same
     rewards, and their loss, entropy and gradient norm equal the TP 2 run's within float32
-    rounding; step 3's are computed after the converted optimizer state's update."""
+    rounding; step 3's are computed after the resumed optimizer state's update."""
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
     run_dir = tmp_path / "run"
     same = ["rollout.prompts_per_step=4", "run.steps=3", "run.checkpoint_every=1", "run.keep_checkpoints=3",
@@ -55,11 +56,12 @@ def test_tensor_parallel_run_shares_one_controller_per_dp_group(tmp_path, warm_p
     assert {c["op"] for c in calls if c["where"].startswith("models/")} >= {"all_reduce", "all_gather"}
 
     tp1_dir, stdout = _resumed_on_one_rank(tmp_path, run_dir, same, warm_policy, "step_2", "step_3")
-    assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
-            "state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in stdout, stdout[-3000:]
-    assert (tp1_dir / "checkpoints" / "step_1" / "converted" / "done").is_file()
+    assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; weights and optimizer state read at this "
+            "layout from the distributed checkpoint written at DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false)"
+            ) in stdout, stdout[-3000:]
+    assert not (tp1_dir / "checkpoints" / "step_1" / "converted").exists()
     tp2_steps, tp1_steps = _trained(run_dir)[1:], _trained(tp1_dir)[1:]
-    print("TP 2 vs TP 1 after the conversion, steps 2-3:",
+    print("TP 2 vs TP 1 after the resume, steps 2-3:",
           [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm")] for r in tp2_steps + tp1_steps])
     assert [r["step"] for r in tp1_steps] == [2, 3]
     for a, b in zip(tp2_steps, tp1_steps):
@@ -91,9 +93,9 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     probe after each sync (scored through both stages) equals vLLM's, and the bytes synced are
     the whole model. With the GPU memory order on (trainer offloaded, engine put to sleep), a
     mini-batch split (so old logprobs are their own pass) and the final export from both stages;
-    `yatt-mm export` of the run's last checkpoint writes the same model as the final export, and
-    so does that checkpoint resumed at PP 1 without the distributed optimizer (converted through
-    HF names)."""
+    `yatt-mm export` of the run's last checkpoint (read on one rank, at PP 1) writes the same model
+    as the final export, and so does that checkpoint resumed at PP 1 without the distributed
+    optimizer (read from the distributed checkpoint at the new layout)."""
     from safetensors.torch import load_file
 
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
@@ -115,16 +117,16 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     final = load_file(run_dir / "final" / "model.safetensors")
     assert final.keys() == start.keys() and any(not final[k].equal(start[k]) for k in start if ".layers.1." in k)
     _assert_collectives_name_their_groups(run_dir)
-    # the last checkpoint exported by its own ranks (one per stage, from the stages' files): the run's final
+    # the last checkpoint exported on one rank (its distributed checkpoint read at PP 1): the run's final
     export = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "export", str(run_dir / "checkpoints" / "step_2"),
                              "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert export.returncode == 0, (export.stdout[-3000:], export.stderr[-5000:])
     assert f"policy of step 2 written to {tmp_path / 'exported'}" in export.stdout
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     assert exported.keys() == final.keys() and all(exported[k].equal(final[k]) for k in final)
-    # the same checkpoint resumed at PP 1 on one rank without the distributed optimizer (converted
-    # through HF names; the plain optimizer's main weights are the model's own), with nothing left
-    # to train: its final export is the PP 2 run's, bit for bit
+    # the same checkpoint resumed at PP 1 on one rank without the distributed optimizer (the plain
+    # optimizer's main weights are the model's own), with nothing left to train: its final export
+    # is the PP 2 run's, bit for bit
     pp1_dir = tmp_path / "pp1"
     shutil.copytree(run_dir, pp1_dir, ignore=shutil.ignore_patterns(".lock*", "final"))
     one = _tiny_rl(pp1_dir, tmp_path / "train", *settings, "policy.trainer.distributed_optimizer=false",
@@ -132,8 +134,9 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
     one[one.index("--nproc") + 1] = "1"
     pp1 = subprocess.run(one, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert pp1.returncode == 0, (pp1.stdout[-3000:], pp1.stderr[-5000:])
-    assert (f"resumed from {pp1_dir / 'checkpoints' / 'step_2'} (step 2; weights and the optimizer's state converted "
-            "from DP 1 x TP 1 x PP 2 x CP 1, distributed_optimizer=true") in pp1.stdout, pp1.stdout[-3000:]
+    assert (f"resumed from {pp1_dir / 'checkpoints' / 'step_2'} (step 2; weights and optimizer state read at this "
+            "layout from the distributed checkpoint written at DP 1 x TP 1 x PP 2 x CP 1, distributed_optimizer=true)"
+            ) in pp1.stdout, pp1.stdout[-3000:]
     again = load_file(pp1_dir / "final" / "model.safetensors")
     assert again.keys() == final.keys() and all(again[k].equal(final[k]) for k in final)
 

@@ -150,24 +150,30 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
         assert final[key].shape == start[key].shape
         assert all(not final[key][e].equal(start[key][e]) for e in range(4)), key
 
-    # its step-1 checkpoint resumed at EP 1 on the same 2 ranks (converted through HF names: the
-    # experts gathered, the experts' own optimizer's state merged into the one optimizer EP 1
-    # has): step 2 draws the same responses and trains as the EP 2 run did within float32 rounding
+    # its step-1 checkpoint resumed at EP 1 on the same 2 ranks (its distributed checkpoint read at
+    # the new layout: the experts by global number, the experts' own optimizer's state into the one
+    # optimizer EP 1 has): step 2 draws the same responses and trains as the EP 2 run did within
+    # float32 rounding
     ep1_dir = tmp_path / "ep1"
     shutil.copytree(run_dir, ep1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "final"))
     ep1 = subprocess.run(_tiny_rl(ep1_dir, tmp_path / "train", *same, policy="tiny:qwen3vlmoe"), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
     assert ep1.returncode == 0, ep1.stdout[-8000:]
-    assert (f"resumed from {ep1_dir / 'checkpoints' / 'step_1'} (step 1; weights and the distributed optimizer's "
-            "state converted from DP 2 x TP 1 x PP 1 x CP 1 x EP 2") in ep1.stdout, ep1.stdout[-3000:]
+    assert (f"resumed from {ep1_dir / 'checkpoints' / 'step_1'} (step 1; weights and optimizer state read at this "
+            "layout from the distributed checkpoint written at DP 2 x TP 1 x PP 1 x CP 1 x EP 2") in ep1.stdout, \
+        ep1.stdout[-3000:]
     ep2_step, ep1_step = steps[1], _steps(ep1_dir)[-1]
     compared = ("train/loss", "train/entropy", "train/grad_norm", "moe/aux_loss")
-    print("EP 2 vs EP 1 after the conversion, step 2:", [[r[k] for k in compared] for r in (ep2_step, ep1_step)])
+    print("EP 2 vs EP 1 after the resume, step 2:", [[r[k] for k in compared] for r in (ep2_step, ep1_step)])
     assert ep1_step["step"] == 2 and ep1_step["rollout/response_length"] == ep2_step["rollout/response_length"]
     for k in compared:
         assert abs(ep2_step[k] - ep1_step[k]) <= 1e-4 * max(abs(ep2_step[k]), 1e-2), (k, ep2_step[k], ep1_step[k])
-    # step 2's update itself (Adam's moments converted: their merge is what it reads)
-    step1 = load_file(ep1_dir / "checkpoints" / "step_1" / "converted" / "model" / "model.safetensors")
+    # step 2's update itself (Adam's moments carried over: their merge is what it reads), against the
+    # step-1 checkpoint's weights as `yatt-mm export` reads them on one rank
+    exported = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "export", str(ep1_dir / "checkpoints" / "step_1"),
+                               "--out", str(tmp_path / "step1")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert exported.returncode == 0, (exported.stdout[-3000:], exported.stderr[-5000:])
+    step1 = load_file(tmp_path / "step1" / "model.safetensors")
     again = load_file(ep1_dir / "final" / "model.safetensors")
     update = max(float((final[k] - step1[k]).abs().max()) for k in final)
     off = max(float((again[k] - final[k]).abs().max()) for k in final)
@@ -258,7 +264,7 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     logprobs of its samples equal vLLM's), and no sample is drawn twice or lost. Checked too: > 8k
     tokens a sample, both ranks computing half of each sequence (their chunks in the CP gathers),
     the checkpoint from both ranks with one data position. Last, that checkpoint resumed at CP 1
-    on one rank (converted through HF names) trains step 3 as CP 2 did."""
+    on one rank (its distributed checkpoint read at the new layout) trains step 3 as CP 2 did."""
     from models.comm import free_port
 
     write_shards(str(tmp_path / "train"), images=0, videos=3, samples_per_shard=3, seed=9, video_frames=32,
@@ -344,7 +350,7 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     assert chunks[1] == [chunk] and prompt + 1 <= 2 * chunk <= prompt + 4 + 3, (chunks, prompt)
     _assert_collectives_name_their_groups(run_dir, at_least=10)  # the resumed launch's one step
 
-    # the step-2 checkpoint resumed at CP 1 on one rank (converted through HF names): step 3 starts
+    # the step-2 checkpoint resumed at CP 1 on one rank (no conversion step): step 3 starts
     # from the same weights bit for bit, samples the same responses (seeded) and trains as at CP 2
     # within float32 rounding
     import shutil
@@ -355,10 +361,11 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     cp1 = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--nproc", "1", *at_cp1], capture_output=True,
                          text=True, timeout=600, cwd=ROOT)
     assert cp1.returncode == 0, (cp1.stdout[-3000:], cp1.stderr[-5000:])
-    assert "converted from DP 1 x TP 1 x PP 1 x CP 2" in cp1.stdout, cp1.stdout[-3000:]
+    assert "read at this layout from the distributed checkpoint written at DP 1 x TP 1 x PP 1 x CP 2" in cp1.stdout, \
+        cp1.stdout[-3000:]
     cp2_step, cp1_step = steps[2], _steps(cp1_dir)[-1]
     compared = ("train/loss", "train/entropy", "train/grad_norm")
-    print("CP 2 vs CP 1 after the conversion, step 3:", [[r[k] for k in compared] for r in (cp2_step, cp1_step)])
+    print("CP 2 vs CP 1 after the resume, step 3:", [[r[k] for k in compared] for r in (cp2_step, cp1_step)])
     assert cp1_step["step"] == 3
     for k in ("train/weights_checksum_before", "rollout/response_length", "rollout/reward_mean"):
         assert cp1_step[k] == cp2_step[k], (k, cp2_step[k], cp1_step[k])

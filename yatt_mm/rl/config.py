@@ -60,7 +60,7 @@ class RunConfig:
     # torch_dist: a full-weight trainer's state as one Megatron-Core distributed checkpoint, which any
     # layout resumes directly (models/dist_ckpt.py); per_rank: each rank's own file, another TP/PP/CP/EP
     # size or optimizer setting converted once through HF names. A LoRA run writes its adapter per rank
-    checkpoint_format: Literal["torch_dist", "per_rank"] = "per_rank"
+    checkpoint_format: Literal["torch_dist", "per_rank"] = "torch_dist"
     resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one
     max_logprob_diff: float = 0.0  # stop when the trainer/vLLM logprob gap exceeds it (0: 0.1 where the trainer or the engine computes in bf16, else 1e-3)
     check_sync: bool = True  # after each weight sync, score vLLM's greedy answer to a probe prompt with the trainer

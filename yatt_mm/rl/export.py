@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from yatt_mm.rl.checkpoint import check_base, complete_markers
+from yatt_mm.rl.checkpoint import DIST_DIR, check_base, complete_markers, is_dist, verify_dist_files
 from yatt_mm.rl.layout import Layout, resume_plan, weights_plan
 
 
@@ -58,6 +58,8 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, wi
     ckpt = Path(ckpt)
     saved = checkpoint_layout(ckpt)
     cfg = run_config(ckpt)
+    if is_dist(ckpt):  # any layout reads a distributed checkpoint: here, on one rank
+        return export_dist(ckpt, Path(out), cfg)
     if merge and not cfg.policy.lora.enabled:
         raise ValueError(f"{ckpt} holds every weight (its run had no policy.lora): --merge is for LoRA checkpoints")
     live = export_layout(saved, with_optimizer)
@@ -66,6 +68,28 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, wi
     if live.world == 1 or under_torchrun():
         return export_rank(ckpt, Path(out), merge, with_optimizer)
     return relaunch("yatt_mm.rl.export", live.world, args)
+
+
+def export_dist(ckpt: Path, out: Path, cfg) -> int:
+    """The weights of a full-weight run's distributed checkpoint as an HF directory, read on one
+    rank at TP = PP = EP = CP = 1 whatever layout wrote it (the files checked against the markers'
+    SHA-256 first)."""
+    from models import dist_ckpt
+    from models.comm import init_parallel
+    from models.hf_io import save_hf_dir
+    from models.trainer import VLMTrainer
+
+    reason = verify_dist_files(ckpt, 0, 1)
+    if reason is not None:
+        raise RuntimeError(f"{ckpt} cannot be exported: {reason}")
+    init_parallel(1, cfg.run.seed)
+    trainer_cfg = replace(cfg.policy.trainer, tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
+                          expert_parallel=1, pipeline_layers=[])
+    trainer = VLMTrainer(cfg.policy.model, trainer_cfg, cfg.policy.lora, cfg.policy.freeze_vision)
+    dist_ckpt.load(trainer, ckpt / DIST_DIR, optimizer=False)
+    step = complete_markers(ckpt)[0]["step"]
+    print(f"policy of step {step} written to {save_hf_dir(trainer.export_hf(), cfg.policy.model, out)}", flush=True)
+    return 0
 
 
 def export_rank(ckpt: Path, out: Path, merge: bool, with_optimizer: bool = False) -> int:
