@@ -2,41 +2,39 @@
 checkpointing (`dist_checkpointing`, its `torch_dist` format, written by torch.distributed.checkpoint).
 
 Every tensor is saved as its part of one global tensor (Megatron's ShardedTensor: the TP split, the
-pipeline stage's global layer numbers, the global expert number; the optimizer's state in its
-parameter's shape), so any layout reads the parts it needs: another DP, TP, PP, CP or EP size. The
-Megatron blocks describe their own tensors (fused QKV, SwiGLU's [gate; up], GatedDeltaNet's
-sections); `model_sharded_state` walks the plain torch modules around them (the vision tower's
-patch embedding and merger) and asks each Megatron module it meets.
+pipeline stage's global layer numbers, the global expert number), so any layout reads the parts it
+needs: another DP, TP, PP, CP or EP size. The Megatron blocks describe their own tensors (fused QKV,
+SwiGLU's [gate; up], GatedDeltaNet's sections); `model_sharded_state` walks the plain torch modules
+around them (the vision tower's patch embedding and merger) and asks each Megatron module it meets.
+The optimizer's state is saved per parameter in the parameter's own global shape, under Megatron's
+names (`optimizer.state.{param,exp_avg,exp_avg_sq}.<model tensor>`: the fp32 main weight and Adam's
+moments), whatever optimizer wrote it.
 
-Saving has two halves, so that the training loop does not wait for the write:
-- `snapshot` (the loop's thread): the sharded state dict, with the distributed optimizer's shards
-  gathered into each parameter's shape onto DP rank 0 (Megatron's `fully_reshardable` form, over
-  the gloo DP group), every tensor copied to host memory;
-- `write` (a background thread): torch.distributed.checkpoint saves the copies, its collectives on
-  a process group of its own, so they never interleave with the loop's.
+Saving has two halves, so that the training loop waits only for copies:
+- `snapshot` (the loop's thread): the model's sharded state dict and the optimizer's state (the
+  distributed optimizer's: this rank's 1-D shards, as models/reshard.py names them), copied to
+  host memory, no collective;
+- `write` (a background thread): the distributed optimizer's shards gathered onto each optimizer's
+  first DP rank and put together per parameter, then torch.distributed.checkpoint writes every
+  rank's part. Its collectives run on process groups of the checkpoint's own (`CheckpointGroups`),
+  so they never interleave with the loop's.
 The directory is Megatron's own format (`metadata.json`, `common.pt`, DCP's `.metadata` and
 `__{rank}_{i}.distcp`), which `dist_checkpointing.load` reads.
 
-`load` reads the model through Megatron and the optimizer's tensors by their names
-(`optimizer.state.{param,exp_avg,exp_avg_sq}.<model tensor>`: the distributed optimizer and
-the plain one name them alike), then puts them into this run's optimizer as models/reshard.py
-does for any layout: so the distributed optimizer may be switched on or off, and the experts'
-optimizer (its own only under EP) may come and go.
+`load` reads the model through Megatron and the optimizer's tensors by their names, then puts them
+into this run's optimizer as models/reshard.py does for any layout: so the distributed optimizer
+may be switched on or off, and the experts' optimizer (their own only under EP) may come and go.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# The distributed optimizer's state in each parameter's own shape whatever the DP size, gathered
-# over the gloo DP group onto DP rank 0 in host memory (Megatron's other mode all-gathers it onto
-# every rank's GPU), named without the chained optimizers' index (EP chains one for the experts).
-_OPTIMIZER = {"distrib_optim_sharding_type": "fully_reshardable",
-              "distrib_optim_fully_reshardable_mem_efficient": True, "chained_optim_avoid_prefix": True}
-_MAIN_WEIGHT = ("param", "fp32_param")  # the distributed optimizer's name, the 16-bit plain one's
+_MAIN_WEIGHT = "param"  # the fp32 main weight's name among the optimizer's tensors
 _KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -63,32 +61,54 @@ def model_sharded_state(module: torch.nn.Module) -> dict:
     return walk(module, "")
 
 
-def snapshot(trainer) -> tuple[dict, dict]:
-    """(sharded part with every tensor copied to host memory, common part): what `write` saves.
-    Collective over the run's groups (the optimizer's gather, Megatron's sharding checks)."""
+@dataclass
+class Snapshot:
+    """What one rank writes, in host memory: the model's sharded state dict (its entries by
+    parameter name, for the optimizer's tensors), the optimizer's state (`whole`: per parameter,
+    1-D, as a plain optimizer holds it; or `shards`: the distributed optimizer's, per inner
+    optimizer, put together at write time) and the common part (Adam's step, how the optimizer
+    was built)."""
+
+    model: dict
+    entries: dict  # parameter name -> its model entry (ShardedTensor or factory)
+    shapes: dict[str, torch.Size]
+    whole: dict | None
+    shards: list[dict] | None
+    common: dict
+
+
+def snapshot(trainer) -> Snapshot:
+    """This rank's state copied to host memory: what `write` saves. No collective."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     from models.optimizer import inner_optimizers
+    from models.reshard import plain_whole
 
-    model = model_sharded_state(trainer.module)
-    state = {"model": model,
-             "optimizer": trainer.optimizer.sharded_state_dict(model, is_loading=False, metadata=dict(_OPTIMIZER)),
-             "optimizer_kind": {"distributed": trainer.cfg.distributed_optimizer,
-                                "inner": len(inner_optimizers(trainer.optimizer)), "step": _adam_step(trainer.optimizer),
-                                "megatron": trainer.optimizer.state_dict() if trainer.cfg.distributed_optimizer else None}}
-    sharded, common = save_preprocess(state)
+    module, optimizer = trainer.module, trainer.optimizer
+    model = model_sharded_state(module)
+    by_param = _entries_by_param(model)
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    entries, shapes = {n: by_param[p] for n, p in trainable}, {n: p.shape for n, p in trainable}
 
     def to_host(x):
-        if isinstance(x, ShardedTensor):
-            x.data = x.data.detach().to("cpu", copy=True)
-        elif isinstance(x, ShardedObject):
-            x.data = copy.deepcopy(x.data)
+        if isinstance(x, ShardedTensor | ShardedObject):
+            x.data = _host_copy(x.data)
         return x
 
-    dict_list_map_inplace(to_host, sharded)
-    return sharded, _host_copy(common)
+    dict_list_map_inplace(to_host, model)  # the entries above are these objects: host copies too
+    whole = shards = None
+    if trainer.cfg.distributed_optimizer:
+        shards = _host_copy(trainer.optimizer_state()["shards"])
+    else:
+        whole = {}
+        for opt in inner_optimizers(optimizer):
+            whole.update(_host_copy(plain_whole(opt, module)[0]))
+    common = {"optimizer_kind": _host_copy({
+        "distributed": trainer.cfg.distributed_optimizer, "inner": len(inner_optimizers(optimizer)),
+        "step": _adam_step(optimizer),
+        "megatron": optimizer.state_dict() if trainer.cfg.distributed_optimizer else None})}
+    return Snapshot(model, entries, shapes, whole, shards, common)
 
 
 def _adam_step(optimizer) -> torch.Tensor | None:
@@ -115,27 +135,79 @@ def _host_copy(obj):
     return copy.deepcopy(obj)
 
 
-def write(snap: tuple[dict, dict], out: Path, group, rank: int) -> None:
+class CheckpointGroups:
+    """Gloo process groups of the checkpoint writer's own: one over every rank (the write's
+    collectives) and, with the distributed optimizer, one per DP group of each inner optimizer (the
+    gather of its shards). Made by every rank together, in the loop's thread, at the first save."""
+
+    def __init__(self, trainer):
+        import torch.distributed as dist
+
+        from models.optimizer import inner_optimizers
+
+        self.world = dist.new_group(backend="gloo")
+        self.optimizers = []
+        if trainer.cfg.distributed_optimizer:
+            mine = [tuple(dist.get_process_group_ranks(opt.data_parallel_group))
+                    for opt in inner_optimizers(trainer.optimizer)]
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            made = {ranks: dist.new_group(list(ranks), backend="gloo")  # the same order on every rank
+                    for ranks in sorted({r for theirs in every for r in theirs})}
+            self.optimizers = [made[ranks] for ranks in mine]
+
+
+def write(snap: Snapshot, out: Path, groups: CheckpointGroups | None, rank: int) -> None:
     """Save a `snapshot` to the directory `out` (every rank of the run, each its part), in
-    Megatron's torch_dist format. Collective over `group` only."""
+    Megatron's torch_dist format. Collective over `groups` only (None: a run of one process)."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
         _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
 
-    sharded, common = snap
+    whole = snap.whole if snap.shards is None else _put_together(snap, groups)
+    optimizer = {name: {k: make_sharded_optimizer_tensor(snap.entries[name], t.view(snap.shapes[name]),
+                                                         prefix=f"optimizer.state.{k}")
+                        for k, t in state.items()}
+                 for name, state in whole.items()}
+    # no sharding check across ranks (a collective on the run's group): DCP checks the global plan
+    sharded, common = save_preprocess({"model": snap.model, "optimizer": optimizer, **snap.common},
+                                      validate_access_integrity=False)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     keyed, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
     dcp.save(mcore_to_pyt_state_dict(keyed, False), storage_writer=dcp.FileSystemWriter(str(out)),
              planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
-             process_group=group)
+             process_group=groups.world if groups else None, no_dist=groups is None)
     if rank == 0:
         torch.save(common, out / "common.pt")
         save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), str(out))
+
+
+def _put_together(snap: Snapshot, groups: CheckpointGroups | None) -> dict:
+    """Each parameter's optimizer state whole and 1-D, from every DP rank's shards of each inner
+    optimizer, on that optimizer's first DP rank (empty elsewhere: it writes none of it)."""
+    import torch.distributed as dist
+
+    from models.reshard import stitch
+
+    numel = {n: s.numel() for n, s in snap.shapes.items()}
+    whole = {}
+    for i, shard in enumerate(snap.shards):
+        group = groups.optimizers[i] if groups else None
+        if group is None or group.size() == 1:
+            whole.update(stitch([shard], numel)[0])
+            continue
+        every = [None] * group.size() if group.rank() == 0 else None
+        dist.gather_object(shard, every, dst=dist.get_global_rank(group, 0), group=group)
+        if group.rank() == 0:
+            whole.update(stitch(every, numel)[0])
+    return whole
 
 
 def saved_keys(path: Path) -> set[str]:
@@ -156,27 +228,17 @@ def load(trainer, path: Path, optimizer: bool = True) -> None:
     module = trainer.module
     model = model_sharded_state(module)
     held = saved_keys(path)
-    main = next((k for k in _MAIN_WEIGHT if any(h.startswith(f"optimizer.state.{k}.") for h in held)), None)
+    keys = [k for k in (_MAIN_WEIGHT, *_KEYS) if any(h.startswith(f"optimizer.state.{k}.") for h in held)]
     entry = _entries_by_param(model)
-    wanted = {}
-    for name, p in module.named_parameters():
-        if p.requires_grad and optimizer:
-            keys = (*_KEYS, main) if main else _KEYS
-            wanted[name] = {k: make_sharded_optimizer_tensor(entry[p], torch.empty(p.shape, dtype=torch.float32),
-                                                             prefix=f"optimizer.state.{k}") for k in keys}
+    wanted = {name: {k: make_sharded_optimizer_tensor(entry[p], torch.empty(p.shape, dtype=torch.float32),
+                                                      prefix=f"optimizer.state.{k}") for k in keys}
+              for name, p in module.named_parameters() if p.requires_grad and optimizer}
     state = dist_checkpointing.load({"model": model, "optimizer_tensors": wanted}, str(path))
     module.load_state_dict(state["model"])
-    if not optimizer:
-        return
-    kind = state["optimizer_kind"]
-    whole = {}
-    for name, p in module.named_parameters():
-        if name in wanted:
-            loaded = state["optimizer_tensors"][name]
-            weight = loaded.pop(main) if main else p.detach()  # fp32 without the distributed optimizer
-            whole[name] = {"param": weight.float().reshape(-1).clone(),
-                           **{k: v.reshape(-1).clone() for k, v in loaded.items()}}
-    load_whole(trainer, whole, kind)
+    if optimizer:
+        whole = {name: {k: t.reshape(-1).clone() for k, t in tensors.items()}
+                 for name, tensors in state["optimizer_tensors"].items()}
+        load_whole(trainer, whole, state["optimizer_kind"])
 
 
 def _entries_by_param(model: dict) -> dict:
@@ -186,16 +248,14 @@ def _entries_by_param(model: dict) -> dict:
     return {v.data: v for v in nested_values(model) if isinstance(getattr(v, "data", None), torch.nn.Parameter)}
 
 
-def snapshot_tensors(snap: tuple[dict, dict]) -> dict:
-    """A `snapshot`'s tensors, each named by its global key and offset, and its common part: what
-    a checksum of the state this rank writes covers."""
+def snapshot_tensors(snap: Snapshot) -> dict:
+    """A `snapshot`'s tensors (the model's by global key and offset, the optimizer's state as this
+    rank holds it) and its common part: what a checksum of the state this rank writes covers."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    sharded, common = snap
-    tensors = {f"{v.key}@{tuple(v.global_offset)}": v.data for v in nested_values(sharded)
-               if isinstance(v, ShardedTensor)}
-    return {"sharded": tensors, "common": common}
+    model = {f"{v.key}@{tuple(getattr(v, 'global_offset', ()))}": v.data for v in nested_values(snap.model)
+             if isinstance(getattr(v, "data", None), torch.Tensor)}
+    return {"model": model, "optimizer": snap.whole if snap.shards is None else snap.shards, "common": snap.common}
 
 
 def files_of(path: Path, rank: int) -> list[Path]:

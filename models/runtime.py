@@ -454,27 +454,6 @@ def _gated_delta_net_without_fla(gated_delta_net: ModuleType) -> None:
     gated_delta_net.HAVE_FLA = True
 
 
-def _reshardable_load_with_torch_adam(distrib_optimizer: ModuleType) -> None:
-    # The distributed optimizer's layout-independent checkpoint (fully_reshardable), megatron-core
-    # 0.16.1 bug without Transformer Engine or Apex: load_state_dict gives torch's Adam its "step"
-    # (from the param groups), then copies every key of a parameter's state from the loaded
-    # tensors, which hold param/exp_avg/exp_avg_sq only (KeyError: 'step'). The step is already
-    # right; the copy skips it. With TE or Apex the state has no "step" and nothing changes.
-    cls = distrib_optimizer.DistributedOptimizer
-    original = cls._set_main_param_and_optimizer_states
-
-    @functools.wraps(original)
-    def set_states(self, model_param, tensors):
-        if not distrib_optimizer.HAVE_APEX_OR_TE and "step" not in tensors:
-            group, order = self.model_param_group_index_map[model_param]
-            live = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]].get("step")
-            if live is not None:
-                tensors = {**tensors, "step": live.clone()}
-        return original(self, model_param, tensors)
-
-    cls._set_main_param_and_optimizer_states = set_states
-
-
 def _uncompiled(cls: type, name: str) -> None:
     # megatron-core 0.16.1 wraps a few small element-wise methods in `jit_fuser` (torch.compile
     # on torch >= 2.2): on the CPU their first call compiles for ~15 s (tiny Qwen3.5: the
@@ -615,8 +594,6 @@ _MEGATRON_FALLBACKS: dict[str, Callable[[ModuleType], None]] = {
     "megatron.core.transformer.moe.moe_utils": _moe_utils_without_te,
     # Qwen3.5's gated DeltaNet layers: the pure-torch rule and L2 norm where fla is missing.
     "megatron.core.ssm.gated_delta_net": _gated_delta_net_without_fla,
-    # The distributed optimizer's layout-independent checkpoint with torch's Adam.
-    "megatron.core.optimizer.distrib_optimizer": _reshardable_load_with_torch_adam,
 }
 _fallen_back: set[str] = set()
 

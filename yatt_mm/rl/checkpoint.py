@@ -155,7 +155,7 @@ class Checkpointer:
             raise ValueError(f"layout {self.layout.describe()} is not {world} ranks")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._group = None  # the writes' own process group (torch_dist), made at the first save
+        self._group = None  # the writes' own process groups (torch_dist), made at the first save
         self.last_write_seconds = 0.0
 
     def save(self, step: int, trainer, controller=None, dp_rank: int = 0, controller_snapshot=None) -> dict[str, float]:
@@ -167,8 +167,8 @@ class Checkpointer:
         if self.format == "torch_dist" and getattr(trainer, "lora", None) is None:
             from models import dist_ckpt
 
-            if self._group is None and dist.is_initialized():
-                self._group = dist.new_group(backend="gloo")  # collective: every rank saves at this step
+            if self._group is None and dist.is_initialized():  # collective: every rank saves at this step
+                self._group = dist_ckpt.CheckpointGroups(trainer)
             snapshot = {"dist": dist_ckpt.snapshot(trainer), "step": step}
         else:  # with LoRA the adapter alone, and the base it belongs to by path and hash
             snapshot = {"model": _clone(trainer.checkpoint_weights()), "optimizer": _clone(trainer.optimizer_state()),
