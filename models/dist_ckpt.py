@@ -151,7 +151,7 @@ class CheckpointGroups:
             mine = [tuple(dist.get_process_group_ranks(opt.data_parallel_group))
                     for opt in inner_optimizers(trainer.optimizer)]
             every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
+            dist.all_gather_object(every, mine, group=self.world)
             made = {ranks: dist.new_group(list(ranks), backend="gloo")  # the same order on every rank
                     for ranks in sorted({r for theirs in every for r in theirs})}
             self.optimizers = [made[ranks] for ranks in mine]
