@@ -171,7 +171,7 @@ def whole_pairs(module: torch.nn.Module, tp_group, grads: bool = False) -> dict[
             if name.endswith(".lora_A")}
 
 
-def _split_dim(linear: torch.nn.Module, which: str) -> int | None:
+def split_dim(linear: torch.nn.Module, which: str) -> int | None:
     """The dimension an adapter tensor is split on over TP (models/lora.py): a column layer's B on
     its rows, a row layer's A on its columns; None: whole on every TP rank (a plain Linear's both)."""
     if linear.lora_kind == "plain":
@@ -189,7 +189,7 @@ def whole_adapter_tensors(module: torch.nn.Module, values: dict[str, torch.Tenso
     out = {}
     for name, linear in lora_linears(module):
         for which in ("lora_A", "lora_B"):
-            t, dim = values[f"{name}.{which}"], _split_dim(linear, which)
+            t, dim = values[f"{name}.{which}"], split_dim(linear, which)
             sections = linear.lora_sections if which == "lora_B" else None  # [gate; up], in_proj's
             group = linear.tp_group if EXPERT.match(name) else tp_group  # an expert's: the expert-TP group
             t = t.detach() if dim is None else _gather_adapter(t, dim, sections, group)
@@ -227,7 +227,7 @@ def split_adapter_tensors(module: torch.nn.Module, whole: dict[str, torch.Tensor
     out = {}
     for name, linear in lora_linears(module):
         for which in ("lora_A", "lora_B"):
-            t, dim = whole[global_name(f"{name}.{which}", module)], _split_dim(linear, which)
+            t, dim = whole[global_name(f"{name}.{which}", module)], split_dim(linear, which)
             if dim is not None and linear.lora_sections and which == "lora_B":  # each section split
                 t = torch.cat([part.chunk(tp, dim)[rank] for part in t.split(linear.lora_sections, dim)], dim)
             elif dim is not None:

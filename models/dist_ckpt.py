@@ -8,7 +8,9 @@ SwiGLU's [gate; up], GatedDeltaNet's sections); `model_sharded_state` walks the 
 around them (the vision tower's patch embedding and merger) and asks each Megatron module it meets.
 The optimizer's state is saved per parameter in the parameter's own global shape, under Megatron's
 names (`optimizer.state.{param,exp_avg,exp_avg_sq}.<model tensor>`: the fp32 main weight and Adam's
-moments), whatever optimizer wrote it.
+moments), whatever optimizer wrote it. A LoRA run saves its adapter alone (the frozen base is its
+HF checkpoint): each adapter tensor by its whole-model name, split over TP as its weight is
+(`AdapterPlace`), and its optimizer state likewise.
 
 Saving has two halves, so that the training loop waits only for copies:
 - `snapshot` (the loop's thread): the model's sharded state dict and the optimizer's state (the
@@ -62,6 +64,62 @@ def model_sharded_state(module: torch.nn.Module) -> dict:
 
 
 @dataclass
+class AdapterPlace:
+    """Where one rank's LoRA tensor (models/lora.py) lies in the whole adapter: its whole-model
+    name (global layer and expert numbers), the dimension split over TP (a column layer's B, a row
+    layer's A; None: whole on every TP rank), this rank's place in that split, its replica over DP,
+    and B's fused sections ([gate; up], a DeltaNet's in_proj), each split over TP on its own and so
+    saved as a global tensor of its own."""
+
+    key: str
+    dim: int | None
+    rank: int
+    size: int
+    dp_rank: int
+    sections: list[int] | None  # this rank's rows of each section
+
+    def describe(self, t: torch.Tensor, prefix: str = "") -> dict:
+        """{key: ShardedTensor} of this rank's tensor `t` (the adapter's, or its optimizer state)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        key = f"{prefix}{self.key}"
+        if self.dim is None:
+            return {key: ShardedTensor.from_rank_offsets(key, t, replica_id=(0, self.rank, self.dp_rank))}
+        pieces = [t] if not self.sections else [x.clone() for x in t.split(self.sections, self.dim)]
+        keys = [key] if not self.sections else [f"{key}.section{i}" for i in range(len(pieces))]
+        return {k: ShardedTensor.from_rank_offsets(k, x, (self.dim, self.rank, self.size), replica_id=(0, 0, self.dp_rank))
+                for k, x in zip(keys, pieces)}
+
+    def assemble(self, loaded: dict) -> torch.Tensor:
+        """This rank's tensor from what `describe`'s entries loaded."""
+        return torch.cat(list(loaded.values()), self.dim) if len(loaded) > 1 else next(iter(loaded.values()))
+
+
+def adapter_places(module: torch.nn.Module) -> dict[str, AdapterPlace]:
+    """{adapter parameter name: its place} of this rank's LoRA tensors."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from models.convert import split_dim
+    from models.lora import lora_linears
+    from models.stages import EXPERT, global_name
+
+    places = {}
+    for name, linear in lora_linears(module):
+        expert = EXPERT.match(name) is not None
+        group = linear.tp_group if expert else ps.get_tensor_model_parallel_group()
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if size > 1 else 0
+        dp_rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank(with_context_parallel=True)
+        for which in ("lora_A", "lora_B"):
+            dim = split_dim(linear, which)
+            sections = linear.lora_sections if which == "lora_B" and dim is not None else None
+            places[f"{name}.{which}"] = AdapterPlace(global_name(f"{name}.{which}", module), dim, rank, size,
+                                                     dp_rank, [n // size for n in sections] if sections else None)
+    return places
+
+
+@dataclass
 class Snapshot:
     """What one rank writes, in host memory: the model's sharded state dict (its entries by
     parameter name, for the optimizer's tensors), the optimizer's state (`whole`: per parameter,
@@ -70,7 +128,7 @@ class Snapshot:
     was built)."""
 
     model: dict
-    entries: dict  # parameter name -> its model entry (ShardedTensor or factory)
+    entries: dict  # parameter name -> its model entry (ShardedTensor or factory); with LoRA, its AdapterPlace
     shapes: dict[str, torch.Size]
     whole: dict | None
     shards: list[dict] | None
@@ -86,17 +144,22 @@ def snapshot(trainer) -> Snapshot:
     from models.reshard import plain_whole
 
     module, optimizer = trainer.module, trainer.optimizer
-    model = model_sharded_state(module)
-    by_param = _entries_by_param(model)
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    entries, shapes = {n: by_param[p] for n, p in trainable}, {n: p.shape for n, p in trainable}
+    shapes = {n: p.shape for n, p in trainable}
+    if getattr(trainer, "lora", None) is not None:  # the adapter alone
+        entries = adapter_places(module)
+        model = {k: v for n, p in trainable for k, v in entries[n].describe(_host_copy(p)).items()}
+    else:
+        model = model_sharded_state(module)
+        by_param = _entries_by_param(model)
+        entries = {n: by_param[p] for n, p in trainable}
 
-    def to_host(x):
-        if isinstance(x, ShardedTensor | ShardedObject):
-            x.data = _host_copy(x.data)
-        return x
+        def to_host(x):
+            if isinstance(x, ShardedTensor | ShardedObject):
+                x.data = _host_copy(x.data)
+            return x
 
-    dict_list_map_inplace(to_host, model)  # the entries above are these objects: host copies too
+        dict_list_map_inplace(to_host, model)  # the entries above are these objects: host copies too
     whole = shards = None
     if trainer.cfg.distributed_optimizer:
         shards = _host_copy(trainer.optimizer_state()["shards"])
@@ -162,7 +225,6 @@ def write(snap: Snapshot, out: Path, groups: CheckpointGroups | None, rank: int)
     Megatron's torch_dist format. Collective over `groups` only (None: a run of one process)."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -171,8 +233,7 @@ def write(snap: Snapshot, out: Path, groups: CheckpointGroups | None, rank: int)
     )
 
     whole = snap.whole if snap.shards is None else _put_together(snap, groups)
-    optimizer = {name: {k: make_sharded_optimizer_tensor(snap.entries[name], t.view(snap.shapes[name]),
-                                                         prefix=f"optimizer.state.{k}")
+    optimizer = {name: {k: _optimizer_entry(snap.entries[name], t.view(snap.shapes[name]), k)
                         for k, t in state.items()}
                  for name, state in whole.items()}
     # no sharding check across ranks (a collective on the run's group): DCP checks the global plan
@@ -187,6 +248,16 @@ def write(snap: Snapshot, out: Path, groups: CheckpointGroups | None, rank: int)
     if rank == 0:
         torch.save(common, out / "common.pt")
         save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), str(out))
+
+
+def _optimizer_entry(entry, t: torch.Tensor, key: str):
+    """The optimizer's tensor `t` of a parameter (its `key`: param, exp_avg, ...) described as the
+    parameter is: Megatron's `optimizer.state.<key>.<model tensor>`, or an adapter's place."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    if isinstance(entry, AdapterPlace):
+        return entry.describe(t, f"optimizer.state.{key}.")
+    return make_sharded_optimizer_tensor(entry, t, prefix=f"optimizer.state.{key}")
 
 
 def _put_together(snap: Snapshot, groups: CheckpointGroups | None) -> dict:
@@ -221,23 +292,33 @@ def load(trainer, path: Path, optimizer: bool = True) -> None:
     """This rank's model and (with `optimizer`) optimizer state from a directory `write` wrote,
     whatever layout wrote it. Collective over the run's groups."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     from models.reshard import load_whole
 
     module = trainer.module
-    model = model_sharded_state(module)
     held = saved_keys(path)
     keys = [k for k in (_MAIN_WEIGHT, *_KEYS) if any(h.startswith(f"optimizer.state.{k}.") for h in held)]
-    entry = _entries_by_param(model)
-    wanted = {name: {k: make_sharded_optimizer_tensor(entry[p], torch.empty(p.shape, dtype=torch.float32),
-                                                      prefix=f"optimizer.state.{k}") for k in keys}
-              for name, p in module.named_parameters() if p.requires_grad and optimizer}
+    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    if getattr(trainer, "lora", None) is not None:
+        entries = adapter_places(module)
+        model = {n: entries[n].describe(torch.empty_like(p)) for n, p in trainable.items()}
+    else:
+        model = model_sharded_state(module)
+        by_param = _entries_by_param(model)
+        entries = {n: by_param[p] for n, p in trainable.items()}
+    wanted = {n: {k: _optimizer_entry(entries[n], torch.empty(p.shape, dtype=torch.float32), k) for k in keys}
+              for n, p in trainable.items() if optimizer}
     state = dist_checkpointing.load({"model": model, "optimizer_tensors": wanted}, str(path))
-    module.load_state_dict(state["model"])
+    if getattr(trainer, "lora", None) is not None:
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(entries[n].assemble(state["model"][n]))
+    else:
+        module.load_state_dict(state["model"])
     if optimizer:
-        whole = {name: {k: t.reshape(-1).clone() for k, t in tensors.items()}
-                 for name, tensors in state["optimizer_tensors"].items()}
+        whole = {n: {k: (entries[n].assemble(t) if isinstance(t, dict) else t).reshape(-1).clone()
+                     for k, t in tensors.items()}
+                 for n, tensors in state["optimizer_tensors"].items()}
         load_whole(trainer, whole, state["optimizer_kind"])
 
 

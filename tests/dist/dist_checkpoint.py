@@ -2,14 +2,17 @@
 torch_dist), written at one layout and resumed at another by the checkpointer itself, under
 torchrun (gloo):
 
-    torchrun --nproc-per-node 2 tests/dist/dist_checkpoint.py save DIR KIND TP PP EP DISTOPT
-    torchrun --nproc-per-node N tests/dist/dist_checkpoint.py resume DIR KIND TP PP EP DISTOPT
+    torchrun --nproc-per-node 2 tests/dist/dist_checkpoint.py save DIR KIND TP PP EP DISTOPT [LORA_RANK [TARGETS]]
+    torchrun --nproc-per-node N tests/dist/dist_checkpoint.py resume DIR KIND TP PP EP DISTOPT [LORA_RANK [TARGETS]]
+
+With LORA_RANK > 0 the trainer trains LoRA adapters (the vision tower's too; TARGETS: HF module
+names, comma-separated, else the default ones) and the checkpoint holds the adapter alone.
 
 `save` trains step 1, checkpoints it, trains step 2; `resume` resumes the checkpoint and trains
 step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
 step 2's loss and gradient norm do not depend on the layout. Each launch writes, from its first
 rank, the HF export of the weights the checkpoint holds (after step 1, or as resumed) to
-DIR/weights_{save,resume}.safetensors, and prints one JSON line: step 2's loss and gradient norm,
+DIR/weights_{save,resume}.safetensors (with LoRA: the PEFT adapter), and prints one JSON line: step 2's loss and gradient norm,
 and the resumed step.
 """
 
@@ -34,14 +37,21 @@ from yatt_mm.rl.checkpoint import Checkpointer  # noqa: E402
 from yatt_mm.rl.layout import Layout  # noqa: E402
 
 
-def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bool) -> dict:
+def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bool, lora_rank: int = 0,
+         targets: str = "") -> dict:
     from safetensors.torch import save_file
     from transformers import AutoProcessor
 
+    from models.lora import LoRAConfig
+
     ranks = init_parallel(tp, 0, pp, ep)
+    lora = LoRAConfig(rank=lora_rank, vision_tower=True)
+    if targets:
+        lora.target_modules = targets.split(",")
     trainer = VLMTrainer(str(tiny_model_dir(kind)), TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp,
                                                                   expert_parallel=ep, lr=1e-3,
-                                                                  distributed_optimizer=distopt))
+                                                                  distributed_optimizer=distopt),
+                         lora if lora_rank else None)
     processor = AutoProcessor.from_pretrained(str(tiny_model_dir(kind)))
     processor.tokenizer.padding_side = "right"
     rng = random.Random(7)
@@ -63,17 +73,18 @@ def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bo
         checkpointer.wait()
     else:  # what it restored, in words, goes to stdout
         result["step"] = checkpointer.resume(trainer, None, 0, lambda: None, [], group=dist.new_group(backend="gloo"))
-    weights = trainer.export_hf()  # a collective over TP, PP and EP
+    weights = trainer.export_adapter() if lora_rank else trainer.export_hf()  # a collective over TP, PP and EP
     if ranks.rank == 0:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"weights_{mode}.safetensors"))
+        save_file({k: v.clone() for k, v in weights.items()}, str(out / f"weights_{mode}.safetensors"))
     return result | step(second)
 
 
 if __name__ == "__main__":
     mode, out, kind = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     tp, pp, ep, distopt = map(int, sys.argv[4:8])
+    lora_rank, targets = (int(sys.argv[8]) if len(sys.argv) > 8 else 0), (sys.argv[9] if len(sys.argv) > 9 else "")
     init_distributed()
-    result = main(mode, out, kind, tp, pp, ep, bool(distopt))
+    result = main(mode, out, kind, tp, pp, ep, bool(distopt), lora_rank, targets)
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -144,12 +144,12 @@ def test_pipeline_parallel_run_syncs_every_stage_into_the_controllers_engine(tmp
 @pytest.mark.slow  # ~60 s: a 2-step LoRA run at TP 2 and its resume at TP 1
 def test_a_lora_run_at_tp_2_resumes_at_tp_1_with_its_adapter_and_adam_state(tmp_path, warm_policy):
     """A LoRA run (rank-8 adapters, the adapter sync, the plain optimizer) at TP 2 on 2 ranks, its
-    step-1 checkpoint resumed at TP 1 on one rank with the distributed optimizer: the adapter and
-    Adam's state are carried in the Megatron model's whole names (yatt_mm/rl/relayout.py), cut for
-    TP 1 (a column layer's B and a row layer's A were split over TP 2, the gated [gate; up] B
-    half by half). Step 2 draws the same rewards, its loss, entropy and gradient norm equal the TP
-    2 run's within float32 rounding, and the adapter it ends with (after the converted Adam state's
-    update) equals the TP 2 run's."""
+    step-1 checkpoint resumed at TP 1 on one rank with the distributed optimizer: the distributed
+    checkpoint holds the adapter and Adam's state by whole-model name, split over TP as written (a
+    column layer's B and a row layer's A over TP 2, the gated [gate; up] B section by section), and
+    TP 1 reads them whole. Step 2 draws the same rewards, its loss, entropy and gradient norm equal
+    the TP 2 run's within float32 rounding, and the adapter it ends with (after the resumed Adam
+    state's update) equals the TP 2 run's."""
     from safetensors.torch import load_file
 
     write_shards(str(tmp_path / "train"), images=8, videos=0, samples_per_shard=8, seed=5, tasks=["colour"])
@@ -166,11 +166,11 @@ def test_a_lora_run_at_tp_2_resumes_at_tp_1_with_its_adapter_and_adam_state(tmp_
     _assert_real_updates_reach_vllm(_steps(run_dir))
 
     tp1_dir, stdout = _resumed_on_one_rank(tmp_path, run_dir, same, warm_policy, "step_2", "final")
-    assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; the LoRA adapter and the distributed "
-            "optimizer's state converted from DP 1 x TP 2 x PP 1 x CP 1, distributed_optimizer=false") in stdout, \
-        stdout[-3000:]
+    assert (f"resumed from {tp1_dir / 'checkpoints' / 'step_1'} (step 1; the LoRA adapter and its optimizer state "
+            "read at this layout from the distributed checkpoint written at DP 1 x TP 2 x PP 1 x CP 1, "
+            "distributed_optimizer=false)") in stdout, stdout[-3000:]
     a, b = _trained(run_dir)[1], _trained(tp1_dir)[1]
-    print("LoRA TP 2 vs TP 1 after the conversion, step 2:",
+    print("LoRA TP 2 vs TP 1 after the resume, step 2:",
           [[r[k] for k in ("train/loss", "train/entropy", "train/grad_norm")] for r in (a, b)])
     assert b["step"] == 2 and a["rollout/reward_mean"] == b["rollout/reward_mean"]
     for k in ("train/loss", "train/entropy", "train/grad_norm"):

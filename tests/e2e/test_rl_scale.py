@@ -63,18 +63,19 @@ def test_a_lora_run_on_qwen3vl_moe_at_ep_2_with_expert_adapters_syncs_merged_and
     assert config["target_modules"].endswith("(k_proj|o_proj|q_proj|v_proj)$")
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
-    # its step-1 checkpoint resumed at EP 1 on the same 2 ranks: the adapter and its Adam state
-    # converted (the experts' gathered over EP by global number); step 2 draws the same responses
+    # its step-1 checkpoint resumed at EP 1 on the same 2 ranks: the adapter and its Adam state read
+    # from the distributed checkpoint (the experts' by global number); step 2 draws the same responses
     # and trains as the EP 2 run did within float32 rounding
     ep1_dir = tmp_path / "ep1"
     shutil.copytree(run_dir, ep1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "final"))
     ep1 = subprocess.run(_tiny_rl(ep1_dir, tmp_path / "train", *same, policy="tiny:qwen3vlmoe"), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
     assert ep1.returncode == 0, ep1.stdout[-8000:]
-    assert "state converted from DP 2 x TP 1 x PP 1 x CP 1 x EP 2" in ep1.stdout, ep1.stdout[-3000:]
+    assert ("the LoRA adapter and its optimizer state read at this layout from the distributed checkpoint written at "
+            "DP 2 x TP 1 x PP 1 x CP 1 x EP 2") in ep1.stdout, ep1.stdout[-3000:]
     ep2_step, ep1_step = steps[1], _steps(ep1_dir)[-1]
     compared = ("train/loss", "train/entropy", "train/grad_norm")
-    print("LoRA EP 2 vs EP 1 after the conversion, step 2:", [[r[k] for k in compared] for r in (ep2_step, ep1_step)])
+    print("LoRA EP 2 vs EP 1 after the resume, step 2:", [[r[k] for k in compared] for r in (ep2_step, ep1_step)])
     assert ep1_step["step"] == 2 and ep1_step["rollout/response_length"] == ep2_step["rollout/response_length"]
     for k in compared:
         assert abs(ep2_step[k] - ep1_step[k]) <= 1e-4 * max(abs(ep2_step[k]), 1e-2), (k, ep2_step[k], ep1_step[k])

@@ -30,14 +30,17 @@ def _weights(path):
     return load_file(str(path))
 
 
-@pytest.mark.slow  # six launches of 1-2 ranks, ~15 s each
+@pytest.mark.slow  # eight launches of 1-2 ranks, ~10 s each
 def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_optimizer(tmp_path):
     """Written at DP 2 with the distributed optimizer, resumed: at the same layout (checked bit
     for bit against the markers' SHA-256); at DP 1 x TP 2 with the plain optimizer; at DP 1 x PP 2.
     The tiny Qwen3-VL-MoE written at EP 2 resumes on one rank (EP 1, plain optimizer). Each
     resume's weights are the saved ones bit for bit (gathered into HF names), and step 2 after it
     gives the uninterrupted run's loss and gradient norm: equal at the same layout, within
-    float32 rounding of another reduction order elsewhere."""
+    float32 rounding of another reduction order elsewhere. A LoRA run of the tiny Qwen3.5 with
+    adapters on every target (the gated DeltaNet's fused in_proj: six sections, each split over TP
+    on its own; [gate; up]; the vision tower's) written at DP 2 resumes at TP 2: its adapter, as
+    PEFT names it, is the saved one bit for bit."""
     dense, moe = tmp_path / "dense", tmp_path / "moe"
     saved, _ = _launch(2, "save", dense, "policy", 1, 1, 1, 1)
     assert saved["checkpoint/snapshot_seconds"] > 0
@@ -67,6 +70,20 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     resumed, said = _launch(1, "resume", moe, "qwen3vlmoe", 1, 1, 1, 0)
     assert "distributed checkpoint written at DP 2 x TP 1 x PP 1 x CP 1 x EP 2" in said, said
     written, back = _weights(moe / "weights_save.safetensors"), _weights(moe / "weights_resume.safetensors")
+    assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+    for k in ("loss", "grad_norm"):
+        assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
+
+    lora, targets = tmp_path / "lora", ",".join(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                 "out_proj"])
+    saved, _ = _launch(2, "save", lora, "qwen35", 1, 1, 1, 1, 4, targets)
+    held = json.loads((lora / "checkpoints" / "step_1" / "done_rank0").read_text())
+    assert held["base"]["lora_rank"] == 4
+    resumed, said = _launch(2, "resume", lora, "qwen35", 2, 1, 1, 1, 4, targets)
+    assert "the LoRA adapter and its optimizer state read at this layout" in said, said
+    written, back = _weights(lora / "weights_save.safetensors"), _weights(lora / "weights_resume.safetensors")
+    assert any(".in_proj_z." in k for k in written) and any("visual" in k for k in written), sorted(written)[:5]
     assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
     for k in ("loss", "grad_norm"):
         assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k

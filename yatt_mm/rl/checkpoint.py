@@ -164,12 +164,13 @@ class Checkpointer:
         rollout running ahead has moved the live one past what this step trained)."""
         self.wait()
         t0 = time.perf_counter()
-        if self.format == "torch_dist" and getattr(trainer, "lora", None) is None:
+        if self.format == "torch_dist":
             from models import dist_ckpt
 
             if self._group is None and dist.is_initialized():  # collective: every rank saves at this step
                 self._group = dist_ckpt.CheckpointGroups(trainer)
-            snapshot = {"dist": dist_ckpt.snapshot(trainer), "step": step}
+            # with LoRA the adapter alone, and the base it belongs to by path and hash
+            snapshot = {"dist": dist_ckpt.snapshot(trainer), "step": step, "base": base_identity(trainer)}
         else:  # with LoRA the adapter alone, and the base it belongs to by path and hash
             snapshot = {"model": _clone(trainer.checkpoint_weights()), "optimizer": _clone(trainer.optimizer_state()),
                         "base": base_identity(trainer),
@@ -321,7 +322,7 @@ class Checkpointer:
             digest = state_digest(dist_ckpt.snapshot_tensors(snapshot["dist"]))
             dist_ckpt.write(snapshot["dist"], out / DIST_DIR, self._group, self.rank)
             _fsync(out / DIST_DIR)
-            written = {"format": "torch_dist", "files": {
+            written = {"format": "torch_dist", "base": snapshot["base"], "files": {
                 f"{DIST_DIR}/{p.name}": _file_sha256(p) for p in dist_ckpt.files_of(out / DIST_DIR, self.rank)}}
         else:
             digest = state_digest({"model": snapshot["model"], "optimizer": snapshot["optimizer"]})
@@ -589,23 +590,26 @@ def load_trainer_as(ckpt: Path, trainer, plan: ResumePlan, states: dict[int, dic
 
 
 def load_dist_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, str]:
-    """Weights and optimizer state from a Megatron distributed checkpoint, at this run's layout
-    whatever layout wrote it; at the same layout, checked bit for bit against what was written."""
+    """Weights (with LoRA the adapter, onto the base it was trained on) and optimizer state from a
+    Megatron distributed checkpoint, at this run's layout whatever layout wrote it; at the same
+    layout, checked bit for bit against what was written."""
     from models import dist_ckpt
 
-    if getattr(trainer, "lora", None) is not None:
-        raise RuntimeError(f"{ckpt} was written by a full-weight run (no policy.lora): resume it without LoRA")
-    dist_ckpt.load(trainer, ckpt / DIST_DIR)
     markers = complete_markers(ckpt)
-    step = int(markers[0]["step"])
-    if plan.saved is None or plan.resharded or plan.convert:
-        return step, f"weights and optimizer state read at this layout from the distributed checkpoint written at " \
-                     f"{plan.saved.describe() if plan.saved else 'another layout'}"
+    same = plan.saved is not None and not plan.resharded and not plan.convert  # the layout that wrote it
     mine = dist.get_rank() if dist.is_initialized() else 0
+    check_base(ckpt, markers[mine if same else 0].get("base"), base_identity(trainer), weights=same)
+    dist_ckpt.load(trainer, ckpt / DIST_DIR)
+    step = int(markers[0]["step"])
+    what = "the LoRA adapter and its optimizer state" if getattr(trainer, "lora", None) is not None \
+        else "weights and optimizer state"
+    if not same:
+        return step, f"{what} read at this layout from the distributed checkpoint written at " \
+                     f"{plan.saved.describe() if plan.saved else 'another layout'}"
     if state_digest(dist_ckpt.snapshot_tensors(dist_ckpt.snapshot(trainer))) != markers[mine]["sha256"]:
         raise RuntimeError(f"{ckpt}: rank {mine}'s restored weights and optimizer state do not hash to what was "
                            "written with them: the checkpoint is damaged")
-    return step, "weights and optimizer state bitwise as written"
+    return step, f"{what} bitwise as written"
 
 
 def load_converted_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, str]:
@@ -620,14 +624,19 @@ def load_converted_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, 
     return step, f"weights and {which} state converted from {plan.saved.describe()} through HF names"
 
 
-def check_base(ckpt: Path, saved: dict | None, live: dict | None) -> None:
+def check_base(ckpt: Path, saved: dict | None, live: dict | None, weights: bool = True) -> None:
     """A LoRA checkpoint resumes onto the base it was trained on, and only into a LoRA run of its
-    rank (a full checkpoint only into a full run): else an error that says which setting differs."""
+    rank (a full checkpoint only into a full run): else an error that says which setting differs.
+    `weights`: compare the hashes of the base weights too (each rank hashes its own shard, so only
+    at the layout that wrote the checkpoint; elsewhere the base's path is compared)."""
     rank = lambda base: base["lora_rank"] if base else 0  # noqa: E731
     if rank(saved) != rank(live):
         raise RuntimeError(f"{ckpt} was written with policy.lora.rank={rank(saved)}; this run has "
                            f"policy.lora.rank={rank(live)}: set it the same to resume")
-    if saved and saved["sha256"] != live["sha256"]:
+    if saved and not weights and saved["path"] != live["path"]:
+        raise RuntimeError(f"{ckpt} holds a LoRA adapter of the base {saved['path']}, but this run's policy.model is "
+                           f"{live['path']}: resume with the base the adapter was trained on")
+    if saved and weights and saved["sha256"] != live["sha256"]:
         raise RuntimeError(f"{ckpt} holds a LoRA adapter of the base {saved['path']} (weights SHA-256 "
                            f"{saved['sha256'][:12]}...), but this run's policy.model {live['path']} has other weights "
                            f"({live['sha256'][:12]}...): resume with the base the adapter was trained on")

@@ -57,9 +57,9 @@ class RunConfig:
     save_final: bool = True  # write the trained policy to RUN_DIR/final: an HF directory, with LoRA a PEFT adapter
     checkpoint_every: int = 0  # steps between asynchronous checkpoints (0: none); see rl/checkpoint.py
     keep_checkpoints: int = 2  # complete checkpoints kept on disk
-    # torch_dist: a full-weight trainer's state as one Megatron-Core distributed checkpoint, which any
-    # layout resumes directly (models/dist_ckpt.py); per_rank: each rank's own file, another TP/PP/CP/EP
-    # size or optimizer setting converted once through HF names. A LoRA run writes its adapter per rank
+    # torch_dist: the trainer's state (with LoRA the adapter's) as one Megatron-Core distributed
+    # checkpoint, which any layout resumes directly (models/dist_ckpt.py); per_rank: each rank's own
+    # file, another TP/PP/CP/EP size or optimizer setting converted once at resume
     checkpoint_format: Literal["torch_dist", "per_rank"] = "torch_dist"
     resume: bool = True  # continue from the newest complete checkpoint in run_dir, if there is one
     max_logprob_diff: float = 0.0  # stop when the trainer/vLLM logprob gap exceeds it (0: 0.1 where the trainer or the engine computes in bf16, else 1e-3)

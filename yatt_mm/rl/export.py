@@ -59,7 +59,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, wi
     saved = checkpoint_layout(ckpt)
     cfg = run_config(ckpt)
     if is_dist(ckpt):  # any layout reads a distributed checkpoint: here, on one rank
-        return export_dist(ckpt, Path(out), cfg)
+        return export_dist(ckpt, Path(out), cfg, merge)
     if merge and not cfg.policy.lora.enabled:
         raise ValueError(f"{ckpt} holds every weight (its run had no policy.lora): --merge is for LoRA checkpoints")
     live = export_layout(saved, with_optimizer)
@@ -70,14 +70,16 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, merge: bool = False, wi
     return relaunch("yatt_mm.rl.export", live.world, args)
 
 
-def export_dist(ckpt: Path, out: Path, cfg) -> int:
-    """The weights of a full-weight run's distributed checkpoint as an HF directory, read on one
-    rank at TP = PP = EP = CP = 1 whatever layout wrote it (the files checked against the markers'
-    SHA-256 first)."""
+def export_dist(ckpt: Path, out: Path, cfg, merge: bool = False) -> int:
+    """A distributed checkpoint as an HF model directory (a LoRA run's as a PEFT adapter, or with
+    `merge` merged into its base), read on one rank at TP = PP = EP = CP = 1 whatever layout wrote
+    it (the files checked against the markers' SHA-256 first, the base against the adapter's)."""
     from models import dist_ckpt
     from models.comm import init_parallel
     from models.hf_io import save_hf_dir
+    from models.lora import save_adapter_dir
     from models.trainer import VLMTrainer
+    from yatt_mm.rl.checkpoint import base_identity
 
     reason = verify_dist_files(ckpt, 0, 1)
     if reason is not None:
@@ -86,9 +88,17 @@ def export_dist(ckpt: Path, out: Path, cfg) -> int:
     trainer_cfg = replace(cfg.policy.trainer, tensor_parallel=1, pipeline_parallel=1, context_parallel=1,
                           expert_parallel=1, pipeline_layers=[])
     trainer = VLMTrainer(cfg.policy.model, trainer_cfg, cfg.policy.lora, cfg.policy.freeze_vision)
+    marker = complete_markers(ckpt)[0]
+    check_base(ckpt, marker.get("base"), base_identity(trainer), weights=checkpoint_layout(ckpt).world == 1)
     dist_ckpt.load(trainer, ckpt / DIST_DIR, optimizer=False)
-    step = complete_markers(ckpt)[0]["step"]
-    print(f"policy of step {step} written to {save_hf_dir(trainer.export_hf(), cfg.policy.model, out)}", flush=True)
+    step = marker["step"]
+    if trainer.lora is not None and not merge:
+        print(f"LoRA adapter of step {step} written to "
+              f"{save_adapter_dir(trainer.export_adapter(), trainer.adapter_config(), out)} "
+              f"(base: {cfg.policy.model})", flush=True)
+    else:  # LoRA's adapters merged in
+        print(f"policy of step {step} written to {save_hf_dir(trainer.export_hf(), cfg.policy.model, out)}",
+              flush=True)
     return 0
 
 
