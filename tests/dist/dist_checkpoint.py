@@ -8,8 +8,9 @@ torchrun (gloo):
 With LORA_RANK > 0 the trainer trains LoRA adapters (the vision tower's too; TARGETS: HF module
 names, comma-separated, else the default ones) and the checkpoint holds the adapter alone.
 
-`save` trains step 1, checkpoints it, trains step 2; `resume` resumes the checkpoint and trains
-step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
+`save` trains step 1, checkpoints it, trains step 2; `resume` resumes the checkpoint, saves what
+it restored to DIR/resaved (at its own layout: the same global tensors, whatever layout wrote
+them) and trains step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
 step 2's loss and gradient norm do not depend on the layout. Each launch writes, from its first
 rank, the HF export of the weights the checkpoint holds (after step 1, or as resumed) to
 DIR/weights_{save,resume}.safetensors (with LoRA: the PEFT adapter), and prints one JSON line: step 2's loss and gradient norm,
@@ -71,8 +72,12 @@ def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bo
         step(first)
         result |= checkpointer.save(1, trainer)
         checkpointer.wait()
-    else:  # what it restored, in words, goes to stdout
+    else:  # what it restored, in words, goes to stdout; then the state as restored, saved again
         result["step"] = checkpointer.resume(trainer, None, 0, lambda: None, [], group=dist.new_group(backend="gloo"))
+        again = Checkpointer(out / "resaved", ranks.rank, ranks.world, keep=1, attempt=mode, layout=layout,
+                             fmt="torch_dist")
+        again.save(1, trainer)
+        again.wait()
     weights = trainer.export_adapter() if lora_rank else trainer.export_hf()  # a collective over TP, PP and EP
     if ranks.rank == 0:
         save_file({k: v.clone() for k, v in weights.items()}, str(out / f"weights_{mode}.safetensors"))

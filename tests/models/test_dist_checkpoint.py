@@ -30,6 +30,29 @@ def _weights(path):
     return load_file(str(path))
 
 
+def _global_tensors(ckpt, tmp) -> dict:
+    """Every global tensor of a distributed checkpoint (the model's and the optimizer's, whole),
+    read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt / "trainer"), str(tmp))
+    return {k: v for k, v in torch.load(tmp, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+def _assert_restored_bitwise(root, tmp_path) -> None:
+    """The state a resume restored, saved again at its own layout, holds the same global tensors as
+    the checkpoint it resumed, bit for bit: the weights and the optimizer's main weights and moments."""
+    import shutil
+
+    written = _global_tensors(root / "checkpoints" / "step_1", tmp_path / "written.pt")
+    again = _global_tensors(root / "resaved" / "step_1", tmp_path / "again.pt")
+    shutil.rmtree(root / "resaved")
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in written), sorted(written)[:5]
+    assert again.keys() == written.keys(), sorted(set(again) ^ set(written))[:5]
+    assert all(torch.equal(again[k], written[k]) for k in written), \
+        [k for k in written if not torch.equal(again[k], written[k])][:5]
+
+
 @pytest.mark.slow  # eight launches of 1-2 ranks, ~10 s each
 def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_optimizer(tmp_path):
     """Written at DP 2 with the distributed optimizer, resumed: at the same layout (checked bit
@@ -61,6 +84,7 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
         assert "converting" not in said
         back = _weights(dense / "weights_resume.safetensors")
         assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+        _assert_restored_bitwise(dense, tmp_path)
         if (tp, pp, distopt) == (1, 1, 1):
             assert (resumed["loss"], resumed["grad_norm"]) == (saved["loss"], saved["grad_norm"])
         for k in ("loss", "grad_norm"):
@@ -71,6 +95,7 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     assert "distributed checkpoint written at DP 2 x TP 1 x PP 1 x CP 1 x EP 2" in said, said
     written, back = _weights(moe / "weights_save.safetensors"), _weights(moe / "weights_resume.safetensors")
     assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+    _assert_restored_bitwise(moe, tmp_path)
     for k in ("loss", "grad_norm"):
         assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
 
@@ -85,5 +110,6 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     written, back = _weights(lora / "weights_save.safetensors"), _weights(lora / "weights_resume.safetensors")
     assert any(".in_proj_z." in k for k in written) and any("visual" in k for k in written), sorted(written)[:5]
     assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+    _assert_restored_bitwise(lora, tmp_path)
     for k in ("loss", "grad_norm"):
         assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
