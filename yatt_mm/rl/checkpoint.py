@@ -6,15 +6,19 @@ weights). Every rank copies its state in memory (`snapshot`), and a background t
 while the next step's rollout runs:
 
     RUN_DIR/checkpoints/step_N/
-        trainer_rank{r}.pt              this rank's model shard (TP) and optimizer state; with LoRA
-                                        the adapter's shard and its optimizer state, and the frozen
-                                        base named by path and the SHA-256 of its weights
+        trainer/                        run.checkpoint_format=torch_dist (the default): the weights
+                                        (with LoRA the adapter) and optimizer state of every rank as
+                                        one Megatron-Core distributed checkpoint (models/dist_ckpt.py)
+        trainer_rank{r}.pt              or, per_rank: this rank's model shard (TP) and optimizer
+                                        state (with LoRA the adapter's shard and its state)
         controller_dp{d}.json           the DP group's data position (reader state) and the
                                         dynamic sampler's valid-rate estimate and buffer
         controller_dp{d}.safetensors    media of the groups waiting in that buffer
         done_rank{r}                    written last: the attempt's id, the world size and the
-                                        layout (DP, TP, PP, CP, EP sizes, the optimizer setting),
-                                        and a SHA-256 of the rank's weights and optimizer state
+                                        layout (DP, TP, PP, CP, EP sizes, the optimizer setting), a
+                                        SHA-256 of the state the rank wrote, with LoRA the frozen
+                                        base (path, SHA-256 of the rank's base weights), and for
+                                        torch_dist the rank's files in trainer/ with their SHA-256
 
 Every file is written under a temporary name, fsynced and renamed, and the directory fsynced,
 before the marker is (itself the same way): a marker on disk means its files are. A checkpoint
@@ -23,21 +27,24 @@ name) left its marker, so markers left by a crashed attempt never complete a che
 later attempt rewrites. `latest_complete` picks the newest complete one and says which partial
 ones it skips.
 
-A run may resume at another layout (`resume_plan`): at another number of DP groups each rank
-reads the files of its TP/PP place (with the distributed optimizer, every old DP rank's there,
-re-sharded by models/reshard.py) and each controller every old group's data position (re-split by
-dataio/resplit.py); at another TP, PP, CP or EP size, or with the distributed optimizer
-switched, the checkpoint is converted once through HF names (yatt_mm/rl/relayout.py).
+A run may resume at another layout (`resume_plan`): each controller reads every old group's data
+position (re-split by dataio/resplit.py). A distributed checkpoint is read at the new layout
+directly. Per-rank files: at another number of DP groups each rank reads the files of its TP/PP
+place (with the distributed optimizer, every old DP rank's there, re-sharded by models/reshard.py);
+at another TP, PP, CP or EP size, or with the distributed optimizer switched, the checkpoint is
+converted once through HF names (yatt_mm/rl/relayout.py).
 
 A complete checkpoint can still be damaged after the fact (a disk or a copy that cut a file
-short, a file edited or lost): resume verifies each rank's own files before it trusts them (the
-trainer file loads and hashes to its marker's SHA-256; the controller files are there and read),
+short, a file edited or lost): resume verifies each rank's own files before it trusts them (a
+distributed checkpoint's files hash to the SHA-256s their writer's marker lists, spread over the
+ranks; a trainer file loads and hashes to its marker's SHA-256; the controller files are there and read),
 and all ranks agree on the newest checkpoint that verified on every one of them
 (`Checkpointer.choose`); each one skipped is named once with every failing rank's reason, and a
 run whose complete checkpoints all fail stops with `NoUsableCheckpoint` instead of starting over
 on top of them. After loading, the live weights and optimizer state are hashed once more against
-the marker. The trainer files are our own, still read back with `torch.load(weights_only=True)`:
-nothing in a checkpoint is unpickled as code.
+the marker. Per-rank trainer files are read back with `torch.load(weights_only=True)`; a
+distributed checkpoint's `.metadata` is a pickle (torch.distributed.checkpoint's own format), so
+a run resumes only checkpoints it can trust, as with any PyTorch checkpoint of that format.
 
 For crash tests only, YATT_MM_FAULT_CHECKPOINT_PAUSE=SECONDS holds each rank's write between its
 trainer file and its marker, so a test can kill a rank mid-write at a known point.
