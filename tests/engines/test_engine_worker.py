@@ -90,7 +90,7 @@ def test_partial_rollout_loads_weights_between_engine_steps_and_the_responses_sa
     remote = worker.engine("rollout")
     rng = random.Random(4)
     requests = [_ask("image", img.question, images=[img.image]) for img in (colour_image(rng), colour_image(rng))]
-    long_greedy = SamplingConfig(n=1, max_tokens=400, temperature=0.0)
+    long_greedy = SamplingConfig(n=1, max_tokens=1000, temperature=0.0)
     old = [g[0] for g in remote.generate(requests, long_greedy).responses]
     assert all(len(r.token_ids) > 100 and r.weight_updates == 0 for r in old)
     original, moved = _weights(tiny_policy, 0.02)
@@ -99,7 +99,7 @@ def test_partial_rollout_loads_weights_between_engine_steps_and_the_responses_sa
         result = {}
         thread = threading.Thread(target=lambda: result.update(r=remote.generate(requests, long_greedy)))
         thread.start()
-        time.sleep(0.5)  # the generation is under way (400 steps take seconds here)
+        time.sleep(0.5)  # the generation is under way (1000 steps take several seconds here, also under load)
         remote.update_weights(moved.items(), partial=True)
         remote.weights_loaded()
         thread.join()
