@@ -87,7 +87,8 @@ class AdapterPlace:
             return {key: ShardedTensor.from_rank_offsets(key, t, replica_id=(0, self.rank, self.dp_rank))}
         pieces = [t] if not self.sections else [x.clone() for x in t.split(self.sections, self.dim)]
         keys = [key] if not self.sections else [f"{key}.section{i}" for i in range(len(pieces))]
-        return {k: ShardedTensor.from_rank_offsets(k, x, (self.dim, self.rank, self.size), replica_id=(0, 0, self.dp_rank))
+        split = (self.dim, self.rank, self.size)
+        return {k: ShardedTensor.from_rank_offsets(k, x, split, replica_id=(0, 0, self.dp_rank))
                 for k, x in zip(keys, pieces)}
 
     def assemble(self, loaded: dict) -> torch.Tensor:
@@ -110,7 +111,8 @@ def adapter_places(module: torch.nn.Module) -> dict[str, AdapterPlace]:
         group = linear.tp_group if expert else ps.get_tensor_model_parallel_group()
         size = dist.get_world_size(group) if dist.is_initialized() else 1
         rank = dist.get_rank(group) if size > 1 else 0
-        dp_rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank(with_context_parallel=True)
+        dp_rank = ps.get_expert_data_parallel_rank() if expert \
+            else ps.get_data_parallel_rank(with_context_parallel=True)
         for which in ("lora_A", "lora_B"):
             dim = split_dim(linear, which)
             sections = linear.lora_sections if which == "lora_B" and dim is not None else None

@@ -13,8 +13,8 @@ it restored to DIR/resaved (at its own layout: the same global tensors, whatever
 them) and trains step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
 step 2's loss and gradient norm do not depend on the layout. Each launch writes, from its first
 rank, the HF export of the weights the checkpoint holds (after step 1, or as resumed) to
-DIR/weights_{save,resume}.safetensors (with LoRA: the PEFT adapter), and prints one JSON line: step 2's loss and gradient norm,
-and the resumed step.
+DIR/weights_{save,resume}.safetensors (with LoRA: the PEFT adapter), and prints one JSON line:
+step 2's loss and gradient norm, and the resumed step.
 """
 
 from __future__ import annotations
