@@ -5,6 +5,7 @@ torchrun (gloo):
     torchrun --nproc-per-node 2 tests/dist/dist_checkpoint.py save DIR KIND TP PP EP DISTOPT [LORA_RANK [TARGETS]]
     torchrun --nproc-per-node N tests/dist/dist_checkpoint.py resume DIR KIND TP PP EP DISTOPT [LORA_RANK [TARGETS]]
 
+`layers=N,M,...` anywhere after DIR sets policy.trainer.pipeline_layers (the layers of each stage).
 With LORA_RANK > 0 the trainer trains LoRA adapters (the vision tower's too; TARGETS: HF module
 names, comma-separated, else the default ones) and the checkpoint holds the adapter alone.
 
@@ -39,7 +40,7 @@ from yatt_mm.rl.layout import Layout  # noqa: E402
 
 
 def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bool, lora_rank: int = 0,
-         targets: str = "") -> dict:
+         targets: str = "", layers: tuple[int, ...] = ()) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoProcessor
 
@@ -50,8 +51,8 @@ def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bo
     if targets:
         lora.target_modules = targets.split(",")
     trainer = VLMTrainer(str(tiny_model_dir(kind)), TrainerConfig(tensor_parallel=tp, pipeline_parallel=pp,
-                                                                  expert_parallel=ep, lr=1e-3,
-                                                                  distributed_optimizer=distopt),
+                                                                  pipeline_layers=list(layers), expert_parallel=ep,
+                                                                  lr=1e-3, distributed_optimizer=distopt),
                          lora if lora_rank else None)
     processor = AutoProcessor.from_pretrained(str(tiny_model_dir(kind)))
     processor.tokenizer.padding_side = "right"
@@ -85,11 +86,14 @@ def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bo
 
 
 if __name__ == "__main__":
-    mode, out, kind = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    tp, pp, ep, distopt = map(int, sys.argv[4:8])
-    lora_rank, targets = (int(sys.argv[8]) if len(sys.argv) > 8 else 0), (sys.argv[9] if len(sys.argv) > 9 else "")
+    split = [a for a in sys.argv if a.startswith("layers=")]
+    args = [a for a in sys.argv if a not in split]
+    mode, out, kind = args[1], Path(args[2]), args[3]
+    tp, pp, ep, distopt = map(int, args[4:8])
+    lora_rank, targets = (int(args[8]) if len(args) > 8 else 0), (args[9] if len(args) > 9 else "")
+    layers = tuple(int(n) for n in split[0].removeprefix("layers=").split(",")) if split else ()
     init_distributed()
-    result = main(mode, out, kind, tp, pp, ep, bool(distopt), lora_rank, targets)
+    result = main(mode, out, kind, tp, pp, ep, bool(distopt), lora_rank, targets, layers)
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()

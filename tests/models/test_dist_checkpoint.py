@@ -53,7 +53,7 @@ def _assert_restored_bitwise(root, tmp_path) -> None:
         [k for k in written if not torch.equal(again[k], written[k])][:5]
 
 
-@pytest.mark.slow  # eight launches of 1-2 ranks, ~10 s each
+@pytest.mark.slow  # ten launches of 1-2 ranks, ~10 s each
 def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_optimizer(tmp_path):
     """Written at DP 2 with the distributed optimizer, resumed: at the same layout (checked bit
     for bit against the markers' SHA-256); at DP 1 x TP 2 with the plain optimizer; at DP 1 x PP 2.
@@ -63,7 +63,8 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     float32 rounding of another reduction order elsewhere. A LoRA run of the tiny Qwen3.5 with
     adapters on every target (the gated DeltaNet's fused in_proj: six sections, each split over TP
     on its own; [gate; up]; the vision tower's) written at DP 2 resumes at TP 2: its adapter, as
-    PEFT names it, is the saved one bit for bit."""
+    PEFT names it, is the saved one bit for bit. The MoE's 4 layers written at PP 2 as 2 + 2 resume
+    at PP 2 as 3 + 1 (the same sizes, another split: not taken for the writing layout)."""
     dense, moe = tmp_path / "dense", tmp_path / "moe"
     saved, _ = _launch(2, "save", dense, "policy", 1, 1, 1, 1)
     assert saved["checkpoint/snapshot_seconds"] > 0
@@ -111,5 +112,15 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     assert any(".in_proj_z." in k for k in written) and any("visual" in k for k in written), sorted(written)[:5]
     assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
     _assert_restored_bitwise(lora, tmp_path)
+    for k in ("loss", "grad_norm"):
+        assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
+
+    split = tmp_path / "split"
+    saved, _ = _launch(2, "save", split, "qwen3vlmoe", 1, 2, 1, 1, "layers=2,2")
+    resumed, said = _launch(2, "resume", split, "qwen3vlmoe", 1, 2, 1, 1, "layers=3,1")
+    assert "written at DP 1 x TP 1 x PP 2 x CP 1, distributed_optimizer=true, pipeline_layers=[2, 2]" in said, said
+    written, back = _weights(split / "weights_save.safetensors"), _weights(split / "weights_resume.safetensors")
+    assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+    _assert_restored_bitwise(split, tmp_path)
     for k in ("loss", "grad_norm"):
         assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k

@@ -177,7 +177,8 @@ class Checkpointer:
             if self._group is None and dist.is_initialized():  # collective: every rank saves at this step
                 self._group = dist_ckpt.CheckpointGroups(trainer)
             # with LoRA the adapter alone, and the base it belongs to by path and hash
-            snapshot = {"dist": dist_ckpt.snapshot(trainer), "step": step, "base": base_identity(trainer)}
+            snapshot = {"dist": dist_ckpt.snapshot(trainer), "step": step, "base": base_identity(trainer),
+                        "pipeline_layers": list(getattr(trainer.cfg, "pipeline_layers", []))}
         else:  # with LoRA the adapter alone, and the base it belongs to by path and hash
             snapshot = {"model": _clone(trainer.checkpoint_weights()), "optimizer": _clone(trainer.optimizer_state()),
                         "base": base_identity(trainer),
@@ -329,7 +330,8 @@ class Checkpointer:
             digest = state_digest(dist_ckpt.snapshot_tensors(snapshot["dist"]))
             dist_ckpt.write(snapshot["dist"], out / DIST_DIR, self._group, self.rank)
             _fsync(out / DIST_DIR)
-            written = {"format": "torch_dist", "base": snapshot["base"], "files": {
+            written = {"format": "torch_dist", "base": snapshot["base"], "pipeline_layers": snapshot["pipeline_layers"],
+                       "files": {
                 f"{DIST_DIR}/{p.name}": _file_sha256(p) for p in dist_ckpt.files_of(out / DIST_DIR, self.rank)}}
         else:
             digest = state_digest({"model": snapshot["model"], "optimizer": snapshot["optimizer"]})
@@ -603,7 +605,9 @@ def load_dist_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, str]:
     from models import dist_ckpt
 
     markers = complete_markers(ckpt)
-    same = plan.saved is not None and not plan.resharded and not plan.convert  # the layout that wrote it
+    layers = (markers[0].get("pipeline_layers", []), list(getattr(trainer.cfg, "pipeline_layers", [])))
+    # the layout that wrote it, the pipeline's split of the layers included
+    same = plan.saved is not None and not plan.resharded and not plan.convert and layers[0] == layers[1]
     mine = dist.get_rank() if dist.is_initialized() else 0
     check_base(ckpt, markers[mine if same else 0].get("base"), base_identity(trainer), weights=same)
     dist_ckpt.load(trainer, ckpt / DIST_DIR)
@@ -611,8 +615,9 @@ def load_dist_trainer(ckpt: Path, trainer, plan: ResumePlan) -> tuple[int, str]:
     what = "the LoRA adapter and its optimizer state" if getattr(trainer, "lora", None) is not None \
         else "weights and optimizer state"
     if not same:
+        split = f", pipeline_layers={layers[0]}" if layers[0] != layers[1] else ""
         return step, f"{what} read at this layout from the distributed checkpoint written at " \
-                     f"{plan.saved.describe() if plan.saved else 'another layout'}"
+                     f"{plan.saved.describe() if plan.saved else 'another layout'}{split}"
     if state_digest(dist_ckpt.snapshot_tensors(dist_ckpt.snapshot(trainer))) != markers[mine]["sha256"]:
         raise RuntimeError(f"{ckpt}: rank {mine}'s restored weights and optimizer state do not hash to what was "
                            "written with them: the checkpoint is damaged")
