@@ -140,7 +140,7 @@ class Snapshot:
 def snapshot(trainer) -> Snapshot:
     """This rank's state copied to host memory: what `write` saves. No collective."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     from models.optimizer import inner_optimizers
     from models.reshard import plain_whole
@@ -156,8 +156,8 @@ def snapshot(trainer) -> Snapshot:
         by_param = _entries_by_param(model)
         entries = {n: by_param[p] for n, p in trainable}
 
-        def to_host(x):
-            if isinstance(x, ShardedTensor | ShardedObject):
+        def to_host(x):  # a factory (SwiGLU's [gate; up], DeltaNet's sections) holds its parameter too
+            if isinstance(x, ShardedTensor | ShardedObject | ShardedTensorFactory):
                 x.data = _host_copy(x.data)
             return x
 

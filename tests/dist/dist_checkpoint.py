@@ -39,6 +39,30 @@ from yatt_mm.rl.checkpoint import Checkpointer  # noqa: E402
 from yatt_mm.rl.layout import Layout  # noqa: E402
 
 
+def _shares_live_storage(trainer) -> int:
+    """How many tensors of a snapshot share memory with the live weights or optimizer state: the
+    writer thread reads the snapshot while the next step changes those, so it must be 0."""
+    from models import dist_ckpt
+    from models.offload import optimizer_tensors
+
+    live = {t.untyped_storage().data_ptr() for t in [*trainer.module.parameters(),
+                                                     *optimizer_tensors(trainer.optimizer)]}
+    tensors = []
+
+    def visit(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, list | tuple):
+            for v in x:
+                visit(v)
+        elif hasattr(x, "untyped_storage"):
+            tensors.append(x)
+
+    visit(dist_ckpt.snapshot_tensors(dist_ckpt.snapshot(trainer)))
+    return sum(t.untyped_storage().data_ptr() in live for t in tensors)
+
+
 def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bool, lora_rank: int = 0,
          targets: str = "", layers: tuple[int, ...] = ()) -> dict:
     from safetensors.torch import save_file
@@ -71,6 +95,7 @@ def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bo
     result = {"world": ranks.world}
     if mode == "save":
         step(first)
+        result["snapshot_shares_live"] = _shares_live_storage(trainer)
         result |= checkpointer.save(1, trainer)
         checkpointer.wait()
     else:  # what it restored, in words, goes to stdout; then the state as restored, saved again

@@ -39,6 +39,16 @@ def _global_tensors(ckpt, tmp) -> dict:
     return {k: v for k, v in torch.load(tmp, weights_only=False).items() if isinstance(v, torch.Tensor)}
 
 
+def _assert_resumed_as_saved(root, saved: dict, resumed: dict, tmp_path) -> None:
+    """The resume's weights (or adapter) equal the saved ones bit for bit, so does the state it
+    restored, and step 2 trains as the uninterrupted run did within float32 rounding."""
+    written, back = _weights(root / "weights_save.safetensors"), _weights(root / "weights_resume.safetensors")
+    assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
+    _assert_restored_bitwise(root, tmp_path)
+    for k in ("loss", "grad_norm"):
+        assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
+
+
 def _assert_restored_bitwise(root, tmp_path) -> None:
     """The state a resume restored, saved again at its own layout, holds the same global tensors as
     the checkpoint it resumed, bit for bit: the weights and the optimizer's main weights and moments."""
@@ -68,6 +78,7 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     dense, moe = tmp_path / "dense", tmp_path / "moe"
     saved, _ = _launch(2, "save", dense, "policy", 1, 1, 1, 1)
     assert saved["checkpoint/snapshot_seconds"] > 0
+    assert saved["snapshot_shares_live"] == 0  # SwiGLU's factory held its live parameter once
     step = dense / "checkpoints" / "step_1"
     markers = [json.loads((step / f"done_rank{r}").read_text()) for r in range(2)]
     assert all(m["format"] == "torch_dist" for m in markers)
@@ -94,11 +105,7 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     saved, _ = _launch(2, "save", moe, "qwen3vlmoe", 1, 1, 2, 1)
     resumed, said = _launch(1, "resume", moe, "qwen3vlmoe", 1, 1, 1, 0)
     assert "distributed checkpoint written at DP 2 x TP 1 x PP 1 x CP 1 x EP 2" in said, said
-    written, back = _weights(moe / "weights_save.safetensors"), _weights(moe / "weights_resume.safetensors")
-    assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
-    _assert_restored_bitwise(moe, tmp_path)
-    for k in ("loss", "grad_norm"):
-        assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
+    _assert_resumed_as_saved(moe, saved, resumed, tmp_path)
 
     lora, targets = tmp_path / "lora", ",".join(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
@@ -108,19 +115,12 @@ def test_a_checkpoint_written_at_one_layout_resumes_at_another_tp_pp_dp_ep_and_o
     assert held["base"]["lora_rank"] == 4
     resumed, said = _launch(2, "resume", lora, "qwen35", 2, 1, 1, 1, 4, targets)
     assert "the LoRA adapter and its optimizer state read at this layout" in said, said
-    written, back = _weights(lora / "weights_save.safetensors"), _weights(lora / "weights_resume.safetensors")
-    assert any(".in_proj_z." in k for k in written) and any("visual" in k for k in written), sorted(written)[:5]
-    assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
-    _assert_restored_bitwise(lora, tmp_path)
-    for k in ("loss", "grad_norm"):
-        assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
+    adapter = _weights(lora / "weights_save.safetensors")
+    assert any(".in_proj_z." in k for k in adapter) and any("visual" in k for k in adapter), sorted(adapter)[:5]
+    _assert_resumed_as_saved(lora, saved, resumed, tmp_path)
 
     split = tmp_path / "split"
     saved, _ = _launch(2, "save", split, "qwen3vlmoe", 1, 2, 1, 1, "layers=2,2")
     resumed, said = _launch(2, "resume", split, "qwen3vlmoe", 1, 2, 1, 1, "layers=3,1")
     assert "written at DP 1 x TP 1 x PP 2 x CP 1, distributed_optimizer=true, pipeline_layers=[2, 2]" in said, said
-    written, back = _weights(split / "weights_save.safetensors"), _weights(split / "weights_resume.safetensors")
-    assert back.keys() == written.keys() and all(torch.equal(back[k], written[k]) for k in written)
-    _assert_restored_bitwise(split, tmp_path)
-    for k in ("loss", "grad_norm"):
-        assert resumed[k] == pytest.approx(saved[k], rel=2e-6), k
+    _assert_resumed_as_saved(split, saved, resumed, tmp_path)
