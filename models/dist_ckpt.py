@@ -146,16 +146,10 @@ def snapshot(trainer) -> Snapshot:
     from models.reshard import plain_whole
 
     module, optimizer = trainer.module, trainer.optimizer
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    shapes = {n: p.shape for n, p in trainable}
-    if getattr(trainer, "lora", None) is not None:  # the adapter alone
-        entries = adapter_places(module)
-        model = {k: v for n, p in trainable for k, v in entries[n].describe(_host_copy(p)).items()}
-    else:
-        model = model_sharded_state(module)
-        by_param = _entries_by_param(model)
-        entries = {n: by_param[p] for n, p in trainable}
-
+    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    shapes = {n: p.shape for n, p in trainable.items()}
+    model, entries = _model_entries(trainer, trainable, _host_copy)
+    if getattr(trainer, "lora", None) is None:
         def to_host(x):  # a factory (SwiGLU's [gate; up], DeltaNet's sections) holds its parameter too
             if isinstance(x, ShardedTensor | ShardedObject | ShardedTensorFactory):
                 x.data = _host_copy(x.data)
@@ -301,13 +295,7 @@ def load(trainer, path: Path, optimizer: bool = True) -> None:
     held = saved_keys(path)
     keys = [k for k in (_MAIN_WEIGHT, *_KEYS) if any(h.startswith(f"optimizer.state.{k}.") for h in held)]
     trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    if getattr(trainer, "lora", None) is not None:
-        entries = adapter_places(module)
-        model = {n: entries[n].describe(torch.empty_like(p)) for n, p in trainable.items()}
-    else:
-        model = model_sharded_state(module)
-        by_param = _entries_by_param(model)
-        entries = {n: by_param[p] for n, p in trainable.items()}
+    model, entries = _model_entries(trainer, trainable, torch.empty_like)
     wanted = {n: {k: _optimizer_entry(entries[n], torch.empty(p.shape, dtype=torch.float32), k) for k in keys}
               for n, p in trainable.items() if optimizer}
     state = dist_checkpointing.load({"model": model, "optimizer_tensors": wanted}, str(path))
@@ -322,6 +310,18 @@ def load(trainer, path: Path, optimizer: bool = True) -> None:
                      for k, t in tensors.items()}
                  for n, tensors in state["optimizer_tensors"].items()}
         load_whole(trainer, whole, state["optimizer_kind"])
+
+
+def _model_entries(trainer, trainable: dict, adapter_tensor) -> tuple[dict, dict]:
+    """(the model's sharded state dict, each trainable parameter's entry in it): Megatron's over the
+    live parameters, or with LoRA the adapter's places, each tensor as `adapter_tensor(parameter)`
+    gives it (a host copy to save, an empty one to load into)."""
+    if getattr(trainer, "lora", None) is not None:  # the adapter alone
+        entries = adapter_places(trainer.module)
+        return {n: entries[n].describe(adapter_tensor(p)) for n, p in trainable.items()}, entries
+    model = model_sharded_state(trainer.module)
+    by_param = _entries_by_param(model)
+    return model, {n: by_param[p] for n, p in trainable.items()}
 
 
 def _entries_by_param(model: dict) -> dict:

@@ -20,8 +20,10 @@ while the next step's rollout runs:
                                         base (path, SHA-256 of the rank's base weights), and for
                                         torch_dist the rank's files in trainer/ with their SHA-256
 
-Every file is written under a temporary name, fsynced and renamed, and the directory fsynced,
-before the marker is (itself the same way): a marker on disk means its files are. A checkpoint
+Every file is written and fsynced (per-rank and controller files under a temporary name, then
+renamed; the distributed checkpoint's by torch.distributed.checkpoint, its `.metadata` last), and
+the directory fsynced, before the marker is (itself the same way): a marker on disk means its
+files are. A checkpoint
 is complete when every rank of one attempt (one launch of the run, of the world size its markers
 name) left its marker, so markers left by a crashed attempt never complete a checkpoint that a
 later attempt rewrites. `latest_complete` picks the newest complete one and says which partial
@@ -330,9 +332,9 @@ class Checkpointer:
             digest = state_digest(dist_ckpt.snapshot_tensors(snapshot["dist"]))
             dist_ckpt.write(snapshot["dist"], out / DIST_DIR, self._group, self.rank)
             _fsync(out / DIST_DIR)
-            written = {"format": "torch_dist", "base": snapshot["base"], "pipeline_layers": snapshot["pipeline_layers"],
-                       "files": {
-                f"{DIST_DIR}/{p.name}": _file_sha256(p) for p in dist_ckpt.files_of(out / DIST_DIR, self.rank)}}
+            files = {f"{DIST_DIR}/{p.name}": _file_sha256(p) for p in dist_ckpt.files_of(out / DIST_DIR, self.rank)}
+            written = {"format": "torch_dist", "base": snapshot["base"],
+                       "pipeline_layers": snapshot["pipeline_layers"], "files": files}
         else:
             digest = state_digest({"model": snapshot["model"], "optimizer": snapshot["optimizer"]})
             _atomic(out / f"trainer_rank{self.rank}.pt", lambda p: torch.save(snapshot, p))
@@ -455,11 +457,10 @@ def verify_files(ckpt: Path, plan: ResumePlan, controller: bool,
     from safetensors.torch import load_file
 
     states = {}
-    if is_dist(ckpt):
-        reason = verify_dist_files(ckpt, *share)
-        if reason is not None:
-            return None, reason
-    for rank in ([] if is_dist(ckpt) else plan.trainers):
+    distributed = is_dist(ckpt)
+    if distributed and (reason := verify_dist_files(ckpt, *share)) is not None:
+        return None, reason
+    for rank in ([] if distributed else plan.trainers):
         state, reason = verify_trainer_file(ckpt, rank)
         if reason is not None:
             return None, reason
