@@ -32,6 +32,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the Ray prep test: no u
 # a user of such a server (docs/data.md)
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+# An idle OpenMP thread sleeps at once instead of spinning first (libgomp's default), in this
+# process and every child it starts, as the launcher's ranks do on CPU (yatt_mm/launch.py): three
+# test files at a time share two cores, and a thread spinning for work holds a core that another
+# test's process needs. Set before torch loads libgomp, which reads it once (docs/development.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import models  # noqa: E402,F401 - installs the CPU runtime hooks before any test imports torchvision
 
 _cache_seconds: dict[str, float] = {}
