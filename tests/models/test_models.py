@@ -240,6 +240,11 @@ def test_pipeline_parallel_trains_like_one_process(tp, pp, nproc, one_process_tr
 
 
 @pytest.mark.slow
+# not in CI: an uneven split's stages are checked against transformers in CI
+# (test_parity_with_transformers_uneven_pp2), and its training steps by the distributed checkpoint
+# resumed at 3 + 1 layers (tests/models/test_dist_checkpoint.py); the pipeline's schedules, export
+# and bucketed sync are the even layouts' above
+@pytest.mark.extended
 def test_uneven_pipeline_stages_train_like_one_process(tmp_path):
     """The 3-layer tiny model at PP 2 with pipeline_layers [1, 2] (3 layers do not split evenly):
     the same SFT and RL steps, export and bucketed sync as the even layouts above, against the
