@@ -88,7 +88,7 @@ class CoreLoad:
     """The machine's cores' busy share over time (/proc/stat, sampled a few times a second in a
     thread): how much of the cores a run's steps left idle, which is all an overlap can fill."""
 
-    def __init__(self, every: float = 0.25):
+    def __init__(self, every: float = 0.1):
         self.samples: list[tuple[float, int, int]] = []  # (time, busy ticks, all ticks)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, args=(every,), daemon=True)
@@ -110,10 +110,14 @@ class CoreLoad:
         self._thread.join()
 
     def busy(self, start: float, end: float) -> float:
-        inside = [s for s in self.samples if start <= s[0] <= end]
-        if len(inside) < 2:
+        """The busy share from the last sample at or before `start` to the first at or after `end`
+        (a step shorter than the sampling interval still gets the samples around it)."""
+        before = [s for s in self.samples if s[0] <= start] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= end] or self.samples[-1:]
+        if not before or not after or after[0][0] <= before[-1][0]:
             return float("nan")
-        return (inside[-1][1] - inside[0][1]) / max(inside[-1][2] - inside[0][2], 1)
+        first, last = before[-1], after[0]
+        return (last[1] - first[1]) / max(last[2] - first[2], 1)
 
 
 def run(mode: str, steps: int, seed: int) -> dict:
