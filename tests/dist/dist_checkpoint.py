@@ -4,18 +4,23 @@ torchrun (gloo):
 
     torchrun --nproc-per-node 2 tests/dist/dist_checkpoint.py save DIR KIND TP PP EP DISTOPT [LORA_RANK [TARGETS]]
     torchrun --nproc-per-node N tests/dist/dist_checkpoint.py resume DIR KIND TP PP EP DISTOPT [LORA_RANK [TARGETS]]
+    torchrun --nproc-per-node 2 tests/dist/dist_checkpoint.py JOB + JOB + ...   # one after another
 
-`layers=N,M,...` anywhere after DIR sets policy.trainer.pipeline_layers (the layers of each stage).
+where a JOB is one of the two argument lists above: several jobs share one launch (a launch's
+imports cost more than a tiny model's job), each with its own parallel state, trainer and
+checkpointer. `layers=N,M,...` anywhere after DIR sets policy.trainer.pipeline_layers (the layers
+of each stage).
 With LORA_RANK > 0 the trainer trains LoRA adapters (the vision tower's too; TARGETS: HF module
 names, comma-separated, else the default ones) and the checkpoint holds the adapter alone.
 
 `save` trains step 1, checkpoints it, trains step 2; `resume` resumes the checkpoint, saves what
-it restored to DIR/resaved (at its own layout: the same global tensors, whatever layout wrote
-them) and trains step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
+it restored to DIR/resaved_N (N: the job's number in the launch; at its own layout: the same
+global tensors, whatever layout wrote them) and trains step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
 step 2's loss and gradient norm do not depend on the layout. Each launch writes, from its first
 rank, the HF export of the weights the checkpoint holds (after step 1, or as resumed) to
-DIR/weights_{save,resume}.safetensors (with LoRA: the PEFT adapter), and prints one JSON line:
-step 2's loss and gradient norm, and the resumed step.
+DIR/weights_N.safetensors (with LoRA: the PEFT adapter), and prints one JSON line:
+step 2's loss and gradient norm, and the resumed step. Rank 0 prints `=== job N ===` before each job's
+output, so that what a resume says stays with its job.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def _shares_live_storage(trainer) -> int:
     return sum(t.untyped_storage().data_ptr() in live for t in tensors)
 
 
-def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bool, lora_rank: int = 0,
+def main(job: int, mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bool, lora_rank: int = 0,
          targets: str = "", layers: tuple[int, ...] = ()) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoProcessor
@@ -100,25 +105,42 @@ def main(mode: str, out: Path, kind: str, tp: int, pp: int, ep: int, distopt: bo
         checkpointer.wait()
     else:  # what it restored, in words, goes to stdout; then the state as restored, saved again
         result["step"] = checkpointer.resume(trainer, None, 0, lambda: None, [], group=dist.new_group(backend="gloo"))
-        again = Checkpointer(out / "resaved", ranks.rank, ranks.world, keep=1, attempt=mode, layout=layout,
+        again = Checkpointer(out / f"resaved_{job}", ranks.rank, ranks.world, keep=1, attempt=mode, layout=layout,
                              fmt="torch_dist")
         again.save(1, trainer)
         again.wait()
     weights = trainer.export_adapter() if lora_rank else trainer.export_hf()  # a collective over TP, PP and EP
     if ranks.rank == 0:
-        save_file({k: v.clone() for k, v in weights.items()}, str(out / f"weights_{mode}.safetensors"))
+        save_file({k: v.clone() for k, v in weights.items()}, str(out / f"weights_{job}.safetensors"))
     return result | step(second)
 
 
-if __name__ == "__main__":
-    split = [a for a in sys.argv if a.startswith("layers=")]
-    args = [a for a in sys.argv if a not in split]
-    mode, out, kind = args[1], Path(args[2]), args[3]
-    tp, pp, ep, distopt = map(int, args[4:8])
-    lora_rank, targets = (int(args[8]) if len(args) > 8 else 0), (args[9] if len(args) > 9 else "")
+def parse(job: list[str]) -> tuple:
+    split = [a for a in job if a.startswith("layers=")]
+    args = [a for a in job if a not in split]
+    mode, out, kind = args[0], Path(args[1]), args[2]
+    tp, pp, ep, distopt = map(int, args[3:7])
+    lora_rank, targets = (int(args[7]) if len(args) > 7 else 0), (args[8] if len(args) > 8 else "")
     layers = tuple(int(n) for n in split[0].removeprefix("layers=").split(",")) if split else ()
+    return mode, out, kind, tp, pp, ep, bool(distopt), lora_rank, targets, layers
+
+
+if __name__ == "__main__":
+    from models.comm import destroy_parallel
+
+    jobs, job = [], []
+    for arg in [*sys.argv[1:], "+"]:
+        if arg == "+":
+            jobs.append(parse(job))
+            job = []
+        else:
+            job.append(arg)
     init_distributed()
-    result = main(mode, out, kind, tp, pp, ep, bool(distopt), lora_rank, targets, layers)
-    if dist.get_rank() == 0:
-        print(json.dumps(result), flush=True)
+    for i, args in enumerate(jobs):
+        if dist.get_rank() == 0:
+            print(f"=== job {i} ===", flush=True)
+        result = main(i, *args)
+        if dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
+        destroy_parallel()  # the next job makes its own layout's groups
     dist.destroy_process_group()
