@@ -19,6 +19,9 @@ the CUDA-only figures are skipped and say so), each stage in its own guard:
                allocator's slack and the memory outside torch's allocator after training
   offload      the trainer released to host memory and back, bit for bit; device memory freed;
                pinned host memory held, beside the plan's figure
+  checkpoint   the trainer's state saved as a distributed checkpoint (the default format) and
+               resumed bit for bit after a step moved it: the snapshot's seconds (device to host,
+               what a step waits for), the write's and the resume's, the bytes written
   lora         the trainer with rank-16 LoRA adapters: RL steps move the adapter alone, its
                export (what sync.lora=adapter sends) against the full one, its memory per phase
                beside the full-weight trainer's and the plan's
@@ -63,6 +66,7 @@ import models  # noqa: E402,F401 - the CPU runtime hooks (none act on a GPU mach
 import torch  # noqa: E402
 
 from gpu_stages.build import WIDTHS, build_model  # noqa: E402
+from gpu_stages.checkpoint import checkpoint_stage  # noqa: E402
 from gpu_stages.comm import comm_stage  # noqa: E402
 from gpu_stages.common import params_m  # noqa: E402
 from gpu_stages.lora import lora_stage  # noqa: E402
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             report.run("rl", rl)
             state["memory"] = report.run("memory", lambda: memory_stage(state["actor"], state["samples"], device))
             report.run("offload", lambda: offload_stage(state["actor"].trainer, device))
+            report.run("checkpoint", lambda: checkpoint_stage(state["actor"], state["samples"], device, Path(tmp)))
             report.run("lora", lambda: lora_stage(state["hf_dir"], state["actor"], state["samples"], device, dtype, steps,
                                                   state.get("memory")))
             for kind in TINY_KIND:

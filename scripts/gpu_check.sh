@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path checked and measured in one command: scripts/gpu_check.py runs the stages of
-# scripts/gpu_stages/ (comm, build, parity, rl, memory, offload, lora, qwen3vl, qwen3vl_moe, qwen35,
+# scripts/gpu_stages/ (comm, build, parity, rl, memory, offload, checkpoint, lora, qwen3vl, qwen3vl_moe, qwen35,
 # qwen35_moe, speed). As each stage ends, its figures or its error go to $OUT/gpu_check.json (the
 # whole file, rewritten atomically); everything printed also goes to $OUT/gpu_check.log; OUT
 # defaults to runs/gpu_check/ (git-ignored). The last line printed is the report as one JSON

@@ -15,9 +15,10 @@ from gpu_stages.common import free
 
 # the family stages' tiny models (models/tiny.py kinds)
 TINY_KIND = {"qwen3vl": "qwen3vl", "qwen3vl_moe": "qwen3vlmoe", "qwen35": "qwen35", "qwen35_moe": "qwen35moe"}
-STAGES = ("comm", "build", "parity", "rl", "memory", "offload", "lora", *TINY_KIND, "speed")
+STAGES = ("comm", "build", "parity", "rl", "memory", "offload", "checkpoint", "lora", *TINY_KIND, "speed")
 # the stages each stage needs: without them it is skipped, and --only runs them too
-NEEDS = {"parity": ("build",), "rl": ("comm", "build"), "memory": ("rl",), "offload": ("rl",), "lora": ("rl",),
+NEEDS = {"parity": ("build",), "rl": ("comm", "build"), "memory": ("rl",), "offload": ("rl",), "checkpoint": ("rl",),
+         "lora": ("rl",),
          **{kind: ("comm",) for kind in TINY_KIND}, "speed": ("rl",)}
 FAULT_ENV = "YATT_MM_GPU_CHECK_FAIL"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["comm", "build", "parity", "rl", "memory", "offload", "lora", "qwen3vl", "qwen3vl_moe", "qwen35",
+STAGES = ["comm", "build", "parity", "rl", "memory", "offload", "checkpoint", "lora", "qwen3vl", "qwen3vl_moe", "qwen35",
           "qwen35_moe", "speed"]
 BROKEN = "qwen3vl"  # the stage made to raise (scripts/gpu_check.py's fault injection for this test)
 
@@ -66,6 +66,9 @@ def test_gpu_check_runs_on_cpu_stage_by_stage(tmp_path):
     assert report["plan_vs_measured"]["offload.host_gib"] == [offload["host_gib"]["plan"], offload["host_gib"]["measured"]]
     # LoRA: the adapter alone moved and synced; the LoRA trainer's memory beside the plan's (CPU
     # kernels) and below the full-weight trainer's on the same samples
+    checkpoint = stages["checkpoint"]  # the distributed checkpoint: saved, moved by a step, resumed bit for bit
+    assert checkpoint["checks"] == {"bitwise": True, "moved_between": True, "resumed_step_1": True}, checkpoint
+    assert checkpoint["snapshot_seconds"] > 0 and checkpoint["written_gib"] > 0.05, checkpoint
     lora = stages["lora"]
     assert lora["checks"] == {"losses_finite": True, "adapter_moved": True, "base_unchanged": True,
                               "adapter_sync_smaller": True}, lora
