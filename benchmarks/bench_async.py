@@ -85,7 +85,7 @@ def side_seconds(run_dir: Path, steps: set[int]) -> dict[str, float]:
 
 
 class CoreLoad:
-    """The machine's cores' busy share over time (/proc/stat, sampled a few times a second in a
+    """The machine's cores' busy share over time (/proc/stat, sampled every `every` seconds in a
     thread): how much of the cores a run's steps left idle, which is all an overlap can fill."""
 
     def __init__(self, every: float = 0.1):

@@ -32,11 +32,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the Ray prep test: no u
 # a user of such a server (docs/data.md)
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-# An idle OpenMP thread sleeps at once instead of spinning first (libgomp's default), in this
-# process and every child it starts, as the launcher's ranks do on CPU (yatt_mm/launch.py): three
-# test files at a time share two cores, and a thread spinning for work holds a core that another
-# test's process needs. Set before torch loads libgomp, which reads it once (docs/development.md).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The launcher's CPU defaults for its ranks (yatt_mm/launch.py: an idle OpenMP thread sleeps at once
+# instead of spinning first) for this process and every child it starts too: three test files at a
+# time share two cores, and a thread spinning for work holds a core that another test's process
+# needs. Set before torch loads libgomp, which reads it once (docs/development.md).
+from yatt_mm.launch import CPU_RANK_ENV_DEFAULTS  # noqa: E402 - imports no torch
+
+for _name, _value in CPU_RANK_ENV_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 
 import models  # noqa: E402,F401 - installs the CPU runtime hooks before any test imports torchvision
 

@@ -9,27 +9,20 @@ from pathlib import Path
 
 import torch
 
-from gpu_stages.common import GIB, sync
+from gpu_stages.common import GIB, sync, trainer_state
 
 
 def checkpoint_stage(actor, samples, device: torch.device, tmp: Path) -> dict:
     """Save step 1 (the snapshot in the caller's thread, the write in the checkpointer's), train a
     step, resume: the weights and the optimizer's state are the saved ones again, bit for bit."""
-    import torch.distributed as dist
-
-    from models.offload import optimizer_tensors
     from yatt_mm.rl.checkpoint import Checkpointer
     from yatt_mm.rl.layout import Layout
 
     trainer = actor.trainer
-
-    def state() -> list[torch.Tensor]:
-        return [t.detach().clone().cpu() for t in [*trainer.module.parameters(), *optimizer_tensors(trainer.optimizer)]]
-
     layout = Layout(1, 1, 1, 1, 1, trainer.cfg.distributed_optimizer)
     checkpointer = Checkpointer(tmp / "checkpoints", 0, 1, keep=1, attempt="gpu_check", layout=layout,
                                 fmt="torch_dist")
-    saved = state()
+    saved = trainer_state(trainer)
     sync(device)
     start = time.perf_counter()
     figures = checkpointer.save(1, trainer)
@@ -41,13 +34,13 @@ def checkpoint_stage(actor, samples, device: torch.device, tmp: Path) -> dict:
     actor.old_logprobs(minis)
     actor.batch_advantages(minis)
     actor.update(minis)
-    moved = any(not torch.equal(a, b) for a, b in zip(saved, state()))
+    moved = any(not torch.equal(a, b) for a, b in zip(saved, trainer_state(trainer)))
 
     start = time.perf_counter()
-    step = checkpointer.resume(trainer, None, 0, lambda: None, [], group=dist.new_group(backend="gloo"))
+    step = checkpointer.resume(trainer, None, 0, lambda: None, [])  # one process: no group to agree over
     sync(device)
     resume_seconds = time.perf_counter() - start
-    back = state()
+    back = trainer_state(trainer)
     bitwise = len(back) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, back))
     return {"snapshot_seconds": figures["checkpoint/snapshot_seconds"], "save_seconds": save_seconds,
             "resume_seconds": resume_seconds, "written_gib": written / GIB, "resumed_step": step,

@@ -1,4 +1,5 @@
-"""What the stages share: the repo root, GiB, and the device's timing and memory helpers."""
+"""What the stages share: the repo root, GiB, the device's timing and memory helpers, and the
+trainer's state as host copies."""
 
 from __future__ import annotations
 
@@ -51,3 +52,11 @@ def params_m(hf_dir: str) -> float:
         with safe_open(str(path), "pt") as f:
             n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     return n / 1e6
+
+
+def trainer_state(trainer) -> list[torch.Tensor]:
+    """The trainer's weights and optimizer state, copied to host memory (what a round trip through
+    the offload or a checkpoint must give back bit for bit)."""
+    from models.offload import optimizer_tensors
+
+    return [t.detach().clone().cpu() for t in [*trainer.module.parameters(), *optimizer_tensors(trainer.optimizer)]]

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from gpu_stages.common import GIB, allocated, rss_bytes
+from gpu_stages.common import GIB, allocated, rss_bytes, trainer_state
 
 
 def offload_stage(trainer, device: torch.device) -> dict:
     """release("none") and acquire("all"): bytes back bit for bit, device memory freed, the host
     memory held meanwhile (pinned on a GPU) beside the plan's trainer offload figure."""
-    from models.offload import optimizer_tensors
     from yatt_mm import plan
 
-    def snapshot():
-        return [t.detach().clone().cpu() for t in list(trainer.module.parameters()) + optimizer_tensors(trainer.optimizer)]
-
     trainer.acquire("all")
-    before, resident = snapshot(), trainer.device_bytes()
+    before, resident = trainer_state(trainer), trainer.device_bytes()
     allocated_before, rss = allocated(device), rss_bytes()
     release_s = trainer.release("none")
     host = _held_host(trainer)
@@ -37,7 +33,7 @@ def offload_stage(trainer, device: torch.device) -> dict:
         out["cuda"] = "skipped: no CUDA"
         out["rss_growth_gib"] = (rss_bytes() - rss) / GIB  # same memory on a CPU: the host copies
     out["acquire_seconds"] = trainer.acquire("all")
-    after = snapshot()
+    after = trainer_state(trainer)
     out["bitwise"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
     checks = {"bitwise": out["bitwise"], "host_copy_held": out["host_gib"]["measured"] > 0}
     if device.type == "cuda":

@@ -16,7 +16,7 @@ names, comma-separated, else the default ones) and the checkpoint holds the adap
 `save` trains step 1, checkpoints it, trains step 2; `resume` resumes the checkpoint, saves what
 it restored to DIR/resaved_N (N: the job's number in the launch; at its own layout: the same
 global tensors, whatever layout wrote them) and trains step 2 again. Every rank trains on the same micro-batches and the loss is their token mean, so
-step 2's loss and gradient norm do not depend on the layout. Each launch writes, from its first
+step 2's loss and gradient norm do not depend on the layout. Each job writes, from its first
 rank, the HF export of the weights the checkpoint holds (after step 1, or as resumed) to
 DIR/weights_N.safetensors (with LoRA: the PEFT adapter), and prints one JSON line:
 step 2's loss and gradient norm, and the resumed step. Rank 0 prints `=== job N ===` before each job's
