@@ -36,9 +36,11 @@ def demo_data() -> Path:
 
 
 def demo_rl_records(steps: int, *settings: str, inspect: Callable[[Path], None] | None = None,
-                    nproc: int = 2) -> list[dict]:
-    """Metrics records of the demo's config run for `steps` steps on `nproc` ranks, with the
-    demo's data and cached warm starts, no eval and no final save, plus `settings`.
+                    nproc: int = full_or_smoke(2, 1)) -> list[dict]:
+    """Metrics records of the demo's config run for `steps` steps on `nproc` ranks (the demo's 2;
+    a smoke run's 1: half the processes to import and the engines to start, and every phase of
+    the step still runs), with the demo's data and cached warm starts, no eval and no final
+    save, plus `settings`.
     `inspect(run_dir)` sees the run directory before it is deleted."""
     data = demo_data()
     smoke = SMOKE_STEP if SMOKE else []  # `settings` come after: theirs win
