@@ -1,7 +1,7 @@
 """Learning, end to end: from a warm start, 5 RL steps on 2 ranks must raise greedy held-out
 reward, for GRPO (in `make test`), every other algorithm of docs/rl.md (independent choices paired
 in one run), the Qwen3-VL family, the grounding task with its IoU reward, and LoRA (with its
-resume)."""
+resume, reading its shards from an S3 bucket)."""
 
 import subprocess
 import sys
@@ -133,13 +133,18 @@ LORA = ["policy.lora.rank=8", "sync.lora=adapter", "policy.trainer.lr=5e-4"]
 
 
 @pytest.mark.slow  # a 5-step run, its resume from step 2, and yatt-mm eval of its adapter (~2 min)
-def test_a_lora_run_learns_from_the_warm_start_and_resumes_exactly(tmp_path, warm_policy):
-    """policy.lora with sync.lora=adapter and a KL to the base (the trainer's model, adapters off):
-    5 GRPO steps raise greedy held-out accuracy; every sync sends the adapter alone, after which
-    vLLM's logprobs equal the trainer's (probe and gap guard); checkpoints hold the adapter with
-    its base named by path and hash; RUN_DIR/final is a PEFT adapter that `yatt-mm eval` serves
-    on the base with the run's last eval; and the run resumed from its step-2 checkpoint trains
-    steps 3-5 as the uninterrupted run did, to the last bit of the adapter."""
+def test_a_lora_run_learns_from_shards_in_an_s3_bucket_and_resumes_exactly(tmp_path, warm_policy, s3_store,
+                                                                             monkeypatch):
+    """policy.lora with sync.lora=adapter and a KL to the base (the trainer's model, adapters off),
+    its train and held-out shards in moto's S3 server on 127.0.0.1 (the real s3fs client, the
+    endpoint and keys from the standard AWS variables the ranks inherit): 5 GRPO steps raise
+    greedy held-out accuracy as from disk, nothing skipped, the retry counter logged; every sync
+    sends the adapter alone, after which vLLM's logprobs equal the trainer's (probe and gap
+    guard); checkpoints hold the adapter with its base named by path and hash, and the readers'
+    place in the bucket's shards; the secret key is in no file of the run directory;
+    RUN_DIR/final is a PEFT adapter that `yatt-mm eval` serves on the base with the run's last
+    eval; and the run resumed from its step-2 checkpoint reads on from the same place in the
+    bucket and trains steps 3-5 as the uninterrupted run did, to the last bit of the adapter."""
     import json
     import re
     import shutil
@@ -150,7 +155,12 @@ def test_a_lora_run_learns_from_the_warm_start_and_resumes_exactly(tmp_path, war
     from models.dist_ckpt import saved_keys
 
     cmd = _learning_run(tmp_path, warm_policy, *LORA, "algorithm.kl_coef=0.01", "run.checkpoint_every=2",
-                        "rollout.sampling.seed=1", "run.save_final=true")
+                        "rollout.sampling.seed=1", "run.save_final=true", "data.shards=[s3://learn/train]",
+                        "eval.shards=[s3://learn/eval]")
+    for name in ("train", "eval"):  # the shards _learning_run wrote, into the bucket
+        s3_store.upload_dir(tmp_path / name, "learn", name, "*.tar")
+    for k, v in s3_store.admin.env(s3_store.endpoint).items():
+        monkeypatch.setenv(k, v)
     run_dir = tmp_path / "run"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
@@ -160,6 +170,8 @@ def test_a_lora_run_learns_from_the_warm_start_and_resumes_exactly(tmp_path, war
     # measured 0.69 -> 1.00; the run is deterministic on a machine (its seeds come from the data's
     # place in its dataset, not from this test's temporary folder)
     assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, evals
+    assert all(r["data/skipped"] == 0 and r["data/remote_retries"] == 0 for r in steps), steps
+    assert "s3://learn/train" in (run_dir / "config.yaml").read_text()
     _assert_real_updates_reach_vllm(steps)
     # the adapter alone: 2 layers x 7 projections x (A, B), 139 KB (the full sync: 3.0 MB)
     assert all(r["sync/bytes"] == 139264 and r["sync/buckets"] == 1 for r in steps), steps
@@ -194,6 +206,10 @@ def test_a_lora_run_learns_from_the_warm_start_and_resumes_exactly(tmp_path, war
     a, b = load_file(str(final / "adapter_model.safetensors")), load_file(str(resumed_dir / "final" /
                                                                                  "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    secret = s3_store.admin.secret_key.encode()  # in neither run's files, checkpoints included
+    files = [p for d in (run_dir, resumed_dir) for p in d.rglob("*") if p.is_file()]
+    assert [p for p in files if "checkpoints" in p.parts], files
+    assert not [p for p in files if secret in p.read_bytes()]
 
 
 @pytest.mark.slow  # a 3-step run beside a judge server (~40 s)
@@ -217,28 +233,3 @@ def test_a_lora_run_under_partial_colocation_serves_each_new_adapter(tmp_path, w
     # the language model's adapter (139,264 bytes) and the vision tower's blocks' and merger's (77,824)
     assert all(r["sync/bytes"] == 217088 for r in steps), steps
     assert all(r["genrm/genrm/scored"] + r["genrm/genrm/fallback_unparseable"] > 0 for r in steps), steps
-
-
-@pytest.mark.slow  # a 5-step run on 2 ranks (~1-2 min), as GRPO's in make test
-def test_the_demo_run_learns_from_shards_in_an_s3_bucket(tmp_path, warm_policy, s3_store, monkeypatch):
-    """The demo's GRPO run with its train and held-out shards in moto's S3 server on 127.0.0.1
-    (the real s3fs client, the endpoint and keys from the standard AWS variables the ranks
-    inherit): it learns as from disk (measured from disk: 0.69 -> 1.00), nothing is skipped, the
-    retry counter is logged, and the secret key is in no file of the run directory, its
-    checkpoint (with the readers' state) included."""
-    for name, seed, images in (("train", 8, 64), ("eval", 4, 32)):  # the shards _held_out_rewards writes
-        write_shards(str(tmp_path / name), images=images, videos=0, samples_per_shard=16, seed=seed, tasks=["colour"])
-        s3_store.upload_dir(tmp_path / name, "learn", name, "*.tar")
-    for k, v in s3_store.admin.env(s3_store.endpoint).items():
-        monkeypatch.setenv(k, v)
-    evals, steps = _held_out_rewards(tmp_path, warm_policy, "data.shards=[s3://learn/train]",
-                                     "eval.shards=[s3://learn/eval]", "run.checkpoint_every=5")
-    print("held-out reward from s3://", evals)
-    assert evals[0] < 0.85 and evals[-1] >= evals[0] + 0.15, evals
-    assert all(r["data/skipped"] == 0 and r["data/remote_retries"] == 0 for r in steps), steps
-    run_dir = tmp_path / "run"
-    assert "s3://learn/train" in (run_dir / "config.yaml").read_text()
-    secret = s3_store.admin.secret_key.encode()
-    files = [p for p in run_dir.rglob("*") if p.is_file()]
-    assert [p for p in files if "checkpoints" in p.parts], files
-    assert not [p for p in files if secret in p.read_bytes()]
