@@ -1,6 +1,6 @@
 """The RL loop at scale, end to end (all slow): a mixture-of-experts policy at expert parallelism
 2 synced expert by expert into vLLM, partial colocation streaming every response to judge
-servers, and a long video at context parallelism 2 launched as two nodes, killed -9 and resumed
+servers (with LoRA adapters synced into the rollout), and a long video at context parallelism 2 launched as two nodes, killed -9 and resumed
 bit for bit."""
 
 import json
@@ -12,7 +12,9 @@ import pytest
 
 from dataio.synth import write_shards
 from test_rl import (ROOT, UNTRAINED_JUDGE, _assert_collectives_name_their_groups, _assert_epoch_drawn_exactly_once,
-                     _consumed, _kill_rank_and_wait, _metrics, _steps, _tiny_rl, _wait_for)
+                     _assert_real_updates_reach_vllm, _consumed, _kill_rank_and_wait, _metrics, _steps, _tiny_rl,
+                     _wait_for)
+from test_rl_learning import LORA
 
 
 @pytest.mark.slow  # two 2-rank launches of 2 steps (~1 min)
@@ -182,25 +184,40 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
     assert off <= 1e-2 * update, (off, update)  # measured 6e-8 of an update of 1e-4: the weights' rounding
 
 
-@pytest.mark.slow
-def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_policy):
+@pytest.mark.slow  # a 2-step run beside a judge server (~1 min)
+def test_partial_colocation_streams_responses_to_judge_servers_and_serves_each_new_adapter(tmp_path, tiny_policy):
     """run.placement=partial: rollout and reward in one phase, each prompt's responses sent to
-    the node's judge server (a real vLLM server process) as they finish."""
+    the node's judge server (a real vLLM server process) as they finish. The policy trains
+    rank-8 LoRA adapters on its language model and vision tower (sync.lora=adapter, vLLM's tower
+    LoRA on): every sync sends the adapters alone, after which vLLM's logprobs equal the
+    trainer's. Learning with adapters is test_rl_learning.py's (the untrained judge's verdicts
+    never parse, so it adds the same fallback to every response and teaches nothing). The policy
+    is the untrained tiny one, whose answers run long: the engine, batching 4 sequences at a
+    time, finishes the first prompts' while others still generate. As it never names the
+    colour, every group's rewards are equal, and dynamic sampling off and an entropy bonus give
+    every step a gradient."""
     write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
     run_dir = tmp_path / "run"
     server_judge = UNTRAINED_JUDGE.replace("votes: 2", "backend: server, votes: 2")
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "run.save_final=false",
                    "run.placement=partial", "rollout.engine.max_num_seqs=4", "rollout.sampling.max_tokens=24",
-                   server_judge)  # the engine works through the prompts a few at a time: they finish in turn
+                   *LORA, "policy.lora.vision_tower=true", "algorithm.kl_coef=0.01", "rollout.sampling.seed=1",
+                   # 6 prompts a rank (24 responses): the engine works through them a few at a time
+                   "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01", "rollout.prompts_per_step=6",
+                   server_judge)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     assert "placement partial: rollout_reward[rollout+judge]" in proc.stdout
     # one judge server for the node, started by the first controller, the other one its client
     assert proc.stdout.count("judge genrm: vLLM server at") == 1 and "(node 0) for 2 controller(s)" in proc.stdout
-    steps = [r for r in _metrics(run_dir) if "rollout/reward_mean" in r]
+    steps = _steps(run_dir)
+    assert len(steps) == 2
     generated = sum(r["rollout/groups_generated"] for r in steps)
     assert steps[-1]["genrm/genrm/scored"] + steps[-1]["genrm/genrm/fallback"] == 4 * generated
     assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 and r["time/reward"] == 0 for r in steps)
+    _assert_real_updates_reach_vllm(steps)
+    # the language model's adapter (139,264 bytes) and the vision tower's blocks' and merger's (77,824)
+    assert all(r["sync/bytes"] == 217088 for r in steps), steps
     # judging overlapped generation: from the timeline, judge requests answered while the rollout
     # engine was still generating (not only: the phase ran), and the overlap metric agrees
     spans = [json.loads(ln) for ln in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()]
@@ -221,8 +238,6 @@ def test_partial_colocation_streams_responses_to_judge_servers(tmp_path, tiny_po
                          text=True, timeout=120, cwd=ROOT)
     assert sim.returncode == 0, sim.stderr
     assert json.loads(sim.stdout.splitlines()[-1])["measured_placement"] == "partial"
-    # the untrained policy never names the colour: dynamic sampling starves, the step goes on masked
-    assert all(r["rollout/valid_group_rate"] == 0.0 and r["rollout/padded_groups"] == 4 for r in steps)
     # an in-process judge cannot run beside the in-process rollout engine: refused at start
     bad = subprocess.run(cmd[:-1] + [UNTRAINED_JUDGE], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "set backend: server for judge(s) genrm" in bad.stderr
