@@ -1,6 +1,7 @@
 """The RL loop at scale, end to end (all slow): a mixture-of-experts policy at expert parallelism
-2 synced expert by expert into vLLM, partial colocation streaming every response to judge
-servers (with LoRA adapters synced into the rollout), and a long video at context parallelism 2 launched as two nodes, killed -9 and resumed
+2 synced expert by expert into vLLM (its resume at EP 1 in `make test-extended`), partial
+colocation streaming every response to judge servers (with LoRA adapters synced into the
+rollout), and a long video at context parallelism 2 launched as two nodes, killed -9 and resumed
 bit for bit."""
 
 import json
@@ -89,8 +90,31 @@ def test_a_lora_run_on_qwen3vl_moe_at_ep_2_with_expert_adapters_syncs_merged_and
     assert off <= 1e-4 * scale, (off, scale)
 
 
-@pytest.mark.slow  # ~3 min: two 2-rank launches
-def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_into_vllm(tmp_path):
+# the untrained model never answers right, so every group's rewards are equal: dynamic sampling off
+# and an entropy bonus give every layer's experts a gradient (the load-balancing loss alone leaves the
+# last layer's experts without one)
+MOE_EP_RUN = ["run.steps=2", "eval.every=0", "reward.judges=[]", "dynamic_sampling.enabled=false",
+              "algorithm.entropy_coef=0.01", "sync.bucket_mb=1", "algorithm.routing_replay=train",
+              "algorithm.mini_batches=2", "run.checkpoint_every=1", "run.keep_checkpoints=2", "rollout.sampling.seed=3"]
+
+
+@pytest.fixture(scope="module")
+def moe_ep2_run(tmp_path_factory):
+    """The tiny Qwen3-VL-MoE's 2-step run at policy.trainer.expert_parallel=2 on 2 ranks
+    (MOE_EP_RUN): (its data, its run dir, its steps' metrics). One launch for the tests below."""
+    tmp_path = tmp_path_factory.mktemp("moe-ep2")
+    write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=3, tasks=["colour"])
+    run_dir = tmp_path / "run"
+    cmd = _tiny_rl(run_dir, tmp_path / "train", *MOE_EP_RUN, "policy.trainer.expert_parallel=2",
+                   policy="tiny:qwen3vlmoe")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    assert "step 2/2" in proc.stdout and "expert_parallel: 2" in (run_dir / "config.yaml").read_text()
+    return tmp_path / "train", run_dir, _steps(run_dir)
+
+
+@pytest.mark.slow  # a 2-rank launch (~1 min)
+def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_into_vllm(moe_ep2_run):
     """The tiny Qwen3-VL-MoE (4 experts, top-2, every layer) on 2 ranks with
     policy.trainer.expert_parallel=2: each rank trains half of every layer's experts, and each
     weight sync gathers all of them from both ranks into each rank's vLLM engine, in 1 MB buckets.
@@ -100,29 +124,14 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
     load metrics (models/moe_metrics.py) within their bounds. With routing replay (2 PPO
     mini-batches: the second's forward follows an optimizer step), each rank's update passes take
     the routes its old-logprob pass recorded (models/routing_replay.py), under EP 2 and the
-    distributed optimizer, and log how many the routers would have changed. Then its step-1
-    checkpoint resumed at EP 1 (yatt_mm/rl/relayout.py) trains step 2 as the EP 2 run did."""
-    import shutil
-
+    distributed optimizer, and log how many the routers would have changed."""
     from safetensors.torch import load_file
 
     from models.tiny import tiny_model_dir
 
-    write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=3, tasks=["colour"])
-    run_dir = tmp_path / "run"
-    # the untrained model never answers right, so every group's rewards are equal: dynamic
-    # sampling off and an entropy bonus give every layer's experts a gradient (the load-balancing
-    # loss alone leaves the last layer's experts without one)
-    same = ["run.steps=2", "eval.every=0", "reward.judges=[]", "dynamic_sampling.enabled=false",
-            "algorithm.entropy_coef=0.01", "sync.bucket_mb=1", "algorithm.routing_replay=train",
-            "algorithm.mini_batches=2", "run.checkpoint_every=1", "run.keep_checkpoints=2", "rollout.sampling.seed=3"]
-    cmd = _tiny_rl(run_dir, tmp_path / "train", *same, "policy.trainer.expert_parallel=2", policy="tiny:qwen3vlmoe")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-8000:]
-    assert "step 2/2" in proc.stdout and "expert_parallel: 2" in (run_dir / "config.yaml").read_text()
+    _, run_dir, steps = moe_ep2_run
     start = load_file(tiny_model_dir("qwen3vlmoe") / "model.safetensors")
     model_bytes = sum(t.numel() * t.element_size() for t in start.values())
-    steps = _steps(run_dir)
     assert [r["step"] for r in steps] == [1, 2]
     print("Qwen3-VL-MoE EP 2: sync probe |trainer - vLLM| per step:", [r["sync/probe_logprob_diff"] for r in steps],
           "trainer vs rollout gap:", [r["train/logprob_diff_vs_rollout"] for r in steps],
@@ -153,13 +162,29 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
         assert final[key].shape == start[key].shape
         assert all(not final[key][e].equal(start[key][e]) for e in range(4)), key
 
+
+@pytest.mark.slow
+# not in CI: a distributed checkpoint read at another expert-parallel layout is
+# tests/models/test_dist_checkpoint.py's (the MoE written at EP 2 resumed at EP 1, bit for bit), the
+# launcher's resume at another layout is the long-video run's at CP 1 below, and an EP 2 run's
+# adapters resumed at EP 1 end to end are the LoRA run's above
+@pytest.mark.extended
+def test_the_moe_runs_step_1_checkpoint_resumed_at_ep_1_trains_step_2_as_ep_2_did(moe_ep2_run, tmp_path):
+    """The EP 2 run's step-1 checkpoint resumed at EP 1 (yatt_mm/rl/relayout.py) trains step 2 as
+    the EP 2 run did, and its update equals the EP 2 run's within the weights' rounding."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    train, run_dir, steps = moe_ep2_run
+    final = load_file(run_dir / "final" / "model.safetensors")
     # its step-1 checkpoint resumed at EP 1 on the same 2 ranks (its distributed checkpoint read at
     # the new layout: the experts by global number, the experts' own optimizer's state into the one
     # optimizer EP 1 has): step 2 draws the same responses and trains as the EP 2 run did within
     # float32 rounding
     ep1_dir = tmp_path / "ep1"
     shutil.copytree(run_dir, ep1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "final"))
-    ep1 = subprocess.run(_tiny_rl(ep1_dir, tmp_path / "train", *same, policy="tiny:qwen3vlmoe"), stdout=subprocess.PIPE,
+    ep1 = subprocess.run(_tiny_rl(ep1_dir, train, *MOE_EP_RUN, policy="tiny:qwen3vlmoe"), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=900, cwd=ROOT)
     assert ep1.returncode == 0, ep1.stdout[-8000:]
     assert (f"resumed from {ep1_dir / 'checkpoints' / 'step_1'} (step 1; weights and optimizer state read at this "
