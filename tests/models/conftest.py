@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = str(ROOT / "tests" / "dist" / "pipeline.py")
 
 # the slow tests' layouts (TP, PP, CP[, LoRA rank]; DP fills the rest), one launch per rank count:
-# test_models.py's TP 2 x PP 2 (held to TP 2 alone too) and PP 2 x DP 2; test_context_parallel.py's
-# CP 2 alone (also with LoRA), PP 2 x CP 2, TP 2 x CP 2 and DP 2 x CP 2
+# test_layouts.py's TP 2 x PP 2 (held to TP 2 alone too) and PP 2 x DP 2, and CP 2 alone (also with
+# LoRA), PP 2 x CP 2, TP 2 x CP 2 and DP 2 x CP 2
 TWO_RANK_LAYOUTS = [(2, 1, 1), (1, 1, 2), (1, 1, 2, 8)]
 FOUR_RANK_LAYOUTS = [(2, 2, 1), (1, 2, 1), (1, 2, 2), (2, 1, 2), (1, 1, 2)]
 

@@ -1,7 +1,7 @@
 """Uneven pipeline stages (`policy.trainer.pipeline_layers`): the checks that refuse a split
 naming the setting, before any rank starts, and what the memory plan counts per stage. The
 Megatron runs (parity with transformers and training equal to one process on the 3-layer tiny
-model at PP 2 with [1, 2]) are in test_models.py."""
+model at PP 2 with [1, 2]) are in test_models.py and test_layouts.py."""
 
 import re
 import subprocess
@@ -116,7 +116,7 @@ def test_the_plan_counts_each_stages_layers():
     """`yatt-mm plan` with pipeline_layers: stage 0 holds the vision tower, the embedding and 1
     layer, stage 1 the other 2 layers, the final norm and the output layer; moving a layer between
     the stages moves one layer's parameters. The counts equal Megatron's built stages in the
-    uneven training run (test_models.py)."""
+    uneven training run (test_layouts.py)."""
     from yatt_mm.plan import load_spec, param_counts
 
     spec = load_spec("tiny:judge")
