@@ -19,6 +19,7 @@ import importlib
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -169,6 +170,7 @@ class Nodes:
 # A CPU setting (on a GPU the cores feed the device, and nothing here was measured there): applied
 # only where no GPU is present, like the rest of the CPU runtime layer.
 CPU_RANK_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path's 108, less the final NUL)
 
 
 def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
@@ -192,8 +194,18 @@ def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = Non
     if nodes.nnodes == 1:
         env.update(one_node_env(env))
     launcher = os.getpid()
-    # the launcher's main thread starts torchrun and waits for it: SIGTERM when the launcher dies
-    return subprocess.call(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM, launcher), env=env)
+    # The ranks' temporary files go in a folder of this launch's own, removed once torchrun has
+    # ended: torchrun leaves a log folder in the system's temporary directory at every launch;
+    # vLLM its IPC sockets and distributed-init files, and W&B its media folders, whenever a rank
+    # dies; a served adapter's folder goes with its process only if that process exits. The
+    # folder is made inside the caller's TMPDIR: a run still writes where its user pointed
+    # temporary files. Only a kill -9 of the launcher itself leaves it behind. A socket's path
+    # holds at most 107 bytes and vLLM names its sockets TMPDIR/<36-character uuid>: in a TMPDIR
+    # too long for one more folder, the ranks keep the caller's TMPDIR (and leave what they did).
+    with tempfile.TemporaryDirectory(prefix="yatt-mm-", ignore_cleanup_errors=True) as scratch:
+        ranks_env = {**env, "TMPDIR": scratch} if len(scratch) + 37 <= SOCKET_PATH_MAX else env
+        # the launcher's main thread starts torchrun and waits for it: SIGTERM when the launcher dies
+        return subprocess.call(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM, launcher), env=ranks_env)
 
 
 def lock_run_dir(run_dir: Path, node_rank: int = 0):

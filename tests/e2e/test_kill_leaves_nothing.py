@@ -2,15 +2,19 @@
 loopback only: one 2-rank launch under partial colocation, whose first rank starts the node's
 vLLM judge server (a supervisor, the API process and its EngineCore: yatt_mm/processes.py).
 While the run lives, every process of it is collected by PID and every listening socket it has
-opened is checked; then that rank is killed -9, and 30 s later none of those processes may run.
+opened is checked; then that rank is killed -9, and 30 s later none of those processes may run,
+nor any of their temporary files remain.
 Without the supervisor the server's processes outlived the run (and a rerun started a second
 server beside them); without the loopback rendezvous torchrun's store listened on every
 interface."""
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -42,7 +46,11 @@ def test_kill_9_of_the_judge_servers_rank_leaves_no_process_of_the_run_and_it_li
     cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=200", "eval.every=0", "run.save_final=false",
                    "run.placement=partial", server_judge)
     out = open(tmp_path / "run.out", "w")
-    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    # the run's TMPDIR, short enough for the launcher's folder and vLLM's socket names in it: what
+    # the run's processes leave there must go with them
+    scratch = Path(tempfile.mkdtemp(prefix="yatt-kill-"))
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(scratch)})
     run: list[psutil.Process] = []
     try:
         _wait_for(lambda: _steps_logged(run_dir) >= 1, launcher, "step 1 (the judge server up and judging)")
@@ -67,6 +75,9 @@ def test_kill_9_of_the_judge_servers_rank_leaves_no_process_of_the_run_and_it_li
         while _alive(run) and time.monotonic() < killed + 30:
             time.sleep(0.5)
         assert not _alive(run), f"alive 30 s after kill -9 of rank 0: {_alive(run)}"
+        # nor any temporary file of theirs (torchrun's log folder, vLLM's IPC sockets): the ranks
+        # wrote them in the launcher's folder, removed once torchrun ended
+        assert not list(scratch.iterdir()), sorted(str(p) for p in scratch.rglob("*"))[:20]
         print(f"every process of the run ({len(run)}) ended {time.monotonic() - killed:.1f} s after the kill")
     finally:
         launcher.kill()
@@ -76,3 +87,4 @@ def test_kill_9_of_the_judge_servers_rank_leaves_no_process_of_the_run_and_it_li
             except psutil.Error:
                 pass
         out.close()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -3,8 +3,10 @@ reward, for GRPO (in `make test`), every other algorithm of docs/rl.md (independ
 in one run), the Qwen3-VL family, the grounding task with its IoU reward, and LoRA (with its
 resume, reading its shards from an S3 bucket)."""
 
+import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -28,8 +30,13 @@ def _held_out_rewards(tmp_path, warm_policy, *settings: str, policy=None, task: 
     """`_learning_run`'s run: the held-out reward before step 1 and after step 5, and the steps'
     metrics. The run is deterministic on a given machine."""
     cmd = _learning_run(tmp_path, warm_policy, *settings, policy=policy, task=task)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    # the run's TMPDIR, short enough for the launcher's folder and vLLM's socket names in it: the
+    # launcher removes what its ranks left there (torchrun's log folder, at every launch)
+    with tempfile.TemporaryDirectory(prefix="yatt-learn-") as scratch:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                              env={**os.environ, "TMPDIR": scratch})
+        assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+        assert not os.listdir(scratch), sorted(os.listdir(scratch))
     run_dir = tmp_path / "run"
     evals = [r["eval/reward_mean"] for r in _metrics(run_dir) if "eval/reward_mean" in r]
     assert len(evals) == 2  # before step 1, after step 5
