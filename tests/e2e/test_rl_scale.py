@@ -290,7 +290,7 @@ def _long_video_policy(out: Path, tiny_policy: Path, frame_pixels: int) -> Path:
     return out
 
 
-@pytest.mark.slow  # two 2-rank launches, ~3 long-video steps
+@pytest.mark.slow  # a launch as two nodes, a 2-rank and a 1-rank one: 4 long-video steps
 def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resumes_bitwise(tmp_path, tiny_policy):
     """`yatt-mm rl` at policy.trainer.context_parallel=2 on 2 ranks (one DP group: one controller
     reads, rolls out and judges; its CP peer gets the samples, trains its half of every sequence,
@@ -299,23 +299,23 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     (context_parallel_comm=a2a: each rank attends over the whole rows for half the heads).
     Run A is launched as two machines would (`--nnodes 2 --node-rank R --master-addr
     --master-port`, one rank each, 127.0.0.1: torchrun's static rendezvous joins them into one job
-    on one shared run dir, each node's launcher locking it), checkpoints after step 2, and rank 1
-    is killed -9 in step 3. The same run then on one node resumes from that checkpoint: its step 3
-    starts from the weights A had after step 2, bit for bit, vLLM samples with them (the trainer's
+    on one shared run dir, each node's launcher locking it), checkpoints after step 1, and rank 1
+    is killed -9 in step 2. The same run then on one node resumes from that checkpoint: its step 2
+    starts from the weights A had after step 1, bit for bit, vLLM samples with them (the trainer's
     logprobs of its samples equal vLLM's), and no sample is drawn twice or lost. Checked too: > 8k
     tokens a sample, both ranks computing half of each sequence (their chunks in the CP gathers),
     the checkpoint from both ranks with one data position. Last, that checkpoint resumed at CP 1
-    on one rank (its distributed checkpoint read at the new layout) trains step 3 as CP 2 did."""
+    on one rank (its distributed checkpoint read at the new layout) trains step 2 as CP 2 did."""
     from models.comm import free_port
 
-    write_shards(str(tmp_path / "train"), images=0, videos=3, samples_per_shard=3, seed=9, video_frames=32,
+    write_shards(str(tmp_path / "train"), images=0, videos=2, samples_per_shard=2, seed=9, video_frames=32,
                  tasks=["direction"])
     side = 672 * 672
     policy = _long_video_policy(tmp_path / "policy", tiny_policy, side)
     run_dir = tmp_path / "run"
     cmd = _tiny_rl(run_dir, tmp_path / "train", "policy.trainer.context_parallel=2",
-                   "policy.trainer.context_parallel_comm=a2a", "run.steps=3",
-                   "run.checkpoint_every=2", "run.save_final=false", "eval.every=0", "reward.judges=[]",
+                   "policy.trainer.context_parallel_comm=a2a", "run.steps=2",
+                   "run.checkpoint_every=1", "run.save_final=false", "eval.every=0", "reward.judges=[]",
                    "rollout.prompts_per_step=1", "rollout.sampling.n=2", "rollout.engine.max_model_len=12288",
                    "run.micro_batch_tokens=32768", "data.media.video_frames=32",
                    f"data.media.video_min_pixels={side}", f"data.media.video_max_pixels={side}",
@@ -329,11 +329,11 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     nodes = [subprocess.Popen([sys.executable, "-m", "yatt_mm.cli", "rl", *settings, "--nnodes", "2", "--node-rank",
                                str(r), "--master-addr", "127.0.0.1", "--master-port", str(port)],
                               cwd=ROOT, stdout=outs[r], stderr=subprocess.STDOUT) for r in (0, 1)]
-    ckpt = run_dir / "checkpoints" / "step_2"
+    ckpt = run_dir / "checkpoints" / "step_1"
     try:
         _wait_for(lambda: all((ckpt / f"done_rank{r}").is_file() for r in range(2)), nodes[0],
-                  "step 2's checkpoint", timeout=600)  # written during step 3's rollout
-        _kill_rank_and_wait(nodes[1], rank=1)  # in step 3 (~10 s a step on a quiet machine)
+                  "step 1's checkpoint", timeout=600)  # written during step 2's rollout
+        _kill_rank_and_wait(nodes[1], rank=1)  # in step 2 (~10 s a step on a quiet machine)
         assert nodes[0].wait(timeout=180) != 0  # rank 0 sees its peer gone and stops
     finally:
         for p in nodes:
@@ -341,19 +341,19 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
         for f in outs:
             f.close()
     first = (tmp_path / "node0.out").read_text()
-    assert "DP 1 x TP 1 x PP 1 x CP 2" in first and "step 2/3" in first, first[-3000:]
+    assert "DP 1 x TP 1 x PP 1 x CP 2" in first and "step 1/2" in first, first[-3000:]
     assert (run_dir / ".lock.node1").exists()  # each node's launcher held its own lock on the shared dir
     a_steps = _steps(run_dir, torn_end=True)
-    assert [r["step"] for r in a_steps] == [1, 2]
+    assert [r["step"] for r in a_steps] == [1]
     assert [p.name for p in ckpt.glob("controller_dp*.json")] == ["controller_dp0.json"]  # one data position
 
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-5000:])
     assert "DP 1 x TP 1 x PP 1 x CP 2" in second.stdout
-    assert f"resumed from {ckpt} (step 2; weights and optimizer state bitwise as written)" in second.stdout
+    assert f"resumed from {ckpt} (step 1; weights and optimizer state bitwise as written)" in second.stdout
     steps = _steps(run_dir)
-    assert [r["step"] for r in steps] == [1, 2, 3] and steps[:2] == a_steps
-    assert steps[2]["train/weights_checksum_before"] == a_steps[1]["train/weights_checksum_after"]
+    assert [r["step"] for r in steps] == [1, 2] and steps[:1] == a_steps
+    assert steps[1]["train/weights_checksum_before"] == a_steps[0]["train/weights_checksum_after"]
     gaps = [r["train/logprob_diff_vs_rollout"] for r in steps]
     print("long video at CP 2: prompt tokens", [r["rollout/prompt_length"] for r in steps],
           "trainer vs rollout gap", gaps)
@@ -365,7 +365,7 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     # < 1e-6), far under the guard (run.max_logprob_diff 1e-3); a sync that missed is ~1
     assert max(gaps) < 1e-4, gaps
     assert list(_consumed(run_dir)) == ["consumed_rank0.jsonl"]  # one controller: the CP peer reads nothing
-    _assert_epoch_drawn_exactly_once(run_dir, keys=3)
+    _assert_epoch_drawn_exactly_once(run_dir, keys=2)
     # both ranks computed half of each sequence: the logprob gathers over the CP group carry each
     # rank's chunks [rows, local length], as long on both, half the row padded to 2 x CP
     chunks, media, exchanges = {}, {}, {}
@@ -386,28 +386,28 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
           "all-to-alls per rank:", {r: len(e) for r, e in exchanges.items()})
     assert exchanges[0] and len(exchanges[0]) == len(exchanges[1]) and len(exchanges[0]) % 4 == 0, exchanges
     assert media[0] and media[0] == media[1], media  # padded to the longer share: the same shape
-    (chunk,) = chunks[0]  # step 3's one micro-batch: its rows are the prompt and 1-4 response tokens
-    prompt = steps[2]["rollout/prompt_length"]
+    (chunk,) = chunks[0]  # step 2's one micro-batch: its rows are the prompt and 1-4 response tokens
+    prompt = steps[1]["rollout/prompt_length"]
     assert chunks[1] == [chunk] and prompt + 1 <= 2 * chunk <= prompt + 4 + 3, (chunks, prompt)
     _assert_collectives_name_their_groups(run_dir, at_least=10)  # the resumed launch's one step
 
-    # the step-2 checkpoint resumed at CP 1 on one rank (no conversion step): step 3 starts
+    # the step-1 checkpoint resumed at CP 1 on one rank (no conversion step): step 2 starts
     # from the same weights bit for bit, samples the same responses (seeded) and trains as at CP 2
     # within float32 rounding
     import shutil
 
     cp1_dir = tmp_path / "cp1"
-    shutil.copytree(run_dir, cp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_3", "collectives_rank*"))
+    shutil.copytree(run_dir, cp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "collectives_rank*"))
     at_cp1 = [a.replace(str(run_dir), str(cp1_dir)) for a in settings if not a.startswith("policy.trainer.context_")]
     cp1 = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "rl", "--nproc", "1", *at_cp1], capture_output=True,
                          text=True, timeout=600, cwd=ROOT)
     assert cp1.returncode == 0, (cp1.stdout[-3000:], cp1.stderr[-5000:])
     assert "read at this layout from the distributed checkpoint written at DP 1 x TP 1 x PP 1 x CP 2" in cp1.stdout, \
         cp1.stdout[-3000:]
-    cp2_step, cp1_step = steps[2], _steps(cp1_dir)[-1]
+    cp2_step, cp1_step = steps[1], _steps(cp1_dir)[-1]
     compared = ("train/loss", "train/entropy", "train/grad_norm")
-    print("CP 2 vs CP 1 after the resume, step 3:", [[r[k] for k in compared] for r in (cp2_step, cp1_step)])
-    assert cp1_step["step"] == 3
+    print("CP 2 vs CP 1 after the resume, step 2:", [[r[k] for k in compared] for r in (cp2_step, cp1_step)])
+    assert cp1_step["step"] == 2
     for k in ("train/weights_checksum_before", "rollout/response_length", "rollout/reward_mean"):
         assert cp1_step[k] == cp2_step[k], (k, cp2_step[k], cp1_step[k])
     for k in compared:
