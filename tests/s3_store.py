@@ -162,6 +162,13 @@ class FaultProxy:
     def ranged_gets(self) -> list[str]:
         return [r for r in self.requests if r.startswith("GET ") and "bytes=" in r]
 
+    def whole_reads(self) -> list[str]:
+        """The requests that are neither a ranged GET nor a listing: an object read whole (GCS's
+        `alt=media` or S3's GET without a range), or anything else the reader should not send.
+        gcsfs at times lists a shard's name as a folder (`?delimiter=/&prefix=...`) before
+        opening it, in a worker whose listings cache missed it: a metadata call, not a read."""
+        return [r for r in self.requests if r not in self.ranged_gets() and "delimiter=" not in r]
+
     def _accept(self) -> None:
         while True:
             try:
