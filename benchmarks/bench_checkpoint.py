@@ -50,7 +50,7 @@ def measure(fmt: str) -> dict:
 def main() -> None:
     after, before = measure("torch_dist"), measure("per_rank")
     for name, m in (("torch_dist (Megatron distributed checkpoint)", after), ("per_rank (each rank's file)", before)):
-        print(f"{name}: checkpoint every step of {m['step_s']:.2f}s, {m['bytes'] / 2**20:.1f} MiB on disk (2 ranks)")
+        print(f"{name}: checkpoint every step of {m['step_s']:.2f}s, {m['bytes'] / 2**20:.1f} MiB on disk (every rank's files)")
         print(f"  loop blocked (snapshot):  {m['snapshot_ms']:.1f} ms")
         print(f"  write, in the background: {m['write_s'] * 1000:.1f} ms  (what a synchronous save would block)")
     print(json.dumps({"snapshot_ms": after["snapshot_ms"], "write_s": after["write_s"], "bytes": after["bytes"],

@@ -167,7 +167,8 @@ class FaultProxy:
         `alt=media` or S3's GET without a range), or anything else the reader should not send.
         gcsfs at times lists a shard's name as a folder (`?delimiter=/&prefix=...`) before
         opening it, in a worker whose listings cache missed it: a metadata call, not a read."""
-        return [r for r in self.requests if r not in self.ranged_gets() and "delimiter=" not in r]
+        ranged = set(self.ranged_gets())
+        return [r for r in self.requests if r not in ranged and "delimiter=" not in r]
 
     def _accept(self) -> None:
         while True:

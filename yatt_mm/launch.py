@@ -171,6 +171,7 @@ class Nodes:
 # only where no GPU is present, like the rest of the CPU runtime layer.
 CPU_RANK_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path's 108, less the final NUL)
+VLLM_SOCKET_NAME = len("/") + 36  # vLLM names its IPC sockets TMPDIR/<uuid4>
 
 
 def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
@@ -199,11 +200,17 @@ def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = Non
     # vLLM its IPC sockets and distributed-init files, and W&B its media folders, whenever a rank
     # dies; a served adapter's folder goes with its process only if that process exits. The
     # folder is made inside the caller's TMPDIR: a run still writes where its user pointed
-    # temporary files. Only a kill -9 of the launcher itself leaves it behind. A socket's path
-    # holds at most 107 bytes and vLLM names its sockets TMPDIR/<36-character uuid>: in a TMPDIR
-    # too long for one more folder, the ranks keep the caller's TMPDIR (and leave what they did).
+    # temporary files. Only a kill -9 of the launcher itself leaves it behind. In a TMPDIR too long
+    # for one more folder before vLLM's socket names, the ranks keep the caller's TMPDIR (and
+    # leave what they did).
+    # torch's compile cache stays where torch puts it by default (in the caller's TMPDIR): a cache
+    # is meant to outlive the run.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     with tempfile.TemporaryDirectory(prefix="yatt-mm-", ignore_cleanup_errors=True) as scratch:
-        ranks_env = {**env, "TMPDIR": scratch} if len(scratch) + 37 <= SOCKET_PATH_MAX else env
+        fits = len(scratch) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX
+        ranks_env = {**env, "TMPDIR": scratch} if fits else env
         # the launcher's main thread starts torchrun and waits for it: SIGTERM when the launcher dies
         return subprocess.call(cmd, preexec_fn=lambda: die_with_parent(signal.SIGTERM, launcher), env=ranks_env)
 

@@ -76,8 +76,10 @@ def test_kill_9_of_the_judge_servers_rank_leaves_no_process_of_the_run_and_it_li
             time.sleep(0.5)
         assert not _alive(run), f"alive 30 s after kill -9 of rank 0: {_alive(run)}"
         # nor any temporary file of theirs (torchrun's log folder, vLLM's IPC sockets): the ranks
-        # wrote them in the launcher's folder, removed once torchrun ended
-        assert not list(scratch.iterdir()), sorted(str(p) for p in scratch.rglob("*"))[:20]
+        # wrote them in the launcher's folder, removed once torchrun ended. torch's compile cache
+        # (torchinductor_USER) is a cache, meant to outlive runs
+        left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
+        assert not left, sorted(str(p) for p in scratch.rglob("*"))[:20]
         print(f"every process of the run ({len(run)}) ended {time.monotonic() - killed:.1f} s after the kill")
     finally:
         launcher.kill()
