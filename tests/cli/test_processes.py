@@ -1,7 +1,7 @@
 """What a run starts ends with it, and what it opens to the network is asked for: the supervisor
 (yatt_mm/processes.py) with real processes, a judge server's port and address checks
 (yatt_mm/engines/server.py, yatt_mm/loopback.py). The same on a live run, a rank killed -9 with
-its judge server's processes checked by PID: tests/e2e/test_kill_leaves_nothing.py; a judge
+its judge server's processes checked by PID: tests/e2e/test_rl_scale.py's partial-colocation run; a judge
 server whose API process alone is killed: tests/rl/test_split_live.py."""
 
 import os

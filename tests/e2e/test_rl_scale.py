@@ -1,10 +1,12 @@
 """The RL loop at scale, end to end (all slow): a mixture-of-experts policy at expert parallelism
 2 synced expert by expert into vLLM (its resume at EP 1 in `make test-extended`), partial
 colocation streaming every response to judge servers (with LoRA adapters synced into the
-rollout), and a long video at context parallelism 2 launched as two nodes, killed -9 and resumed
+rollout), then a rank killed -9 leaving no process or temporary file of the run, and a long video at context parallelism 2 launched as two nodes, killed -9 and resumed
 bit for bit."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +15,11 @@ import pytest
 
 from dataio.synth import write_shards
 from test_rl import (ROOT, UNTRAINED_JUDGE, _assert_collectives_name_their_groups, _assert_epoch_drawn_exactly_once,
-                     _assert_real_updates_reach_vllm, _consumed, _kill_rank_and_wait, _metrics, _steps, _tiny_rl,
-                     _wait_for)
+                     _assert_real_updates_reach_vllm, _consumed, _kill_rank_and_wait, _metrics, _rank_process, _steps,
+                     _steps_logged, _tiny_rl, _wait_for)
 from test_rl_learning import LORA
+
+LOOPBACK = ("127.0.0.1", "::1")
 
 
 @pytest.mark.slow  # two 2-rank launches of 2 steps (~1 min)
@@ -166,7 +170,7 @@ def test_qwen3vl_moe_with_expert_parallel_trains_and_syncs_every_ranks_experts_i
 @pytest.mark.slow
 # not in CI: a distributed checkpoint read at another expert-parallel layout is
 # tests/models/test_dist_checkpoint.py's (the MoE written at EP 2 resumed at EP 1, bit for bit), the
-# launcher's resume at another layout is the long-video run's at CP 1 below, and an EP 2 run's
+# launcher's resume at another layout is the TP 2 run's at TP 1 (test_rl_parallel.py), and an EP 2 run's
 # adapters resumed at EP 1 end to end are the LoRA run's above
 @pytest.mark.extended
 def test_the_moe_runs_step_1_checkpoint_resumed_at_ep_1_trains_step_2_as_ep_2_did(moe_ep2_run, tmp_path):
@@ -209,34 +213,108 @@ def test_the_moe_runs_step_1_checkpoint_resumed_at_ep_1_trains_step_2_as_ep_2_di
     assert off <= 1e-2 * update, (off, update)  # measured 6e-8 of an update of 1e-4: the weights' rounding
 
 
-@pytest.mark.slow  # a 2-step run beside a judge server (~1 min)
-def test_partial_colocation_streams_responses_to_judge_servers_and_serves_each_new_adapter(tmp_path, tiny_policy):
+def _alive(procs) -> list[str]:
+    """Those of `procs` (psutil processes) still running: a zombie has ended, only its exit status is left."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:150]}")
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+@pytest.mark.slow  # a 2-rank run beside a judge server, killed -9 in its third step (~1 min)
+def test_partial_colocation_streams_to_a_judge_server_serves_each_new_adapter_and_a_kill_9_leaves_nothing(
+        tmp_path, tiny_policy):
     """run.placement=partial: rollout and reward in one phase, each prompt's responses sent to
-    the node's judge server (a real vLLM server process) as they finish. The policy trains
-    rank-8 LoRA adapters on its language model and vision tower (sync.lora=adapter, vLLM's tower
-    LoRA on): every sync sends the adapters alone, after which vLLM's logprobs equal the
-    trainer's. Learning with adapters is test_rl_learning.py's (the untrained judge's verdicts
-    never parse, so it adds the same fallback to every response and teaches nothing). The policy
-    is the untrained tiny one, whose answers run long: the engine, batching 4 sequences at a
-    time, finishes the first prompts' while others still generate. As it never names the
-    colour, every group's rewards are equal, and dynamic sampling off and an entropy bonus give
-    every step a gradient."""
+    the node's judge server (a real vLLM server process, started by the first rank under a
+    supervisor: yatt_mm/processes.py) as they finish. The policy trains rank-8 LoRA adapters on
+    its language model and vision tower (sync.lora=adapter, vLLM's tower LoRA on): every sync
+    sends the adapters alone, after which vLLM's logprobs equal the trainer's. Learning with
+    adapters is test_rl_learning.py's (the untrained judge's verdicts never parse, so it adds the
+    same fallback to every response and teaches nothing). The policy is the untrained tiny one,
+    whose answers run long: the engine, batching 4 sequences at a time, finishes the first
+    prompts' while others still generate. As it never names the colour, every group's rewards
+    are equal, and dynamic sampling off and an entropy bonus give every step a gradient.
+
+    After two steps, with the run alive: every process of it is collected by PID and every
+    listening socket it opened must be on loopback; then the judge server's rank is killed -9,
+    and 30 s later none of those processes may run, nor any of their temporary files remain.
+    Without the supervisor the server's processes outlived the run (and a rerun started a second
+    server beside them); without the loopback rendezvous torchrun's store listened on every
+    interface."""
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    import psutil
+
     write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
     run_dir = tmp_path / "run"
     server_judge = UNTRAINED_JUDGE.replace("votes: 2", "backend: server, votes: 2")
-    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=2", "eval.every=0", "run.save_final=false",
+    cmd = _tiny_rl(run_dir, tmp_path / "train", "run.steps=200", "eval.every=0", "run.save_final=false",
                    "run.placement=partial", "rollout.engine.max_num_seqs=4", "rollout.sampling.max_tokens=24",
                    *LORA, "policy.lora.vision_tower=true", "algorithm.kl_coef=0.01", "rollout.sampling.seed=1",
                    # 6 prompts a rank (24 responses): the engine works through them a few at a time
                    "dynamic_sampling.enabled=false", "algorithm.entropy_coef=0.01", "rollout.prompts_per_step=6",
                    server_judge)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert "placement partial: rollout_reward[rollout+judge]" in proc.stdout
+    out = open(tmp_path / "run.out", "w")
+    # the run's TMPDIR, short enough for the launcher's folder and vLLM's socket names in it: what
+    # the run's processes leave there must go with them
+    scratch = Path(tempfile.mkdtemp(prefix="yatt-kill-"))
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(scratch)})
+    run: list[psutil.Process] = []
+    try:
+        _wait_for(lambda: _steps_logged(run_dir) >= 2, launcher, "step 2")
+        run = psutil.Process(launcher.pid).children(recursive=True)
+        owner = _rank_process(launcher, 0)  # the node's first controller starts its judge server
+        server = owner.children(recursive=True)
+        commands = [" ".join(p.cmdline()) for p in server]
+        assert any("yatt_mm/processes.py" in c for c in commands), commands  # the supervisor
+        assert any("vllm.entrypoints.openai.api_server" in c for c in commands), commands
+        assert len(server) >= 3, commands  # supervisor, API process, EngineCore (and vLLM's helpers)
+
+        listening = sorted({(p.pid, c.laddr.ip, c.laddr.port) for p in run for c in p.net_connections("inet")
+                            if c.status == psutil.CONN_LISTEN})
+        print("listening sockets of the run (pid, address, port):", listening)
+        assert any(pid == owner.ppid() for pid, _, _ in listening)  # torchrun's rendezvous store, among them
+        assert any(pid in {p.pid for p in server} for pid, _, _ in listening)  # the judge server's port
+        assert all(ip in LOOPBACK for _, ip, _ in listening), listening
+
+        killed = time.monotonic()
+        os.kill(owner.pid, signal.SIGKILL)
+        assert launcher.wait(timeout=60) != 0  # torchrun stops the other rank and reports the failure
+        while _alive(run) and time.monotonic() < killed + 30:
+            time.sleep(0.5)
+        assert not _alive(run), f"alive 30 s after kill -9 of rank 0: {_alive(run)}"
+        # nor any temporary file of theirs (torchrun's log folder, vLLM's IPC sockets): the ranks
+        # wrote them in the launcher's folder, removed once torchrun ended. torch's compile cache
+        # (torchinductor_USER) is a cache, meant to outlive runs
+        left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
+        assert not left, sorted(str(p) for p in scratch.rglob("*"))[:20]
+        print(f"every process of the run ({len(run)}) ended {time.monotonic() - killed:.1f} s after the kill")
+    finally:
+        launcher.kill()
+        for p in run:  # a failed check must not leave the run to the next test
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        out.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    stdout = (tmp_path / "run.out").read_text()
+    assert "placement partial: rollout_reward[rollout+judge]" in stdout
     # one judge server for the node, started by the first controller, the other one its client
-    assert proc.stdout.count("judge genrm: vLLM server at") == 1 and "(node 0) for 2 controller(s)" in proc.stdout
-    steps = _steps(run_dir)
-    assert len(steps) == 2
+    assert stdout.count("judge genrm: vLLM server at") == 1 and "(node 0) for 2 controller(s)" in stdout
+    steps = _steps(run_dir, torn_end=True)[:2]  # the steps before the kill
+    assert [r["step"] for r in steps] == [1, 2]
     generated = sum(r["rollout/groups_generated"] for r in steps)
     assert steps[-1]["genrm/genrm/scored"] + steps[-1]["genrm/genrm/fallback"] == 4 * generated
     assert all(r["time/rollout_reward"] > 0 and r["time/rollout"] == 0 and r["time/reward"] == 0 for r in steps)
@@ -245,7 +323,9 @@ def test_partial_colocation_streams_responses_to_judge_servers_and_serves_each_n
     assert all(r["sync/bytes"] == 217088 for r in steps), steps
     # judging overlapped generation: from the timeline, judge requests answered while the rollout
     # engine was still generating (not only: the phase ran), and the overlap metric agrees
-    spans = [json.loads(ln) for ln in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()]
+    spans = [json.loads(ln) for ln in (run_dir / "timeline_rank0.jsonl").read_text().splitlines()
+             if ln.endswith("}")]
+    spans = [s for s in spans if 0 <= s["step"] < 2]  # the timeline counts steps from 0
     waves = [s for s in spans if s["phase"] == "generate"]
     judged = [s for s in spans if s["phase"] == "judge"]
     assert len(judged) == sum(w["samples"] for w in waves) > 0  # every sample judged, each on its own
@@ -257,8 +337,8 @@ def test_partial_colocation_streams_responses_to_judge_servers_and_serves_each_n
     decisions = [s for s in spans if s["phase"] == "split"]
     assert len(decisions) == len(steps) and all(d["reason"] and d["units"] >= 2 for d in decisions)
     assert all(0 < r["placement/judge_share"] < 1 and r["placement/reason"] for r in steps)
-    assert "device split (dynamic): judges 1 of" in proc.stdout
-    # and the run replays under either placement
+    assert "device split (dynamic): judges 1 of" in stdout
+    # and the killed run replays under either placement
     sim = subprocess.run([sys.executable, "-m", "yatt_mm.cli", "simulate", str(run_dir)], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert sim.returncode == 0, sim.stderr
@@ -290,23 +370,14 @@ def _long_video_policy(out: Path, tiny_policy: Path, frame_pixels: int) -> Path:
     return out
 
 
-@pytest.mark.slow  # a launch as two nodes, a 2-rank and a 1-rank one: 4 long-video steps
-def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resumes_bitwise(tmp_path, tiny_policy):
-    """`yatt-mm rl` at policy.trainer.context_parallel=2 on 2 ranks (one DP group: one controller
-    reads, rolls out and judges; its CP peer gets the samples, trains its half of every sequence,
-    and takes part in the weight gathers without an engine to push to) on real mp4 shards of long
-    videos: 32 frames at 672 x 672, 9.2k video tokens a prompt. Core attention by all-to-all
-    (context_parallel_comm=a2a: each rank attends over the whole rows for half the heads).
-    Run A is launched as two machines would (`--nnodes 2 --node-rank R --master-addr
-    --master-port`, one rank each, 127.0.0.1: torchrun's static rendezvous joins them into one job
-    on one shared run dir, each node's launcher locking it), checkpoints after step 1, and rank 1
-    is killed -9 in step 2. The same run then on one node resumes from that checkpoint: its step 2
-    starts from the weights A had after step 1, bit for bit, vLLM samples with them (the trainer's
-    logprobs of its samples equal vLLM's), and no sample is drawn twice or lost. Checked too: > 8k
-    tokens a sample, both ranks computing half of each sequence (their chunks in the CP gathers),
-    the checkpoint from both ranks with one data position. Last, that checkpoint resumed at CP 1
-    on one rank (its distributed checkpoint read at the new layout) trains step 2 as CP 2 did."""
+@pytest.fixture(scope="module")
+def long_video_cp2_run(tmp_path_factory, tiny_policy):
+    """The long-video run at CP 2 of the tests below: run A as two nodes, rank 1 killed -9 in step
+    2, then the same run on one node resumed from step 1's checkpoint: (its settings, its run
+    dir, what node 0 of A printed, A's steps' metrics, the resumed launch's stdout)."""
     from models.comm import free_port
+
+    tmp_path = tmp_path_factory.mktemp("long-video")
 
     write_shards(str(tmp_path / "train"), images=0, videos=2, samples_per_shard=2, seed=9, video_frames=32,
                  tasks=["direction"])
@@ -340,17 +411,37 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
             p.kill()
         for f in outs:
             f.close()
-    first = (tmp_path / "node0.out").read_text()
+    a_steps = _steps(run_dir, torn_end=True)  # what A logged
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-5000:])
+    return settings, run_dir, (tmp_path / "node0.out").read_text(), a_steps, second.stdout
+
+
+@pytest.mark.slow  # a launch as two nodes and a 2-rank one: 3 long-video steps
+def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resumes_bitwise(long_video_cp2_run):
+    """`yatt-mm rl` at policy.trainer.context_parallel=2 on 2 ranks (one DP group: one controller
+    reads, rolls out and judges; its CP peer gets the samples, trains its half of every sequence,
+    and takes part in the weight gathers without an engine to push to) on real mp4 shards of long
+    videos: 32 frames at 672 x 672, 9.2k video tokens a prompt. Core attention by all-to-all
+    (context_parallel_comm=a2a: each rank attends over the whole rows for half the heads).
+    Run A is launched as two machines would (`--nnodes 2 --node-rank R --master-addr
+    --master-port`, one rank each, 127.0.0.1: torchrun's static rendezvous joins them into one job
+    on one shared run dir, each node's launcher locking it), checkpoints after step 1, and rank 1
+    is killed -9 in step 2. The same run then on one node resumes from that checkpoint: its step 2
+    starts from the weights A had after step 1, bit for bit, vLLM samples with them (the trainer's
+    logprobs of its samples equal vLLM's), and no sample is drawn twice or lost. Checked too: > 8k
+    tokens a sample, both ranks computing half of each sequence (their chunks in the CP gathers),
+    the checkpoint from both ranks with one data position. (Its resume at CP 1: below, in `make
+    test-extended`.)"""
+    settings, run_dir, first, a_steps, resumed = long_video_cp2_run
+    ckpt = run_dir / "checkpoints" / "step_1"
     assert "DP 1 x TP 1 x PP 1 x CP 2" in first and "step 1/2" in first, first[-3000:]
     assert (run_dir / ".lock.node1").exists()  # each node's launcher held its own lock on the shared dir
-    a_steps = _steps(run_dir, torn_end=True)
     assert [r["step"] for r in a_steps] == [1]
     assert [p.name for p in ckpt.glob("controller_dp*.json")] == ["controller_dp0.json"]  # one data position
 
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-5000:])
-    assert "DP 1 x TP 1 x PP 1 x CP 2" in second.stdout
-    assert f"resumed from {ckpt} (step 1; weights and optimizer state bitwise as written)" in second.stdout
+    assert "DP 1 x TP 1 x PP 1 x CP 2" in resumed
+    assert f"resumed from {ckpt} (step 1; weights and optimizer state bitwise as written)" in resumed
     steps = _steps(run_dir)
     assert [r["step"] for r in steps] == [1, 2] and steps[:1] == a_steps
     assert steps[1]["train/weights_checksum_before"] == a_steps[0]["train/weights_checksum_after"]
@@ -391,11 +482,20 @@ def test_long_video_at_context_parallel_2_on_two_nodes_survives_kill_9_and_resum
     assert chunks[1] == [chunk] and prompt + 1 <= 2 * chunk <= prompt + 4 + 3, (chunks, prompt)
     _assert_collectives_name_their_groups(run_dir, at_least=10)  # the resumed launch's one step
 
+
+# A 1-rank launch of a long-video step (~25 CPU-seconds): the launcher's resume at another layout
+# is CI's TP 2 -> 1 (test_rl_parallel.py, make test), DP 2 -> 1 (test_rl.py's launcher kill) and
+# MoE EP 2 -> 1 (the MoE LoRA run); CP shards no weight or optimizer state
+@pytest.mark.extended
+def test_the_long_video_runs_step_1_checkpoint_resumed_at_cp_1_trains_step_2_as_cp_2_did(long_video_cp2_run,
+                                                                                         tmp_path):
+    """The long-video run's step-1 checkpoint resumed at CP 1 on one rank (its distributed
+    checkpoint read at the new layout, no conversion step) trains step 2 as CP 2 did."""
+    settings, run_dir, *_ = long_video_cp2_run
+    steps = _steps(run_dir)
     # the step-1 checkpoint resumed at CP 1 on one rank (no conversion step): step 2 starts
     # from the same weights bit for bit, samples the same responses (seeded) and trains as at CP 2
     # within float32 rounding
-    import shutil
-
     cp1_dir = tmp_path / "cp1"
     shutil.copytree(run_dir, cp1_dir, ignore=shutil.ignore_patterns(".lock*", "step_2", "collectives_rank*"))
     at_cp1 = [a.replace(str(run_dir), str(cp1_dir)) for a in settings if not a.startswith("policy.trainer.context_")]

@@ -293,7 +293,12 @@ def test_routing_replay_is_refused_where_it_cannot_act(tiny_moe, tiny_policy):
         config(tiny_policy, "train").check_model()
 
 
-@pytest.mark.slow  # a 4-rank launch (~20 s) and a 2-rank one that converts with 4 ranks of its own (~30 s)
+# a 4-rank launch and a 2-rank one that converts with 4 ranks of its own (~65 CPU-seconds). The
+# conversion of run.checkpoint_format=per_rank (not the default) with the distributed optimizer at
+# EP; CI covers its plan (tests/rl/test_checkpointer.py: export_layout at DP 4 x EP 2) and the MoE
+# resume at another EP layout in the default format (test_dist_checkpoint.py's EP 2 -> 1, the MoE
+# LoRA run's EP 1 resume end to end)
+@pytest.mark.extended
 def test_a_distributed_optimizer_checkpoint_at_dp_4_ep_2_resumes_at_dp_2_ep_1(tiny_moe, tmp_path):
     """tests/dist/moe_relayout.py: the distributed optimizer at DP 4 x EP 2 shards each expert's
     Adam state over its two expert-data-parallel ranks, so the conversion of its step-1
