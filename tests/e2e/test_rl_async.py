@@ -10,6 +10,7 @@ import re
 import subprocess
 
 import psutil
+import pytest
 
 from dataio.synth import write_shards
 from test_rl import ROOT, _consumed, _kill_rank_and_wait, _steps, _steps_logged, _tiny_rl, _wait_for
@@ -48,6 +49,7 @@ def _assert_every_epoch_drawn_whole(run_dir, keys: int) -> None:
     assert len(shares) == 2 and not (shares[0] & shares[1]) and len(shares[0] | shares[1]) == keys
 
 
+@pytest.mark.slow  # a 6-step launch killed -9 and its rerun (~70 s)
 def test_staleness_1_trains_one_version_behind_overlapped_and_resumes_exactly_after_kill_9(tmp_path, warm_policy):
     write_shards(str(tmp_path / "train"), images=16, videos=0, samples_per_shard=8, seed=7, tasks=["colour"])
     run_dir = tmp_path / "run"
