@@ -54,8 +54,29 @@ def _timed(what: str, build):
         _cache_seconds[what] = time.perf_counter() - start
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cpu-log", metavar="FILE", default=None,
+                     help="write each test's CPU seconds (its process and the children it waited for) to FILE as "
+                          "JSON lines, and print the ten costliest (tests/cpu_log.py)")
+
+
 def pytest_configure(config):
     config.summary_lines = []  # what the session's last lines say (the test cache's cost, the smoke runs')
+    log = config.getoption("cpu_log")
+    if log and not hasattr(config, "workerinput"):  # the session's process, not a pytest-xdist worker
+        Path(log).write_text("")  # the workers append
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = item.config.getoption("cpu_log")
+    if not log:
+        yield
+        return
+    from cpu_log import logged
+
+    with logged(log, item.nodeid):
+        yield
 
 
 @pytest.hookimpl(trylast=True)
@@ -81,6 +102,12 @@ def pytest_testnodedown(node, error):  # pytest-xdist's controller: a worker fin
 def pytest_terminal_summary(terminalreporter):
     for line in terminalreporter.config.summary_lines:
         terminalreporter.write_line(line)
+    log = terminalreporter.config.getoption("cpu_log")
+    if log and Path(log).is_file():
+        from cpu_log import summary
+
+        for line in summary(log):
+            terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config):
