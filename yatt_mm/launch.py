@@ -174,6 +174,21 @@ SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path's 108, less the
 VLLM_SOCKET_NAME = len("/") + 36  # vLLM names its IPC sockets TMPDIR/<uuid4>
 
 
+def torch_compile_cache_dir() -> str:
+    """torch's default compile-cache folder, as torch/_inductor/runtime/cache_dir_utils.py's
+    default_cache_dir names it, computed here: importing that module imports torch._inductor and
+    torch._dynamo, 1.4 s of a core in every launcher (tests/cli/test_runtime_and_cli.py checks that
+    the two agree)."""
+    import getpass
+    import re
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = None) -> int:
     """Run `python -m module args` as `nproc` ranks on this node (of `nodes`). torchrun is told to
     stop when this process dies, however it dies (an OOM killer or a scheduler that kills the
@@ -205,9 +220,7 @@ def relaunch(module: str, nproc: int, args: list[str], nodes: Nodes | None = Non
     # leave what they did).
     # torch's compile cache stays where torch puts it by default (in the caller's TMPDIR): a cache
     # is meant to outlive the run.
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", torch_compile_cache_dir())
     with tempfile.TemporaryDirectory(prefix="yatt-mm-", ignore_cleanup_errors=True) as scratch:
         fits = len(scratch) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX
         ranks_env = {**env, "TMPDIR": scratch} if fits else env

@@ -169,3 +169,25 @@ def test_demo_data_only_makes_the_tiny_configs_shards_once_and_runs_nothing(tmp_
     assert "512 synthetic colour questions" in capsys.readouterr().out
     assert args.func(args) == 0 and capsys.readouterr().out == ""  # made once
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["demo-data"]  # no run directory
+
+
+def test_the_launcher_names_torchs_compile_cache_as_torch_does_without_importing_it(monkeypatch, tmp_path):
+    """The ranks' TORCHINDUCTOR_CACHE_DIR (yatt_mm/launch.py) is torch's own default folder, for
+    any TMPDIR and user name, and the launcher's process never imports torch._inductor for it."""
+    import subprocess
+    import sys
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from yatt_mm.launch import torch_compile_cache_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    for user in ("alice", "dom\\\\ain/bob:x"):
+        monkeypatch.setenv("USER", user)
+        monkeypatch.setenv("LOGNAME", user)
+        assert torch_compile_cache_dir() == default_cache_dir(), user
+    probe = ("import sys, yatt_mm.launch as l; l.torch_compile_cache_dir(); "
+             "print('torch._inductor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
