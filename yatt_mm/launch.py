@@ -177,8 +177,8 @@ VLLM_SOCKET_NAME = len("/") + 36  # vLLM names its IPC sockets TMPDIR/<uuid4>
 def torch_compile_cache_dir() -> str:
     """torch's default compile-cache folder, as torch/_inductor/runtime/cache_dir_utils.py's
     default_cache_dir names it, computed here: importing that module imports torch._inductor and
-    torch._dynamo, 1.4 s of a core in every launcher (tests/cli/test_runtime_and_cli.py checks that
-    the two agree)."""
+    torch._dynamo, which took a one-rank launcher from 1.2 to 1.8 s of a core
+    (tests/cli/test_runtime_and_cli.py checks that the two names agree)."""
     import getpass
     import re
 

@@ -1,8 +1,9 @@
 """The RL loop at scale, end to end (all slow): a mixture-of-experts policy at expert parallelism
 2 synced expert by expert into vLLM (its resume at EP 1 in `make test-extended`), partial
 colocation streaming every response to judge servers (with LoRA adapters synced into the
-rollout), then a rank killed -9 leaving no process or temporary file of the run, and a long video at context parallelism 2 launched as two nodes, killed -9 and resumed
-bit for bit."""
+rollout), then a rank killed -9 leaving no process or temporary file of the run, and a long
+video at context parallelism 2 launched as two nodes, killed -9 and resumed bit for bit (its
+resume at CP 1 in `make test-extended`)."""
 
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 
 from dataio.synth import write_shards
 from test_rl import (ROOT, UNTRAINED_JUDGE, _assert_collectives_name_their_groups, _assert_epoch_drawn_exactly_once,
-                     _assert_real_updates_reach_vllm, _consumed, _kill_rank_and_wait, _metrics, _rank_process, _steps,
+                     _assert_real_updates_reach_vllm, _consumed, _kill_rank_and_wait, _rank_process, _steps,
                      _steps_logged, _tiny_rl, _wait_for)
 from test_rl_learning import LORA
 
@@ -247,7 +248,6 @@ def test_partial_colocation_streams_to_a_judge_server_serves_each_new_adapter_an
     Without the supervisor the server's processes outlived the run (and a rerun started a second
     server beside them); without the loopback rendezvous torchrun's store listened on every
     interface."""
-    import shutil
     import signal
     import tempfile
     import time
