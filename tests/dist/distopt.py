@@ -32,7 +32,8 @@ def state_bytes(trainer) -> int:
 def run() -> dict:
     from transformers import AutoProcessor
 
-    from yatt_mm.rl.checkpoint import _clone, state_digest
+    from yatt_mm.rl.checkpoint import _clone
+    from yatt_mm.rl.checkpoint_files import state_digest
 
     groups = init_parallel(1)
     path = str(tiny_model_dir("policy"))
@@ -72,7 +73,7 @@ def reshard_checks(plain, sharded, mine: dict, groups) -> dict:
     the plain optimizer's whole state (float32 rounding apart), and cut again at the same DP size
     it gives this rank's shards back bit for bit."""
     from models.reshard import stitch
-    from yatt_mm.rl.checkpoint import state_digest
+    from yatt_mm.rl.checkpoint_files import state_digest
 
     both = [None] * groups.dp_size
     dist.all_gather_object(both, mine, group=comm().dp_cpu)

@@ -89,7 +89,7 @@ def save(out: Path) -> dict:
 
 
 def resume(out: Path) -> dict:
-    from yatt_mm.rl.checkpoint import load_trainer_as
+    from yatt_mm.rl.checkpoint_state import load_trainer_as
     from yatt_mm.rl.export import checkpoint_layout
     from yatt_mm.rl.layout import resume_plan
     from yatt_mm.rl.relayout import convert

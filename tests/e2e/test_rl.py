@@ -539,7 +539,7 @@ def test_checkpoint_keeps_the_sampler_buffer_with_its_media():
     from PIL import Image
 
     from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
-    from yatt_mm.rl.checkpoint import controller_state, load_controller_state
+    from yatt_mm.rl.checkpoint_state import controller_state, load_controller_state
     from yatt_mm.rl.samples import Group, Prompt
     from yatt_mm.engines.engine import Response
 

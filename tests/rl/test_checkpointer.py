@@ -11,8 +11,9 @@ import torch
 from PIL import Image
 
 from yatt_mm.engines.engine import Response
-from yatt_mm.rl.checkpoint import (Checkpointer, NoUsableCheckpoint, controller_state, drop_lines_after, latest_complete,
-                                   load_controller, load_trainer)
+from yatt_mm.rl.checkpoint import Checkpointer, NoUsableCheckpoint, drop_lines_after
+from yatt_mm.rl.checkpoint_files import latest_complete
+from yatt_mm.rl.checkpoint_state import controller_state, load_controller, load_trainer
 from yatt_mm.rl.layout import Layout, resume_plan, weights_plan
 from yatt_mm.rl.dynamic_sampling import DynamicSampler, DynamicSamplingConfig
 from yatt_mm.rl.samples import Group, Prompt

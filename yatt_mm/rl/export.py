@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from yatt_mm.rl.checkpoint import DIST_DIR, check_base, complete_markers, is_dist, verify_dist_files
+from yatt_mm.rl.checkpoint_files import DIST_DIR, complete_markers, is_dist, verify_dist_files
+from yatt_mm.rl.checkpoint_state import check_base
 from yatt_mm.rl.layout import Layout, resume_plan, weights_plan
 
 
@@ -79,7 +80,7 @@ def export_dist(ckpt: Path, out: Path, cfg, merge: bool = False) -> int:
     from models.hf_io import save_hf_dir
     from models.lora import save_adapter_dir
     from models.trainer import VLMTrainer
-    from yatt_mm.rl.checkpoint import base_identity
+    from yatt_mm.rl.checkpoint_files import base_identity
 
     reason = verify_dist_files(ckpt, 0, 1)
     if reason is not None:
@@ -111,7 +112,8 @@ def export_rank(ckpt: Path, out: Path, merge: bool, with_optimizer: bool = False
     from models.hf_io import save_hf_dir
     from models.lora import save_adapter_dir
     from models.trainer import VLMTrainer
-    from yatt_mm.rl.checkpoint import base_identity, load_trainer_as, state_digest, verify_files
+    from yatt_mm.rl.checkpoint_files import base_identity, state_digest, verify_files
+    from yatt_mm.rl.checkpoint_state import load_trainer_as
 
     saved, cfg = checkpoint_layout(ckpt), run_config(ckpt)
     ranks = init_parallel(saved.tp, cfg.run.seed, saved.pp, saved.ep, saved.cp)

@@ -44,7 +44,7 @@ import threading
 
 import torch.distributed as dist
 
-from yatt_mm.rl.checkpoint import controller_state
+from yatt_mm.rl.checkpoint_state import controller_state
 from yatt_mm.rl.distributed import sum_across
 from yatt_mm.rl.stats import summed_metrics
 from yatt_mm.rl.sources import Consumed
