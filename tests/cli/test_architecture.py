@@ -124,6 +124,20 @@ def test_no_import_circles():
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+MAX_LINES = 650  # a file past it holds more than one job: split it by job, as rl/checkpoint*.py
+
+
+def test_no_file_is_over_650_lines():
+    """Every file the repository tracks (code, tests, docs, configs), the generated config
+    reference included, reads in one sitting."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    paths = [ROOT / p for p in tracked.splitlines() if not p.endswith((".png", ".json", ".jsonl"))]
+    assert len(paths) > 300
+    long = {str(p.relative_to(ROOT)): n for p in paths if p.is_file()
+            and (n := len(p.read_text(errors="replace").splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines, split by job: {long}"
+
+
 def test_the_circle_check_finds_circles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d", "f"}, "f": {"e"}}
     assert _cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
