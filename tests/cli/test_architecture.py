@@ -199,7 +199,7 @@ def test_benchmarks_and_scripts_name_what_the_project_has(tmp_path):
     the project inside functions: a renamed or moved name shows only when someone runs them
     (bench_long_context.py patched `models.trainer.context_plan` long after it had gone). Every
     such name must still exist."""
-    paths = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").glob("*.py")])
+    paths = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").rglob("*.py")])  # the GPU stages too
     assert len(paths) > 20
     missing = [m for path in paths for m in _missing_project_names(path)]
     assert not missing, missing
