@@ -78,7 +78,7 @@ def step_of(d: Path) -> int:
     return int(d.name[5:])
 
 
-def read_markers(d: Path) -> dict[int, dict]:
+def _markers(d: Path) -> dict[int, dict]:
     """Every readable marker of `d`, by the rank its name gives."""
     out = {}
     for m in d.glob("done_rank*"):
@@ -98,7 +98,7 @@ def complete_markers(d: Path) -> dict[int, dict] | None:
     Each rank removes its old marker before it writes, so two attempts can never both be whole
     (rank 0 is in every attempt)."""
     by_attempt: dict[str, dict[int, dict]] = {}
-    for rank, m in read_markers(d).items():
+    for rank, m in _markers(d).items():
         by_attempt.setdefault(str(m.get("attempt")), {})[rank] = m
     for markers in by_attempt.values():
         worlds = {m.get("world") for m in markers.values()}
@@ -108,7 +108,7 @@ def complete_markers(d: Path) -> dict[int, dict] | None:
 
 
 def incomplete_message(d: Path, world: int) -> str:
-    markers = list(read_markers(d).values())
+    markers = list(_markers(d).values())
     attempts = len({m.get("attempt") for m in markers})
     world = max([m.get("world") or 0 for m in markers] + [0]) or world
     return (f"checkpoint {d} is incomplete ({len(markers)} of {world} ranks' markers"
@@ -131,7 +131,7 @@ DIST_DIR = "trainer"  # a full-weight trainer's Megatron distributed checkpoint,
 
 def is_dist(ckpt: Path) -> bool:
     """Whether `ckpt` holds its trainer state as a Megatron distributed checkpoint."""
-    markers = complete_markers(ckpt) or read_markers(ckpt)
+    markers = complete_markers(ckpt) or _markers(ckpt)
     return any(m.get("format") == "torch_dist" for m in markers.values())
 
 
@@ -162,7 +162,7 @@ def verify_files(ckpt: Path, plan: ResumePlan, controller: bool,
             try:
                 read(ckpt / member)
             except Exception as e:
-                return None, f"{member} cannot be read (truncated or damaged: {short_reason(e)})"
+                return None, f"{member} cannot be read (truncated or damaged: {_short(e)})"
     return states, None
 
 
@@ -190,7 +190,7 @@ def verify_trainer_file(ckpt: Path, rank: int) -> tuple[dict | None, str | None]
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch reports a cut file as a zip reader failure, among others
-        return None, f"{name} cannot be read (truncated or damaged: {short_reason(e)})"
+        return None, f"{name} cannot be read (truncated or damaged: {_short(e)})"
     lacking = [k for k in ("model", "optimizer", "step", "world", "tensor_parallel")
                if not isinstance(state, dict) or k not in state]
     if lacking:
@@ -198,7 +198,7 @@ def verify_trainer_file(ckpt: Path, rank: int) -> tuple[dict | None, str | None]
     try:
         want = json.loads((ckpt / f"done_rank{rank}").read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return None, f"done_rank{rank} holds no SHA-256 of the trainer state ({short_reason(e)})"
+        return None, f"done_rank{rank} holds no SHA-256 of the trainer state ({_short(e)})"
     if state_digest({"model": state["model"], "optimizer": state["optimizer"]}) != want:
         return None, f"{name} does not hash to the SHA-256 in done_rank{rank}: its contents changed after writing"
     return state, None
@@ -212,7 +212,7 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def short_reason(e: BaseException) -> str:
+def _short(e: BaseException) -> str:
     """An exception as one short line: its first sentence (torch's reader errors go on with
     several more of general advice), at most 200 characters."""
     text = " ".join(str(e).split()) or type(e).__name__
